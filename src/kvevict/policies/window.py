@@ -1,0 +1,19 @@
+"""`window` (local / FIFO): keep the most recent `budget` tokens.
+
+Cheap and the worst case for attention sinks: the first token goes as soon as the
+cache is full, which is exactly the failure StreamingLLM documents.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Policy, SlotView, recency
+
+
+class Window(Policy):
+    def spec(self) -> str:
+        return "window"
+
+    def scores(self, view: SlotView) -> torch.Tensor:
+        return recency(view)

@@ -1,0 +1,63 @@
+"""RoPE helpers for the cache's position-shift mode.
+
+StreamingLLM re-numbers kept entries 0..L-1. Rotating an already-rotated key by the
+difference of positions, step after step, accumulates floating-point error; instead the
+cache keeps every key un-rotated and rotates it from scratch to its current slot. The
+cos/sin come from the model's own rotary module, so scaled RoPE variants (linear,
+llama3, yarn with its attention factor) stay exactly what the model would compute.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + rotate_half(x) * sin
+
+
+class Rotary:
+    """cos/sin lookup at arbitrary positions, with a table for the small ones."""
+
+    def __init__(self, rotary_emb: nn.Module, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.module = rotary_emb
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = device
+        # The module multiplies cos and sin by this factor; undoing a rotation must
+        # divide it out twice (once for the forward rotation, once for the inverse).
+        self.scale = float(getattr(rotary_emb, "attention_scaling", 1.0))
+        self._cos = torch.empty(0, head_dim, dtype=dtype, device=device)
+        self._sin = torch.empty(0, head_dim, dtype=dtype, device=device)
+
+    @torch.no_grad()
+    def _compute(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probe = torch.empty(1, 1, self.head_dim, dtype=self.dtype, device=self.device)
+        cos, sin = self.module(probe, positions.reshape(1, -1).to(self.device))
+        return cos[0].to(self.dtype), sin[0].to(self.dtype)
+
+    def table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for positions 0..length-1, `[length, D]`, grown on demand."""
+        if length > self._cos.shape[0]:
+            grown = max(length, 2 * self._cos.shape[0], 64)
+            self._cos, self._sin = self._compute(torch.arange(grown, device=self.device))
+        return self._cos[:length], self._sin[:length]
+
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for any positions of shape `[..., m]` -> `[..., m, D]`."""
+        flat = positions.reshape(-1)
+        cos, sin = self._compute(flat)
+        shape = (*positions.shape, self.head_dim)
+        return cos.reshape(shape), sin.reshape(shape)
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return apply_rotation(x, cos, sin)
+
+    def unrotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return (x * cos - rotate_half(x) * sin) / (self.scale * self.scale)

@@ -1,0 +1,39 @@
+"""Shared fixtures: a tiny randomly initialised GQA Llama, built in-process (no download)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+VOCAB = 101
+
+
+def make_tiny(seed: int = 0, layers: int = 2, rope_scaling: dict | None = None) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=8192,
+        # a wide init makes attention peaky, so evicting the wrong entry changes the output
+        initializer_range=0.3,
+        rope_parameters=rope_scaling or {"rope_type": "default", "rope_theta": 10000.0},
+        attn_implementation="sdpa",
+    )
+    model = LlamaForCausalLM(config).eval()
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LlamaForCausalLM:
+    return make_tiny()
+
+
+def random_tokens(n: int, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (n,), generator=g)
