@@ -93,7 +93,14 @@ def kvevict_attention(
             query_positions = target
     mask = None
     is_causal = False
-    if q_len > 1:
+    if attention_mask is not None:
+        if layer is not None:
+            raise KvevictError(
+                "a prepared 4-D attention mask cannot be combined with EvictingCache (its slots are not positions): "
+                "pass no attention_mask, the cache builds the right one"
+            )
+        mask = attention_mask  # a caller's own 4-D mask, without kvevict's cache: plain SDPA semantics
+    elif q_len > 1:
         if kv_len == q_len:
             is_causal = True
         else:

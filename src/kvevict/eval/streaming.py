@@ -121,6 +121,48 @@ class _Lane:
         self.seconds += time.perf_counter() - t0
 
 
+# Above this many bytes of stored reference distributions, ask for reference=False.
+REFERENCE_LIMIT = 4 << 30
+
+
+@dataclass
+class _Reference:
+    result: RowResult
+    log_probs: torch.Tensor  # [T-1, vocab] the full cache's next-token log-probabilities
+
+
+def _full_reference(model, tokens: torch.Tensor, progress: bool, label: str) -> _Reference:
+    """The full cache's distributions for every prediction, from chunked prefill.
+
+    Chunks through a full cache are exactly a full-sequence forward, and much cheaper
+    than decoding the reference token by token in lockstep.
+    """
+    targets = tokens[1:]
+    vocab = model.get_output_embeddings().weight.shape[0]
+    if targets.numel() * vocab * 4 > REFERENCE_LIMIT:
+        raise KvevictError(
+            f"{tokens.numel()} tokens x {vocab} vocabulary is too much full-cache reference to hold: "
+            "run without the reference (no KL / top-1), or with fewer tokens"
+        )
+    store = torch.empty(targets.numel(), vocab)
+    lane = _Lane(model, EvictingCache(model, "full", budget=None), 1, targets.numel())
+
+    def keep(at: int, lp: torch.Tensor) -> None:
+        store[at : at + lp.shape[1]] = lp[0]
+
+    with bars(progress) as bar:
+        task = bar.add_task(f"{label}: full-cache reference", total=tokens.numel())
+        for start in range(0, tokens.numel(), 512):
+            lane.feed(tokens[start : start + 512], start, targets, keep)
+            bar.advance(task, min(512, tokens.numel() - start))
+    result = RowResult(
+        policy="full", budget=None, positions="original", nll=lane.nll[0].clone(),
+        kl=torch.zeros(targets.numel()), agree=torch.ones(targets.numel(), dtype=torch.bool),
+        max_kept=lane.cache.max_kept(), seconds=lane.seconds,
+    )
+    return _Reference(result, store)
+
+
 def compare(
     model,
     tokens: torch.Tensor,
@@ -145,32 +187,21 @@ def compare(
         cache = EvictingCache(model, list(policies), budget=budget, positions=positions)
         lane = _Lane(model, cache, len(policies), steps)
         budget = cache.budget  # None when every row is the full cache
-        ref = None
-        if reference:
-            ref = _Lane(model, EvictingCache(model, "full", budget=None), 1, steps)
+        full = _full_reference(model, tokens, progress, label) if reference else None
+        if full is not None:
             kl = torch.zeros(len(policies), steps)
             agree = torch.zeros(len(policies), steps, dtype=torch.bool)
-        pending: dict[int, torch.Tensor] = {}
-
-        def keep_reference(at: int, lp: torch.Tensor) -> None:
-            pending[at] = lp[0]
 
         def compare_rows(at: int, lp: torch.Tensor) -> None:
-            full = pending.pop(at)
-            p_full = full.exp()
-            kl[:, at : at + lp.shape[1]] = (p_full * (full - lp)).sum(-1)
-            agree[:, at : at + lp.shape[1]] = lp.argmax(-1) == full.argmax(-1)
+            ref = full.log_probs[at : at + lp.shape[1]]
+            kl[:, at : at + lp.shape[1]] = (ref.exp() * (ref - lp)).sum(-1)
+            agree[:, at : at + lp.shape[1]] = lp.argmax(-1) == ref.argmax(-1)
 
         prefill = tokens.numel() if budget is None else min(budget, tokens.numel())
         with bars(progress) as bar:
             task = bar.add_task(f"{label} (budget {budget}, {positions})", total=tokens.numel())
             for start, stop in [(0, prefill)] + [(t, t + 1) for t in range(prefill, tokens.numel())]:
-                chunk = tokens[start:stop]
-                if ref is not None:
-                    ref.feed(chunk, start, targets, keep_reference)
-                    lane.feed(chunk, start, targets, compare_rows)
-                else:
-                    lane.feed(chunk, start, targets, None)
+                lane.feed(tokens[start:stop], start, targets, compare_rows if full is not None else None)
                 bar.advance(task, stop - start)
                 if on_step is not None:
                     on_step(stop)
@@ -184,8 +215,8 @@ def compare(
                     budget=budget,
                     positions=positions,
                     nll=lane.nll[row].clone(),
-                    kl=kl[row].clone() if ref is not None else None,
-                    agree=agree[row].clone() if ref is not None else None,
+                    kl=kl[row].clone() if full is not None else None,
+                    agree=agree[row].clone() if full is not None else None,
                     max_kept=cache.max_kept(),
                     pinned_sink_evicted=cache.pinned_sink_evicted(row),
                     first_token_evicted=bool((lost_at[:, row] >= 0).any()),
@@ -194,13 +225,7 @@ def compare(
                     seconds=lane.seconds,
                 )
             )
-        full = None
-        if ref is not None:
-            full = RowResult(
-                policy="full", budget=None, positions="original", nll=ref.nll[0].clone(),
-                max_kept=ref.cache.max_kept(), seconds=ref.seconds,
-            )
-        return results, full
+        return results, (full.result if full is not None else None)
 
 
 def streaming_ppl(

@@ -1,0 +1,166 @@
+"""The `kvevict` command. It only wires: parse, validate, call the library, print.
+
+Every user mistake is caught before any model work where possible, and printed as one
+line naming the fix, with exit code 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .errors import KvevictError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="KV-cache eviction policies: measure before you ship.")
+out = Console()
+err = Console(stderr=True)
+
+
+def fail(message: str) -> None:
+    err.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)
+    raise typer.Exit(2)
+
+
+def check_policies(specs: list[str], budget: int | None) -> None:
+    from .policies import parse_policy
+
+    for spec in specs:
+        policy = parse_policy(spec)
+        if budget is not None and not getattr(policy, "unbounded", False):
+            if budget < 1:
+                raise KvevictError(f"budget must be a positive number of entries, got {budget}")
+            policy.check_budget(budget)
+
+
+def check_positions(positions: str) -> None:
+    from .cache import POSITION_MODES
+
+    if positions not in POSITION_MODES:
+        raise KvevictError(f"--positions must be one of {', '.join(POSITION_MODES)}, got '{positions}'")
+
+
+def ppl_table(rows: list[dict], title: str) -> Table:
+    table = Table(title=title)
+    for column in ("policy", "budget", "positions", "ppl", "kl_to_full", "top1", "sink_loss", "kept", "s"):
+        table.add_column(column, justify="right" if column not in ("policy", "positions") else "left")
+    for r in rows:
+        table.add_row(
+            r["policy"],
+            str(r["budget"] if r["budget"] is not None else "-"),
+            r["positions"],
+            f"{r['ppl']:.2f}",
+            f"{r['kl_to_full']:.3f}" if "kl_to_full" in r else "-",
+            f"{r['top1_agreement']:.3f}" if "top1_agreement" in r else "-",
+            f"{r.get('sink_loss', 0.0):.2f}",
+            str(r["max_kept"]),
+            f"{r['seconds']:.1f}",
+        )
+    return table
+
+
+@app.command()
+def ppl(
+    model: str = typer.Option("smollm2-135m", help="embedded name, local directory or HF id"),
+    text: str = typer.Option("pg-essays", help="embedded name, .txt file, folder or .jsonl"),
+    tokens: int = typer.Option(2000, help="stream length N: tokens 2..N are scored"),
+    policy: str = typer.Option("streamingllm", help="policy spec, e.g. sink4+h2o:recent=0.5"),
+    budget: int = typer.Option(256, help="entries kept per layer and KV head"),
+    positions: str = typer.Option("original", help="original | cache (StreamingLLM position shift)"),
+    repeat: bool = typer.Option(False, help="cycle the text if it is shorter than --tokens"),
+    window: int = typer.Option(0, help="also report PPL per window of this many predictions"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object as the last line"),
+) -> None:
+    """Streaming perplexity of one policy at one budget."""
+    try:
+        check_positions(positions)
+        check_policies([policy], budget)
+        if tokens < 2:
+            raise KvevictError(f"need at least 2 tokens to score a prediction, got --tokens {tokens}")
+        from .data import load_tokens
+        from .eval.streaming import streaming_ppl
+        from .models import load_model
+
+        lm, tokenizer = load_model(model)
+        ids, repeated = load_tokens(text, tokenizer, tokens, repeat=repeat)
+        if repeated:
+            err.print(f"note: '{text}' is shorter than {tokens} tokens; it was repeated to fill the stream")
+        result = streaming_ppl(lm, ids, policy=policy, budget=budget, positions=positions)
+    except KvevictError as exc:
+        fail(str(exc))
+    summary = result.summary()
+    summary.update(model=model, text=text, tokens=tokens, text_repeated=repeated, sink_lost_at=result.sink_lost_at)
+    if window:
+        summary["ppl_windows"] = result.ppl_windows(window)
+    if as_json:
+        print(json.dumps(summary))
+    else:
+        out.print(ppl_table([summary], f"streaming perplexity, {model} on {text}, {tokens} tokens"))
+        for w in summary.get("ppl_windows", []):
+            out.print(f"  predictions {w['start']}-{w['end']}: ppl {w['ppl']:.2f}")
+
+
+@app.command()
+def compare(
+    model: str = typer.Option("smollm2-135m"),
+    text: str = typer.Option("pg-essays"),
+    tokens: int = typer.Option(2000),
+    policies: str = typer.Option("window,streamingllm", help="comma-separated specs, run as rows of one batch"),
+    budget: int = typer.Option(256),
+    positions: str = typer.Option("original"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Streaming perplexity of several policies side by side, with the full cache as reference."""
+    specs = [s.strip() for s in policies.split(",") if s.strip()]
+    try:
+        check_positions(positions)
+        if not specs:
+            raise KvevictError("--policies is empty: give comma-separated specs such as window,streamingllm")
+        check_policies(specs, budget)
+        from .data import load_tokens
+        from .eval.streaming import compare as run_compare
+        from .models import load_model
+
+        lm, tokenizer = load_model(model)
+        ids, _ = load_tokens(text, tokenizer, tokens)
+        rows, full = run_compare(lm, ids, specs, budget, positions)
+    except KvevictError as exc:
+        fail(str(exc))
+    summaries = [full.summary()] + [r.summary() for r in rows]
+    if as_json:
+        print(json.dumps({"rows": summaries}))
+    else:
+        out.print(ppl_table(summaries, f"streaming perplexity, {model} on {text}, {tokens} tokens, budget {budget}"))
+
+
+@app.command()
+def demo(out_dir: str = typer.Option("runs", "--out", help="where results go")) -> None:
+    """The main job on the embedded model and text."""
+    try:
+        from .data import load_tokens
+        from .eval.streaming import compare as run_compare
+        from .models import load_model
+
+        lm, tokenizer = load_model("smollm2-135m")
+        ids, _ = load_tokens("pg-essays", tokenizer, 2000)
+        rows, full = run_compare(lm, ids, ["window", "streamingllm"], 256, "original", label="demo")
+    except KvevictError as exc:
+        fail(str(exc))
+    summaries = [full.summary()] + [r.summary() for r in rows]
+    out.print(ppl_table(summaries, "kvevict demo: SmolLM2-135M, pg-essays, 2,000 tokens, budget 256"))
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    try:
+        app(args=argv, standalone_mode=True)
+    except KvevictError as exc:  # errors raised outside a command's own handler
+        err.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
