@@ -1,0 +1,60 @@
+"""Invariants that must hold for any budget, sink count, length and feeding pattern."""
+
+from __future__ import annotations
+
+import torch
+from conftest import make_tiny
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvevict import EvictingCache
+from kvevict.eval.forward import body
+
+MODEL = make_tiny(seed=5, layers=2)
+VOCAB = MODEL.config.vocab_size
+
+
+def feed_and_check(spec: str, budget: int, sinks: int, length: int, chunks: list[int], positions: str) -> None:
+    cache = EvictingCache(MODEL, spec, budget=budget, positions=positions)
+    tokens = torch.arange(length) % VOCAB
+    seen = 0
+    with torch.inference_mode():
+        chunk_iter = iter(chunks)
+        while seen < length:
+            q = min(next(chunk_iter, 1), length - seen)
+            body(MODEL, tokens[None, seen : seen + q], cache)
+            seen += q
+            for layer in cache.layers:
+                kept = layer.kept_positions()[0]  # [H, n]
+                assert kept.shape[-1] <= budget, "cache holds more than the budget"
+                assert kept.shape[-1] == min(seen, budget), "cache did not fill up to the budget"
+                assert bool((kept < seen).all()) and bool((kept.diff(dim=-1) > 0).all())
+                for head in kept:
+                    present = set(head.tolist())
+                    assert set(range(min(sinks, seen))) <= present, f"pinned sink evicted at {seen} tokens"
+                    if spec.endswith("window"):
+                        recent = set(range(seen - (min(seen, budget) - min(sinks, seen)), seen))
+                        assert present == recent | set(range(min(sinks, seen))), "window is not the most recent tokens"
+    assert not cache.pinned_sink_evicted()
+
+
+policies = st.sampled_from(["window", "random", "h2o", "h2o:recent=0.2", "snapkv:window=1,kernel=3", "snapkv:window=2"])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.data(),
+    inner=policies,
+    budget=st.integers(3, 20),
+    length=st.integers(2, 70),
+    positions=st.sampled_from(["original", "cache"]),
+)
+def test_budget_sinks_and_window_invariants(data, inner, budget, length, positions):
+    sinks = data.draw(st.integers(0, budget - 3), label="sinks")
+    if inner.startswith("snapkv"):
+        window = int(inner.split("window=")[1].split(",")[0])
+        if window >= budget - sinks:
+            sinks = max(0, budget - window - 1)
+    spec = inner if sinks == 0 else f"sink{sinks}+{inner}"
+    chunks = data.draw(st.lists(st.integers(1, 2 * budget), min_size=0, max_size=4), label="chunks")
+    feed_and_check(spec, budget, sinks, length, chunks, positions)
