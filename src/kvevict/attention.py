@@ -32,6 +32,13 @@ _pending = None
 def set_pending(layer) -> None:
     """Called by `EvictingLayer.update`: the next attention call belongs to `layer`."""
     global _pending
+    if _pending is not None and _pending.pending:
+        stale, _pending = _pending, None
+        stale.pending = False
+        raise KvevictError(
+            "EvictingCache needs kvevict's attention function, but the model ran another one: "
+            "call kvevict.attach(model) (or model.set_attn_implementation('kvevict'))"
+        )
     _pending = layer
 
 

@@ -99,11 +99,6 @@ class EvictingLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if self.pending:
-            raise KvevictError(
-                "EvictingCache needs kvevict's attention function, but the model ran another one: "
-                "call kvevict.attach(model) (or model.set_attn_implementation('kvevict'))"
-            )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
             self.owner.bind_rows(key_states.shape[0])
@@ -129,10 +124,10 @@ class EvictingLayer(CacheLayerMixin):
             self.keys[:, :, self.n : end] = self.owner.rotary.rotate(raw, cos[self.n :], sin[self.n :])
         else:
             self.keys[:, :, self.n : end] = key_states
+        attention.set_pending(self)
         self.new = q
         self.seen += q
         self.pending = True
-        attention.set_pending(self)
         return self.keys[:, :, :end], self.values[:, :, :end]
 
     def get_seq_length(self) -> int:

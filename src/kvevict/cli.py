@@ -83,10 +83,10 @@ def ppl(
             raise KvevictError(f"need at least 2 tokens to score a prediction, got --tokens {tokens}")
         from .data import load_tokens
         from .eval.streaming import streaming_ppl
-        from .models import load_model
+        from .models import load_model, load_tokenizer
 
-        lm, tokenizer = load_model(model)
-        ids, repeated = load_tokens(text, tokenizer, tokens, repeat=repeat)
+        ids, repeated = load_tokens(text, load_tokenizer(model), tokens, repeat=repeat)
+        lm, _ = load_model(model)
         if repeated:
             err.print(f"note: '{text}' is shorter than {tokens} tokens; it was repeated to fill the stream")
         result = streaming_ppl(lm, ids, policy=policy, budget=budget, positions=positions)
@@ -123,10 +123,10 @@ def compare(
         check_policies(specs, budget)
         from .data import load_tokens
         from .eval.streaming import compare as run_compare
-        from .models import load_model
+        from .models import load_model, load_tokenizer
 
-        lm, tokenizer = load_model(model)
-        ids, _ = load_tokens(text, tokenizer, tokens)
+        ids, _ = load_tokens(text, load_tokenizer(model), tokens)
+        lm, _ = load_model(model)
         rows, full = run_compare(lm, ids, specs, budget, positions)
     except KvevictError as exc:
         fail(str(exc))
@@ -155,6 +155,9 @@ def demo(out_dir: str = typer.Option("runs", "--out", help="where results go")) 
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # config warnings are not the user's business here
     try:
         app(args=argv, standalone_mode=True)
     except KvevictError as exc:  # errors raised outside a command's own handler

@@ -49,10 +49,12 @@ def _converted_dir(name: str, gguf: Path) -> Path:
 
 def _load_embedded(name: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     gguf = embedded_gguf(name)
     converted = _converted_dir(name, gguf)
     if (converted / "config.json").exists():
+        hf_logging.disable_progress_bar()
         tokenizer = AutoTokenizer.from_pretrained(converted)
         model = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32)
         return model, tokenizer
@@ -73,13 +75,35 @@ def _load_embedded(name: str):
     return model, tokenizer
 
 
+def load_tokenizer(name: str = "smollm2-135m"):
+    """Just the tokenizer (cheap): for validating inputs before loading weights."""
+    from transformers import AutoTokenizer
+
+    if name in EMBEDDED:
+        gguf = embedded_gguf(name)
+        converted = _converted_dir(name, gguf)
+        if (converted / "tokenizer_config.json").exists():
+            return AutoTokenizer.from_pretrained(converted)
+        return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as exc:
+        raise KvevictError(
+            f"cannot load a tokenizer for '{name}' ({type(exc).__name__}): use 'smollm2-135m', a local model "
+            "directory, or an HF id already in the local cache"
+        ) from None
+
+
 def load_model(name: str = "smollm2-135m", device: str = "cpu"):
     """(model, tokenizer) for the embedded name, a local directory or an HF model id."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     if name in EMBEDDED:
         model, tokenizer = _load_embedded(name)
     else:
+        # Loading a local directory is instant: its progress bar would only clutter stderr.
+        hf_logging.disable_progress_bar()
         try:
             tokenizer = AutoTokenizer.from_pretrained(name)
             model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)

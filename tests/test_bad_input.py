@@ -1,0 +1,169 @@
+"""Bad input: a one-line error naming the fix, exit code 2, never a torch traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import make_tiny, random_tokens
+from transformers import GPT2Config, GPT2LMHeadModel
+from typer.testing import CliRunner
+
+from kvevict import EvictingCache, KvevictError, compare, parse_policy
+from kvevict.cli import app
+from kvevict.eval.forward import body
+from kvevict.models import load_tokenizer
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A tiny Llama with the embedded tokenizer, saved as a local model directory."""
+    tokenizer = load_tokenizer("smollm2-135m")
+    torch.manual_seed(0)
+    model = make_tiny()
+    model.resize_token_embeddings(len(tokenizer))
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory):
+    tokenizer = load_tokenizer("smollm2-135m")
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=len(tokenizer)))
+    path = tmp_path_factory.mktemp("tiny-gpt2")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def run(*args: str):
+    result = runner.invoke(app, list(args))
+    return result.exit_code, result.stderr if hasattr(result, "stderr") else result.output
+
+
+def one_line_error(code: int, text: str, *needles: str) -> None:
+    assert code == 2, text
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, text
+    assert lines[0].startswith("error: ")
+    assert "Traceback" not in text
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(
+    "args,needles",
+    [
+        (["--policy", "lru"], ["unknown policy 'lru'", "streamingllm"]),
+        (["--policy", "sink4+window", "--budget", "4"], ["larger than the 4 pinned sinks"]),
+        (["--policy", "sink8+h2o", "--budget", "3"], ["pinned sinks"]),
+        (["--policy", "h2o:recent=1.5"], ["[0, 1]"]),
+        (["--policy", "snapkv:kernel=4"], ["odd"]),
+        (["--policy", "snapkv:window=300", "--budget", "256"], ["[1, 255]"]),
+        (["--policy", "snapkv:size=3"], ["valid options are window, kernel, pooling, interval"]),
+        (["--tokens", "1"], ["at least 2 tokens"]),
+        (["--positions", "relative"], ["original, cache"]),
+        (["--budget", "0", "--policy", "window"], ["positive"]),
+    ],
+)
+def test_cli_rejects_before_model_work(args, needles):
+    code, text = run("ppl", *args)
+    one_line_error(code, text, *needles)
+
+
+def test_cli_text_shorter_than_tokens(tiny_dir, tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("just a few words here")
+    code, text = run("ppl", "--model", str(tiny_dir), "--text", str(short), "--tokens", "500")
+    one_line_error(code, text, "fewer than the 500 asked for", "--repeat")
+
+
+def test_cli_empty_text(tiny_dir, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("   \n")
+    code, text = run("ppl", "--model", str(tiny_dir), "--text", str(empty), "--tokens", "50")
+    one_line_error(code, text, "empty")
+
+
+def test_cli_unsupported_model(gpt2_dir):
+    code, text = run("ppl", "--model", str(gpt2_dir), "--tokens", "50")
+    one_line_error(code, text, "rotary", "Llama")
+
+
+def test_cli_missing_model():
+    code, text = run("ppl", "--model", "/nonexistent/model", "--tokens", "50")
+    one_line_error(code, text, "cannot load")
+
+
+def test_cli_json_last_line(tiny_dir):
+    import json
+
+    result = runner.invoke(
+        app, ["ppl", "--model", str(tiny_dir), "--tokens", "60", "--budget", "16", "--policy", "sink4+window", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout.strip().splitlines()[-1])
+    for key in ("policy", "budget", "positions", "n_predictions", "ppl", "nll_mean", "max_kept", "sink_evicted",
+                "seconds", "sink_loss"):
+        assert key in data
+    assert data["n_predictions"] == 59 and data["max_kept"] == 16 and data["sink_evicted"] is False
+
+
+def test_real_process_exit_code_and_no_traceback():
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvevict.cli", "ppl", "--policy", "sink9+window", "--budget", "8"],
+        capture_output=True, text=True, timeout=120,
+    )
+    one_line_error(proc.returncode, proc.stderr, "pinned sinks")
+    assert proc.stdout == ""
+
+
+def test_library_errors(tiny):
+    with pytest.raises(KvevictError, match="unknown policy"):
+        parse_policy("tova2")
+    with pytest.raises(KvevictError, match="sinkN"):
+        parse_policy("sinks+window")
+    with pytest.raises(KvevictError, match="pinned sinks"):
+        EvictingCache(tiny, "sink4+window", budget=4)
+    with pytest.raises(KvevictError, match="at least 2 tokens"):
+        compare(tiny, random_tokens(1), ["window"], budget=4, progress=False)
+    with pytest.raises(KvevictError, match="own batch"):
+        EvictingCache(tiny, ["full", "window"], budget=4)
+
+
+def test_padded_batch_refused(tiny):
+    cache = EvictingCache(tiny, "window", budget=8)
+    ids = random_tokens(12)[None].repeat(2, 1)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with pytest.raises(KvevictError, match="padded batches"):
+        with torch.inference_mode():
+            tiny(ids, attention_mask=mask, past_key_values=cache)
+
+
+def test_policy_count_must_match_batch(tiny):
+    cache = EvictingCache(tiny, ["window", "h2o", "random"], budget=8)
+    with pytest.raises(KvevictError, match="one per row"):
+        with torch.inference_mode():
+            body(tiny, random_tokens(10)[None].repeat(2, 1), cache)
+
+
+def test_other_attention_implementation_is_refused():
+    model = make_tiny(seed=3)
+    cache = EvictingCache(model, "window", budget=8)
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(KvevictError, match="attach"):
+        with torch.inference_mode():
+            body(model, random_tokens(10)[None], cache)
+
+
+def test_unsupported_model_object():
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=50))
+    with pytest.raises(KvevictError, match="rotary"):
+        EvictingCache(model, "window", budget=8)
