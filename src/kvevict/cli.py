@@ -137,21 +137,82 @@ def compare(
         out.print(ppl_table(summaries, f"streaming perplexity, {model} on {text}, {tokens} tokens, budget {budget}"))
 
 
-@app.command()
-def demo(out_dir: str = typer.Option("runs", "--out", help="where results go")) -> None:
-    """The main job on the embedded model and text."""
+def parse_ints(text: str, option: str) -> list[int]:
     try:
-        from .data import load_tokens
-        from .eval.streaming import compare as run_compare
-        from .models import load_model
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise KvevictError(f"{option} takes comma-separated integers, got '{text}'") from None
 
-        lm, tokenizer = load_model("smollm2-135m")
-        ids, _ = load_tokens("pg-essays", tokenizer, 2000)
-        rows, full = run_compare(lm, ids, ["window", "streamingllm"], 256, "original", label="demo")
+
+def run_ab(config) -> None:
+    """Plan, validate, run and report one sweep; prints the summary and the report path."""
+    from .report.html import render
+    from .report.tables import COLUMNS, summary_rows
+    from .sweep import plan, prepare_folder, run_sweep
+
+    check_positions(config.positions)
+    plan(config)  # every spec and budget is checked before the model is loaded
+    prepare_folder(config)
+    store, records = run_sweep(config)
+    if store.skipped_lines:
+        err.print(f"note: skipped {store.skipped_lines} unreadable line(s) in {store.path}")
+    from dataclasses import asdict
+
+    report = render(records, asdict(config), config.folder / "report.html")
+    table = Table(title=f"kvevict A/B: {config.model} on {config.text}, {config.tokens} tokens, {config.positions}")
+    for column in COLUMNS:
+        table.add_column(column, justify="left" if column == "policy" else "right")
+    for row in summary_rows(records):
+        table.add_row(*row)
+    out.print(table)
+    print(report.resolve())
+
+
+@app.command()
+def ab(
+    model: str = typer.Option("smollm2-135m", help="embedded name, local directory or HF id"),
+    text: str = typer.Option("pg-essays", help="embedded name, .txt file, folder or .jsonl"),
+    tokens: int = typer.Option(2000, help="stream length"),
+    budgets: str = typer.Option("64,128,256", help="comma-separated budgets"),
+    policies: str = typer.Option("window,streamingllm,h2o,snapkv", help="comma-separated policy specs"),
+    sinks: str = typer.Option("", help="sink counts K: adds sinkK+window at each budget, e.g. 0,1,2,4,8"),
+    oracle_stride: int = typer.Option(8, help="the recompute oracle scores every K-th token"),
+    positions: str = typer.Option("original", help="original | cache"),
+    seed: int = typer.Option(0, help="seed of random policies (recorded in every result)"),
+    name: str = typer.Option("ab", help="run name: results go to OUT/NAME"),
+    out_dir: str = typer.Option("runs", "--out", help="output folder"),
+) -> None:
+    """A/B test policies side by side: resumable results.jsonl, a summary table and an HTML report."""
+    from .sweep import SweepConfig
+
+    try:
+        config = SweepConfig(
+            model=model, text=text, tokens=tokens, budgets=parse_ints(budgets, "--budgets"),
+            policies=[p.strip() for p in policies.split(",") if p.strip()], sinks=parse_ints(sinks, "--sinks"),
+            oracle_stride=oracle_stride, positions=positions, seed=seed, name=name, out=out_dir,
+        )
+        run_ab(config)
     except KvevictError as exc:
         fail(str(exc))
-    summaries = [full.summary()] + [r.summary() for r in rows]
-    out.print(ppl_table(summaries, "kvevict demo: SmolLM2-135M, pg-essays, 2,000 tokens, budget 256"))
+
+
+#: The default A/B that `make demo` runs: sized to finish in under 10 minutes on 2 cores.
+DEMO = dict(tokens=1000, budgets=[64, 128, 256], policies=["window", "streamingllm", "h2o", "snapkv"],
+            sinks=[0, 1, 2, 4, 8], oracle_stride=16, name="demo")
+
+
+@app.command()
+def demo(out_dir: str = typer.Option("runs", "--out", help="where results go")) -> None:
+    """The main job: a default A/B on the embedded model and text."""
+    from .sweep import SweepConfig
+
+    try:
+        run_ab(SweepConfig(out=out_dir, **DEMO))
+    except KvevictError as exc:
+        fail(str(exc))
+
+
+from . import cli_tasks  # noqa: E402,F401  (registers needle / sinks / generation on `app`)
 
 
 def main(argv: Optional[list[str]] = None) -> None:

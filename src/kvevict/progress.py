@@ -26,8 +26,15 @@ class _Silent:
 
 
 @contextmanager
-def bars(enabled: bool = True) -> Iterator[Progress | _Silent]:
-    """A rich Progress on stderr (or a no-op stand-in when disabled)."""
+def bars(enabled: bool | Progress | _Silent = True) -> Iterator[Progress | _Silent]:
+    """A rich Progress on stderr (or a no-op stand-in when disabled).
+
+    Passing an existing Progress reuses it, so nested protocols add their bars to the
+    caller's display (one bar for the sweep, one for the current cell).
+    """
+    if isinstance(enabled, (Progress, _Silent)):
+        yield enabled
+        return
     if not enabled:
         yield _Silent()
         return

@@ -45,14 +45,18 @@ class RowResult:
     sink_loss: float = 0.0
     sink_lost_at: list = field(default_factory=list)  # [layer][kv head] tokens seen when token 0 left, -1 never
     seconds: float = 0.0
+    scored: torch.Tensor | None = None  # [T-1] which predictions were scored (None: all)
+
+    def _scored(self, values: torch.Tensor) -> torch.Tensor:
+        return values if self.scored is None else values[self.scored]
 
     @property
     def n_predictions(self) -> int:
-        return int(self.nll.numel())
+        return int(self._scored(self.nll).numel())
 
     @property
     def nll_mean(self) -> float:
-        return float(self.nll.double().mean())
+        return float(self._scored(self.nll).double().mean())
 
     @property
     def ppl(self) -> float:
@@ -61,9 +65,13 @@ class RowResult:
     def ppl_windows(self, width: int) -> list[dict]:
         """PPL of consecutive windows of predictions, keyed by the window's last target position."""
         out = []
-        for start in range(0, self.n_predictions, width):
+        for start in range(0, self.nll.numel(), width):
             chunk = self.nll[start : start + width].double()
-            out.append({"start": start + 1, "end": start + len(chunk), "ppl": math.exp(float(chunk.mean()))})
+            if self.scored is not None:
+                chunk = chunk[self.scored[start : start + width]]
+            if chunk.numel():
+                end = min(start + width, self.nll.numel())
+                out.append({"start": start + 1, "end": end, "ppl": math.exp(float(chunk.mean()))})
         return out
 
     def summary(self) -> dict:
@@ -81,8 +89,8 @@ class RowResult:
             "seconds": self.seconds,
         }
         if self.kl is not None:
-            data["kl_to_full"] = float(self.kl.double().mean())
-            data["top1_agreement"] = float(self.agree.double().mean())
+            data["kl_to_full"] = float(self._scored(self.kl).double().mean())
+            data["top1_agreement"] = float(self._scored(self.agree).double().mean())
         return data
 
 
@@ -126,12 +134,12 @@ REFERENCE_LIMIT = 4 << 30
 
 
 @dataclass
-class _Reference:
+class Reference:
     result: RowResult
     log_probs: torch.Tensor  # [T-1, vocab] the full cache's next-token log-probabilities
 
 
-def _full_reference(model, tokens: torch.Tensor, progress: bool, label: str) -> _Reference:
+def full_reference(model, tokens: torch.Tensor, progress=True, label: str = "stream") -> Reference:
     """The full cache's distributions for every prediction, from chunked prefill.
 
     Chunks through a full cache are exactly a full-sequence forward, and much cheaper
@@ -150,17 +158,18 @@ def _full_reference(model, tokens: torch.Tensor, progress: bool, label: str) -> 
     def keep(at: int, lp: torch.Tensor) -> None:
         store[at : at + lp.shape[1]] = lp[0]
 
-    with bars(progress) as bar:
+    with torch.inference_mode(), bars(progress) as bar:
         task = bar.add_task(f"{label}: full-cache reference", total=tokens.numel())
         for start in range(0, tokens.numel(), 512):
             lane.feed(tokens[start : start + 512], start, targets, keep)
             bar.advance(task, min(512, tokens.numel() - start))
+        bar.remove_task(task)
     result = RowResult(
         policy="full", budget=None, positions="original", nll=lane.nll[0].clone(),
         kl=torch.zeros(targets.numel()), agree=torch.ones(targets.numel(), dtype=torch.bool),
         max_kept=lane.cache.max_kept(), seconds=lane.seconds,
     )
-    return _Reference(result, store)
+    return Reference(result, store)
 
 
 def compare(
@@ -169,16 +178,17 @@ def compare(
     policies: Sequence[str],
     budget: int,
     positions: str = "original",
-    reference: bool = True,
-    progress: bool = True,
+    reference: bool | Reference = True,
+    progress=True,
     label: str = "stream",
     on_step: Callable[[int], None] | None = None,
 ) -> tuple[list[RowResult], RowResult | None]:
     """Streaming NLL of every policy (rows of one batch) and of the full cache.
 
     Returns (one RowResult per policy, the full cache's RowResult or None). With
-    `reference`, each policy row also gets per-token KL(full || policy) and top-1
-    agreement with the full cache.
+    `reference` (True, or a `Reference` computed once for several calls), each policy
+    row also gets per-token KL(full || policy) and top-1 agreement with the full cache.
+    `progress` is a bool or an existing rich Progress to add a bar to.
     """
     tokens = _validate(tokens)
     targets = tokens[1:]
@@ -187,7 +197,10 @@ def compare(
         cache = EvictingCache(model, list(policies), budget=budget, positions=positions)
         lane = _Lane(model, cache, len(policies), steps)
         budget = cache.budget  # None when every row is the full cache
-        full = _full_reference(model, tokens, progress, label) if reference else None
+        if isinstance(reference, Reference):
+            full = reference
+        else:
+            full = full_reference(model, tokens, progress, label) if reference else None
         if full is not None:
             kl = torch.zeros(len(policies), steps)
             agree = torch.zeros(len(policies), steps, dtype=torch.bool)
@@ -205,6 +218,7 @@ def compare(
                 bar.advance(task, stop - start)
                 if on_step is not None:
                     on_step(stop)
+            bar.remove_task(task)
         results = []
         lost_at = cache.sink_lost_at()  # [layers, rows, heads]
         loss = cache.sink_loss()

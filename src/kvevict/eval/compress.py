@@ -1,0 +1,184 @@
+"""Context compression (the SnapKV / kvpress protocol) as a library function.
+
+Prefill a context in one forward through an `EvictingCache`: every query of that forward
+sees the whole context, and the policy then keeps `budget` entries per layer and KV
+head. The cache is frozen afterwards, so whatever follows (a question, the answer being
+generated, a continuation being scored) is appended without further eviction. In
+`original` position mode later tokens continue from the original context length, as
+kvpress and SnapKV do; in `cache` mode they continue from the number of entries kept.
+
+Several policies run as rows of one batch at one budget. A budget is a number of
+entries or a share of the context (`"25%"`), resolved against the context length.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ..cache import EvictingCache
+from ..errors import KvevictError
+from ..policies import Policy
+from .forward import body, log_probs
+
+Budget = int | str | None
+
+
+def parse_budget(text: str | int | None) -> Budget:
+    """A budget as the user wrote it: entries (`256`), a share (`25%`), or `full`/None.
+
+    Validates the form only; `resolve_budget` turns it into entries for a context.
+    """
+    if text is None or isinstance(text, int):
+        if isinstance(text, int) and text < 1:
+            raise KvevictError(f"budget must be a positive number of entries or a percentage such as 25%, got {text}")
+        return text
+    raw = text.strip().lower()
+    if raw in ("full", "none", ""):
+        return None
+    if raw.endswith("%"):
+        try:
+            share = float(raw[:-1])
+        except ValueError:
+            share = math.nan
+        if not 0 < share <= 100:
+            raise KvevictError(f"budget '{text}' is not a percentage in (0, 100]: write e.g. 25%")
+        return f"{share:g}%"
+    try:
+        value = int(raw)
+    except ValueError:
+        raise KvevictError(f"budget '{text}' is neither a number of entries nor a percentage such as 25%") from None
+    return parse_budget(value)
+
+
+def resolve_budget(budget: Budget, context_length: int) -> int | None:
+    """Entries per layer and KV head for a context of `context_length` tokens (None = full)."""
+    budget = parse_budget(budget)
+    if budget is None or isinstance(budget, int):
+        return budget
+    share = float(budget[:-1]) / 100.0
+    return max(1, int(round(share * context_length)))
+
+
+def budget_label(budget: Budget) -> str:
+    """How a budget is shown in tables and records: `256`, `25%` or `full`."""
+    budget = parse_budget(budget)
+    return "full" if budget is None else str(budget)
+
+
+@dataclass
+class Compressed:
+    """A compressed context ready to be continued: its cache and the last hidden state.
+
+    `hidden` `[B, H]` is the final hidden state of the last token fed, i.e. what predicts
+    the next token. `kept` is the largest number of entries any layer holds right after
+    compression (at most the budget).
+    """
+
+    cache: EvictingCache
+    hidden: torch.Tensor
+    context_length: int
+    budget: int | None
+    policies: list[str]
+    kept: int
+
+    @property
+    def rows(self) -> int:
+        return self.hidden.shape[0]
+
+    def next_logits(self, model) -> torch.Tensor:
+        """`[B, vocab]` float32 logits of the next token."""
+        return model.get_output_embeddings()(self.hidden).float()
+
+    def feed(self, model, ids: torch.Tensor) -> torch.Tensor:
+        """Append `ids` (`[q]` shared by every row, or `[B, q]`) without eviction; returns their hidden states."""
+        if ids.dim() == 1:
+            ids = ids.unsqueeze(0).expand(self.rows, -1)
+        if ids.shape[1] == 0:
+            return self.hidden[:, None][:, :0]
+        with torch.inference_mode():
+            hidden = body(model, ids.long(), self.cache)
+        self.hidden = hidden[:, -1]
+        return hidden
+
+
+def compress(
+    model,
+    context: torch.Tensor,
+    policies: str | Policy | Sequence[str | Policy],
+    budget: Budget,
+    positions: str = "original",
+) -> Compressed:
+    """Prefill `context` (`[T]` token ids) in one forward and compress it to `budget`.
+
+    `policies` is one spec or one per row; all rows read the same context. The full
+    cache (`"full"`) must run in its own call.
+    """
+    if context.dim() != 1 or context.numel() == 0:
+        raise KvevictError("compress takes one non-empty context: a 1-D tensor of token ids")
+    specs = list(policies) if isinstance(policies, (list, tuple)) else [policies]
+    entries = resolve_budget(budget, context.numel())
+    with torch.inference_mode():
+        cache = EvictingCache(model, specs, budget=entries, positions=positions)
+        ids = context.long().unsqueeze(0).expand(len(specs), -1)
+        hidden = body(model, ids, cache)
+        kept = max(layer.n for layer in cache.layers)
+        bound = cache.budget  # None when every row is the full cache
+        cache.freeze()
+    names = [p.spec() for p in cache.policies]
+    return Compressed(cache, hidden[:, -1], context.numel(), bound, names, kept)
+
+
+def continuation_nll(
+    model,
+    context: torch.Tensor,
+    continuation: torch.Tensor,
+    policies: str | Policy | Sequence[str | Policy],
+    budget: Budget,
+    positions: str = "original",
+) -> torch.Tensor:
+    """`[rows, len(continuation)]` NLL of each continuation token after compressing `context`.
+
+    The first continuation token is predicted from the compression forward itself (as in
+    SnapKV, whose last prompt token sees the whole prompt); every later one reads the
+    compressed cache plus the continuation before it.
+    """
+    if continuation.dim() != 1 or continuation.numel() == 0:
+        raise KvevictError("continuation_nll needs a non-empty 1-D continuation of token ids")
+    state = compress(model, context, policies, budget, positions)
+    with torch.inference_mode():
+        first = log_probs(model, state.hidden[:, None])
+        rest = state.feed(model, continuation[:-1].long())
+        lp = torch.cat([first, log_probs(model, rest)], dim=1) if continuation.numel() > 1 else first
+        target = continuation.long().view(1, -1, 1).expand(state.rows, -1, 1)
+        return -lp.gather(-1, target)[..., 0]
+
+
+def greedy(model, state: Compressed, max_new_tokens: int, stop_ids: Sequence[int] = ()) -> list[list[int]]:
+    """Greedy decoding from a compressed context, one list of new token ids per row.
+
+    Rows stop independently at a stop token (not included) or after `max_new_tokens`; a
+    finished row keeps being fed its last token so the batch stays rectangular, and
+    what it produces is discarded. `generate` is not used because the cache already
+    holds the context, and kvevict's cache must see every forward.
+    """
+    stops = set(int(s) for s in stop_ids)
+    out: list[list[int]] = [[] for _ in range(state.rows)]
+    done = [False] * state.rows
+    with torch.inference_mode():
+        for step in range(max_new_tokens):
+            token = state.next_logits(model).argmax(-1)
+            for row, value in enumerate(token.tolist()):
+                if done[row]:
+                    continue
+                if value in stops:
+                    done[row] = True
+                else:
+                    out[row].append(value)
+            if all(done) or step == max_new_tokens - 1:
+                break
+            state.feed(model, token[:, None])
+    return out

@@ -1,0 +1,1 @@
+"""Results store, tables, plots and the HTML report: nothing here knows model internals."""

@@ -1,0 +1,135 @@
+"""Figures of a sweep, as PNG bytes for the self-contained HTML report.
+
+Each function takes the plain records of `results.jsonl`, so a report can be redrawn
+from the store alone, long after the model is gone.
+"""
+
+from __future__ import annotations
+
+import io
+from collections import defaultdict
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+ATTENTION_DRIVEN = ("h2o", "snapkv")
+
+
+def png(fig) -> bytes:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def _budgets(records: list[dict]) -> list[int]:
+    return sorted({r["budget"] for r in records if r["budget"] is not None})
+
+
+def _label(record: dict) -> str:
+    return record.get("label") or record["policy"]
+
+
+def ppl_vs_position(records: list[dict]) -> bytes:
+    """StreamingLLM's figure: PPL along the stream, log scale, one panel per budget."""
+    budgets = _budgets(records)
+    full = next((r for r in records if r["kind"] == "full"), None)
+    fig, axes = plt.subplots(1, max(1, len(budgets)), figsize=(5.2 * max(1, len(budgets)), 3.8), squeeze=False)
+    for ax, budget in zip(axes[0], budgets):
+        rows = [r for r in records if r["budget"] == budget and r["kind"] in ("policy", "oracle")]
+        if full is not None:
+            rows = [full] + rows
+        for r in rows:
+            xs = [p["end"] for p in r["curve"]]
+            ys = [p["ppl"] for p in r["curve"]]
+            style = {"color": "black", "linewidth": 2} if r["kind"] == "full" else {}
+            if r["kind"] == "oracle":
+                style = {"color": "grey", "linestyle": "--"}
+            ax.plot(xs, ys, label=_label(r), **style)
+        ax.set_yscale("log")
+        ax.set_title(f"budget {budget}")
+        ax.set_xlabel("token position")
+        ax.set_ylabel("perplexity (window)")
+        ax.axvline(budget, color="grey", linewidth=0.6, linestyle=":")
+        ax.grid(alpha=0.3, which="both")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("Perplexity along the stream")
+    return png(fig)
+
+
+def ppl_vs_budget(records: list[dict]) -> bytes:
+    series: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    for r in records:
+        if r["kind"] in ("policy", "oracle"):
+            series[_label(r)].append((r["budget"], r["ppl"]))
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for name, points in sorted(series.items()):
+        points.sort()
+        style = {"color": "grey", "linestyle": "--"} if name == "oracle" else {"marker": "o"}
+        ax.plot([p[0] for p in points], [p[1] for p in points], label=name, **style)
+    full = next((r for r in records if r["kind"] == "full"), None)
+    if full is not None:
+        ax.axhline(full["ppl"], color="black", linewidth=2, label="full cache")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("budget (entries per layer and KV head)")
+    ax.set_ylabel("streaming perplexity")
+    ax.set_title("Perplexity vs budget")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    return png(fig)
+
+
+def ppl_vs_sinks(records: list[dict]) -> bytes | None:
+    rows = [r for r in records if r["kind"] == "sinks"]
+    if not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for budget in _budgets(rows):
+        points = sorted((_sink_count(r["label"]), r["ppl"]) for r in rows if r["budget"] == budget)
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"budget {budget}")
+    ax.set_yscale("log")
+    ax.set_xlabel("pinned sink tokens (sinkK+window)")
+    ax.set_ylabel("streaming perplexity")
+    ax.set_title("Perplexity vs number of attention sinks")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    return png(fig)
+
+
+def _sink_count(label: str) -> int:
+    return 0 if label == "window" else int(label[4 : label.index("+")])
+
+
+def sink_loss_heatmaps(records: list[dict]) -> bytes | None:
+    """Layer x KV head: the share of the stream spent without token 0, per attention-driven policy."""
+    rows = [
+        r
+        for r in records
+        if r["kind"] == "policy" and any(name in r["policy"] for name in ATTENTION_DRIVEN) and r.get("sink_lost_at")
+    ]
+    if not rows:
+        return None
+    rows.sort(key=lambda r: (_label(r), r["budget"]))
+    cols = min(4, len(rows))
+    lines = -(-len(rows) // cols)
+    fig, axes = plt.subplots(lines, cols, figsize=(2.6 * cols, 3.6 * lines), squeeze=False)
+    image = None
+    for ax, r in zip(axes.flat, rows):
+        lost = np.array(r["sink_lost_at"], dtype=float)  # [layers, heads], -1 = never
+        total = r["n_predictions"] + 1
+        share = np.where(lost < 0, 0.0, (total - lost) / total)
+        image = ax.imshow(share, aspect="auto", cmap="magma_r", vmin=0, vmax=1, interpolation="nearest")
+        ax.set_title(f"{_label(r)}\nbudget {r['budget']}: {r['sink_loss']:.0%} lost", fontsize=8)
+        ax.set_xlabel("KV head", fontsize=7)
+        ax.set_ylabel("layer", fontsize=7)
+        ax.set_xticks(range(share.shape[1]))
+    for ax in list(axes.flat)[len(rows) :]:
+        ax.axis("off")
+    if image is not None:
+        fig.colorbar(image, ax=axes, shrink=0.6, label="share of the stream without token 0")
+    fig.suptitle("Where attention-driven policies lost the attention sink")
+    return png(fig)
