@@ -7,6 +7,16 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 VOCAB = 101
+DEFAULT_THREADS = torch.get_num_threads()
+
+
+@pytest.fixture(autouse=True)
+def _threads(request):
+    """Tiny models run on one thread: their ops are too small to gain from more, and
+    oversubscribed threads on a busy 2-core machine are many times slower. Tests on the
+    embedded model (marker `model`) get every core."""
+    torch.set_num_threads(DEFAULT_THREADS if request.node.get_closest_marker("model") else 1)
+    yield
 
 
 def make_tiny(seed: int = 0, layers: int = 2, rope_scaling: dict | None = None) -> LlamaForCausalLM:
@@ -37,3 +47,17 @@ def tiny() -> LlamaForCausalLM:
 def random_tokens(n: int, seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, VOCAB, (n,), generator=g)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """A tiny Llama with the embedded tokenizer, saved as a local model directory (for CLI runs)."""
+    from kvevict.models import load_tokenizer
+
+    tokenizer = load_tokenizer("smollm2-135m")
+    model = make_tiny()
+    model.resize_token_embeddings(len(tokenizer))
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

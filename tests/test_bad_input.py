@@ -20,19 +20,6 @@ runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    """A tiny Llama with the embedded tokenizer, saved as a local model directory."""
-    tokenizer = load_tokenizer("smollm2-135m")
-    torch.manual_seed(0)
-    model = make_tiny()
-    model.resize_token_embeddings(len(tokenizer))
-    path = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def gpt2_dir(tmp_path_factory):
     tokenizer = load_tokenizer("smollm2-135m")
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=len(tokenizer)))

@@ -9,13 +9,15 @@ kvpress and SnapKV do; in `cache` mode they continue from the number of entries 
 
 Several policies run as rows of one batch at one budget. A budget is a number of
 entries or a share of the context (`"25%"`), resolved against the context length.
+`compress_prompt` is the form the tasks use: everything but the prompt's last token is
+compressed, so every generated token is computed from what the policy kept.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -130,6 +132,33 @@ def compress(
         cache.freeze()
     names = [p.spec() for p in cache.policies]
     return Compressed(cache, hidden[:, -1], context.numel(), bound, names, kept)
+
+
+def compress_prompt(
+    model,
+    prompt: torch.Tensor,
+    policies: str | Policy | Sequence[str | Policy],
+    budget: Budget,
+    positions: str = "original",
+    split: int | None = None,
+) -> Compressed:
+    """Compress `prompt[:split]`, then read `prompt[split:]` through the compressed cache.
+
+    The default split leaves out the last prompt token, so the first generated token,
+    like every later one, is computed from what the policy kept (when the whole prompt
+    is compressed, its last position attends over everything before eviction and the
+    first answer token would escape the budget). A split at the end of a document
+    compresses the document alone and reads the question afterwards (kvpress's
+    question-agnostic protocol).
+    """
+    if prompt.dim() != 1 or prompt.numel() < 2:
+        raise KvevictError("compress_prompt needs a 1-D prompt of at least 2 token ids")
+    split = prompt.numel() - 1 if split is None else split
+    if not 1 <= split < prompt.numel():
+        raise KvevictError(f"split must leave at least one token on each side, got {split} of {prompt.numel()}")
+    state = compress(model, prompt[:split], policies, budget, positions)
+    state.feed(model, prompt[split:])
+    return state
 
 
 def continuation_nll(

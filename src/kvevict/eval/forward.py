@@ -8,12 +8,12 @@ prefill never holds `[rows, tokens, vocab]` logits at once.
 from __future__ import annotations
 
 import inspect
-from functools import lru_cache
+from functools import cache
 
 import torch
 
 
-@lru_cache(maxsize=None)
+@cache
 def _cache_kwarg(cls: type) -> str:
     params = inspect.signature(cls.forward).parameters
     return "cache" if "cache" in params else "past_key_values"

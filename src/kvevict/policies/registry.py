@@ -17,6 +17,7 @@ from .base import Policy
 from .full import Full
 from .h2o import H2O
 from .random_subset import Random
+from .sinkauto import SinkAuto
 from .sinks import SinkPinned
 from .snapkv import SnapKV
 from .window import Window
@@ -30,6 +31,7 @@ REGISTRY: dict[str, Callable[..., Policy]] = {
 }
 ALIASES = {"streamingllm": "sink4+window", "local": "window", "fifo": "window"}
 _SINK = re.compile(r"^sink(\d+)\+(.+)$")
+_SINKAUTO = re.compile(r"^sinkauto(\d*)\+(.+)$")
 
 
 def register(name: str, factory: Callable[..., Policy]) -> None:
@@ -38,7 +40,7 @@ def register(name: str, factory: Callable[..., Policy]) -> None:
 
 
 def known_specs() -> str:
-    return ", ".join([*REGISTRY, *ALIASES, "sinkN+<policy>"])
+    return ", ".join([*REGISTRY, *ALIASES, "sinkN+<policy>", "sinkauto+<policy>"])
 
 
 def parse_policy(spec: str | Policy) -> Policy:
@@ -49,6 +51,9 @@ def parse_policy(spec: str | Policy) -> Policy:
         raise KvevictError(f"empty policy spec: use one of {known_specs()}")
     text = spec.strip().lower()
     text = ALIASES.get(text, text)
+    auto = _SINKAUTO.match(text)
+    if auto:
+        return SinkAuto(int(auto.group(1) or 4), parse_policy(auto.group(2)))
     sink = _SINK.match(text)
     if sink:
         return SinkPinned(int(sink.group(1)), parse_policy(sink.group(2)))

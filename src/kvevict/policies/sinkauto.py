@@ -1,0 +1,112 @@
+"""`sinkauto+P`: pin the positions that act as attention sinks, found on a calibration prefix.
+
+`sinkN+P` assumes the sinks are the first N tokens. They usually include token 0, but
+other early tokens (the first newline, a period, a chat-template marker) can soak up
+as much attention while token 1..3 get little. `sinkauto` measures instead: during the
+first `calib` tokens it sums the attention every slot receives (all queries of those
+forwards, summed over the query heads of each KV head), and when the prefix is done it
+pins, per layer and KV head, the `n` slots that received the most. Policy P runs on
+the remaining `budget - n` slots, exactly as in `sinkN+P`.
+
+Nothing is evicted before the cache is full, so during calibration slot i holds position
+i and the accumulator can be indexed by position. If an eviction comes before `calib`
+tokens were seen (a budget below `calib`), calibration ends at that step with what it
+has. The accumulator is the policy's own, not a cache statistic: when P asks for
+attention at a calibration step (H2O always does), the same measurement feeds both.
+
+Spec: `sinkauto+P` (4 sinks) or `sinkautoN+P`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import KvevictError
+from .base import AttentionRequest, Policy, SlotView
+
+STAT = "sinkauto_mass"
+
+
+class SinkAuto(Policy):
+    def __init__(self, n_sinks: int, inner: Policy, calib: int = 64) -> None:
+        if n_sinks < 1:
+            raise KvevictError(f"sinkauto needs at least 1 sink to pin, got {n_sinks}")
+        if calib < n_sinks:
+            raise KvevictError(f"sinkauto's calibration prefix ({calib}) must be at least its {n_sinks} sinks")
+        self.n_sinks = n_sinks
+        self.inner = inner
+        self.calib = calib
+        self.stats = tuple(dict.fromkeys((*inner.stats, STAT)))
+        self.query_window = inner.query_window
+        # The pinned slots are not the first N positions, so the cache's "first N are held"
+        # check only applies to what the inner policy pins itself.
+        self.pinned = inner.pinned
+        self.reset()
+
+    def spec(self) -> str:
+        return f"sinkauto{self.n_sinks}+{self.inner.spec()}"
+
+    def check_budget(self, budget: int) -> None:
+        if budget <= self.n_sinks:
+            raise KvevictError(
+                f"budget {budget} must be larger than the {self.n_sinks} pinned sinks of "
+                f"'{self.spec()}': raise --budget above {self.n_sinks} or pin fewer sinks"
+            )
+        self.inner.check_budget(budget - self.n_sinks)
+
+    def reset(self) -> None:
+        self.inner.reset()
+        self._mass: dict[int, torch.Tensor] = {}  # layer -> [b, H_kv, calib] attention received by position
+        self._sinks: dict[int, torch.Tensor] = {}  # layer -> [b, H_kv, n] pinned positions
+        self._closing: dict[int, bool] = {}  # layer -> calibration ends after this step
+
+    def sinks(self, layer: int) -> torch.Tensor | None:
+        """`[b, H_kv, n]` positions pinned in `layer` (None before calibration ended)."""
+        return self._sinks.get(layer)
+
+    # --- calibration -------------------------------------------------------------
+    def request(self, view: SlotView, will_evict: bool) -> AttentionRequest | None:
+        inner = self.inner.request(view.with_budget(view.budget - self.n_sinks), will_evict)
+        if view.layer in self._sinks:
+            return inner
+        self._closing[view.layer] = will_evict or view.seen >= self.calib
+        return inner if inner is not None else AttentionRequest(kind="new", stat=STAT, accumulate=True)
+
+    def absorb(self, view: SlotView, request: AttentionRequest, mass: torch.Tensor) -> torch.Tensor:
+        if view.layer not in self._sinks:
+            self._record(view, mass)
+        if request.stat == STAT:
+            return view.stats[STAT] + mass
+        return self.inner.absorb(view.with_budget(view.budget - self.n_sinks), request, mass)
+
+    def _record(self, view: SlotView, mass: torch.Tensor) -> None:
+        acc = self._mass.get(view.layer)
+        if acc is None:
+            acc = torch.zeros(*mass.shape[:2], self.calib, dtype=torch.float64, device=mass.device)
+            self._mass[view.layer] = acc
+        inside = view.positions < self.calib
+        index = view.positions.clamp(max=self.calib - 1)
+        acc.scatter_add_(2, index, torch.where(inside, mass.to(torch.float64), 0.0))
+        if self._closing.get(view.layer):
+            self._close(view.layer, min(self.calib, view.seen))
+
+    def _close(self, layer: int, seen: int) -> None:
+        acc = self._mass.pop(layer)[..., :seen]
+        count = min(self.n_sinks, seen)
+        # ties (e.g. no attention measured) go to the earliest positions, as sinkN would pin
+        order = torch.sort(acc, dim=-1, descending=True, stable=True).indices
+        self._sinks[layer] = order[..., :count]
+
+    def _pinned_mask(self, view: SlotView) -> torch.Tensor:
+        sinks = self._sinks.get(view.layer)
+        if sinks is None:
+            # evicting before any attention was measured: fall back to the first N tokens
+            return view.positions < self.n_sinks
+        return (view.positions[..., :, None] == sinks[..., None, :].to(view.positions.device)).any(-1)
+
+    # --- selection -----------------------------------------------------------------
+    def scores(self, view: SlotView) -> torch.Tensor:
+        if view.layer not in self._sinks and view.layer in self._mass:
+            self._close(view.layer, min(self.calib, view.seen))
+        inner = self.inner.scores(view.with_budget(view.budget - self.n_sinks))
+        return inner.masked_fill(self._pinned_mask(view), float("inf"))

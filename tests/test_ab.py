@@ -1,0 +1,182 @@
+"""The A/B harness: numbers against independent computations, resume, and SIGKILL safety."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+
+import pytest
+import torch
+from conftest import make_tiny
+from helpers import attn, band_sink_nll
+
+from kvevict import sweep
+from kvevict.errors import KvevictError
+from kvevict.report.html import render
+from kvevict.sweep import SweepConfig, run_sweep
+
+
+class CharTokenizer:
+    """Characters mod the tiny vocabulary: enough to stream real text through a tiny model."""
+
+    def __call__(self, text, add_special_tokens=False, return_tensors="pt"):
+        return {"input_ids": torch.tensor([[ord(c) % 101 for c in text]])}
+
+
+TEXT = "It was the best of times, it was the worst of times, it was the age of wisdom. " * 40
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    path = tmp_path / "text.txt"
+    path.write_text(TEXT)
+    return path
+
+
+def config(tmp_path, text_file, **overrides) -> SweepConfig:
+    base = dict(text=str(text_file), tokens=260, budgets=[16, 32], policies=["window", "h2o", "snapkv:window=4"],
+                sinks=[0, 2], oracle_stride=5, out=str(tmp_path / "runs"), name="t")
+    base.update(overrides)
+    return SweepConfig(**base)
+
+
+def test_sweep_numbers_match_independent_forwards(tmp_path, text_file):
+    model = make_tiny(seed=21)
+    cfg = config(tmp_path, text_file)
+    _, records = run_sweep(cfg, model=model, tokenizer=CharTokenizer(), progress=False)
+    by_key = {r["key"]: r for r in records}
+    tokens = CharTokenizer()(TEXT)["input_ids"][0][:260]
+    with attn(model, "sdpa"), torch.inference_mode():
+        full_logits = model(tokens[None]).logits[0].float()
+    full_lp = torch.log_softmax(full_logits, -1)[:-1]
+    full_nll = -full_lp.gather(-1, tokens[1:, None])[:, 0]
+    assert math.isclose(by_key["full|full|None"]["ppl"], math.exp(full_nll.double().mean()), rel_tol=1e-4)
+    # window: KL and PPL against the band-mask forward (an independent computation of the same cache)
+    for budget in (16, 32):
+        with attn(model, "sdpa"), torch.inference_mode():
+            n = tokens.numel()
+            i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+            visible = (j <= i) & (i - j <= budget)
+            band = torch.log_softmax(model(tokens[None], attention_mask=visible[None, None]).logits[0].float(), -1)[:-1]
+        kl = (full_lp.exp() * (full_lp - band)).sum(-1).double().mean()
+        row = by_key[f"policy|window|{budget}"]
+        assert math.isclose(row["kl_to_full"], float(kl), rel_tol=1e-3, abs_tol=1e-5)
+        band_nll = band_sink_nll(model, tokens, budget, 0)
+        assert math.isclose(row["ppl"], math.exp(band_nll.double().mean()), rel_tol=1e-4)
+        # oracle: a fresh forward over exactly the previous `budget` tokens, every 5th token
+        scored = list(range(budget, n - 1, 5))
+        with attn(model, "sdpa"), torch.inference_mode():
+            direct = [
+                -torch.log_softmax(model(tokens[None, p + 1 - budget : p + 1]).logits[0, -1].float(), -1)[tokens[p + 1]]
+                for p in scored
+            ]
+        expected = torch.cat([full_nll[:budget], torch.stack(direct)]).double().mean()
+        assert math.isclose(by_key[f"oracle|oracle|{budget}"]["ppl"], math.exp(expected), rel_tol=1e-4)
+    assert by_key["sinks|window|16"]["ppl"] == by_key["policy|window|16"]["ppl"]
+    assert by_key["sinks|sink2+window|32"]["sink_loss"] == 0.0
+
+
+def test_rerun_skips_finished_cells_and_finishes_the_rest(tmp_path, text_file, monkeypatch):
+    model = make_tiny(seed=22)
+    cfg = config(tmp_path, text_file)
+    store, first = run_sweep(cfg, model=model, tokenizer=CharTokenizer(), progress=False)
+    before = store.path.read_text()
+
+    def boom(*args, **kwargs):
+        raise AssertionError("a finished cell was recomputed")
+
+    monkeypatch.setattr(sweep, "compare", boom)
+    monkeypatch.setattr(sweep, "recompute_oracle", boom)
+    _, again = run_sweep(cfg, model=model, tokenizer=CharTokenizer(), progress=False)
+    assert store.path.read_text() == before
+    assert sorted(r["key"] for r in again) == sorted(r["key"] for r in first)
+    monkeypatch.undo()
+    # drop the budget-32 rows: only they are recomputed, and give the same numbers
+    lines = [line for line in before.splitlines() if '"budget": 32' not in line]
+    store.path.write_text("\n".join(lines) + "\n")
+    calls = []
+    real = sweep.compare
+    monkeypatch.setattr(sweep, "compare", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    _, third = run_sweep(cfg, model=model, tokenizer=CharTokenizer(), progress=False)
+    assert calls == [32]
+    old = {r["key"]: r["ppl"] for r in first}
+    assert all(math.isclose(r["ppl"], old[r["key"]], rel_tol=1e-6) for r in third)
+
+
+def test_plan_rejects_bad_sweeps(tmp_path, text_file):
+    with pytest.raises(KvevictError, match="unknown policy"):
+        sweep.plan(config(tmp_path, text_file, policies=["window", "lru"]))
+    with pytest.raises(KvevictError, match="empty"):
+        sweep.plan(config(tmp_path, text_file, budgets=[]))
+    with pytest.raises(KvevictError, match="not smaller than the 260 tokens"):
+        sweep.plan(config(tmp_path, text_file, budgets=[16, 400]))
+    with pytest.raises(KvevictError, match="pinned sinks"):
+        sweep.plan(config(tmp_path, text_file, policies=["window"], budgets=[4], sinks=[8]))
+
+
+def test_unwritable_output_folder(tmp_path, text_file):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(KvevictError, match="writable --out"):
+        sweep.prepare_folder(config(tmp_path, text_file, out=str(blocker)))
+
+
+def test_other_experiment_in_same_folder_is_refused(tmp_path, text_file):
+    sweep.prepare_folder(config(tmp_path, text_file))
+    with pytest.raises(KvevictError, match="another --name"):
+        sweep.prepare_folder(config(tmp_path, text_file, tokens=300))
+
+
+def test_report_has_every_table_and_plot(tmp_path, text_file):
+    model = make_tiny(seed=23)
+    cfg = config(tmp_path, text_file)
+    _, records = run_sweep(cfg, model=model, tokenizer=CharTokenizer(), progress=False)
+    page = render(records, asdict(cfg), tmp_path / "report.html").read_text()
+    assert 'id="summary"' in page and 'id="sinks"' in page
+    assert page.count("data:image/png;base64,") == 4  # position, budget, sinks, sink-loss heatmaps
+
+
+def _run_cli(args):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.Popen([sys.executable, "-m", "kvevict.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
+def test_sigkill_mid_sweep_loses_nothing(tmp_path, tiny_dir):
+    text_file = tmp_path / "long.txt"
+    text_file.write_text(TEXT * 6)
+    args = ["ab", "--model", str(tiny_dir), "--text", str(text_file), "--tokens", "1500",
+            "--budgets", "8,16,24,32,40", "--policies", "window,streamingllm,h2o", "--oracle-stride", "50",
+            "--out", str(tmp_path / "runs"), "--name", "kill"]
+    results = tmp_path / "runs" / "kill" / "results.jsonl"
+    proc = _run_cli(args)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()[1]
+        if results.exists() and len(results.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.05)
+    time.sleep(0.5)  # well inside the next cell
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    survived = results.read_text()
+    lines = survived.splitlines()
+    assert 3 <= len(lines) < 16
+    for line in lines:
+        json.loads(line)  # no corrupt line
+    proc = _run_cli(args)
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr
+    final = results.read_text()
+    assert final.startswith(survived)  # finished cells kept bit-identical
+    keys = [json.loads(line)["key"] for line in final.splitlines()]
+    assert len(keys) == len(set(keys)) == 1 + 5 * (1 + 3)
+    report = stdout.strip().splitlines()[-1]
+    assert report.endswith("report.html") and os.path.exists(report)

@@ -1,0 +1,166 @@
+"""Pass-key retrieval: prompts, grid bookkeeping, bad input, and the embedded model's behaviour."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from typer.testing import CliRunner
+
+from kvevict import KvevictError
+from kvevict.cli import app
+from kvevict.eval.needle import NeedleResult, PromptMaker, check_grid, run_needle
+from kvevict.models import load_tokenizer
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def maker(tokenizer):
+    return PromptMaker(tokenizer, seed=3)
+
+
+def one_line_error(result, *needles: str) -> None:
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_prompt_holds_the_key_once_at_the_right_place(maker, tokenizer):
+    for depth in (0.0, 0.25, 0.5, 0.9, 1.0):
+        prompt = maker.make(400, depth, trial=1)
+        text = tokenizer.decode(prompt.ids)
+        sentence = f"The secret pass key is {prompt.key}."
+        assert text.count(prompt.key) == 1 and sentence in text
+        assert len(prompt.key) == 5 and prompt.key.isdigit()
+        # the whole prompt: template opening, exactly `length` haystack tokens, question
+        assert prompt.ids.numel() == 400 + maker.overhead()
+        assert text.startswith("<|im_start|>system") and text.endswith("<|im_start|>assistant\n")
+        assert text.index(sentence) < text.index("What is the secret pass key?")
+        # the needle sits where its token index says, and near the asked depth
+        needle_text = tokenizer.decode(prompt.ids[prompt.needle_at : prompt.needle_at + 12])
+        assert needle_text.strip().startswith("The secret pass key is")
+        assert abs(prompt.needle_depth - depth) < 0.2
+    assert maker.make(400, 0.0, 1).needle_depth == 0.0
+    last = maker.make(400, 1.0, 1)
+    assert last.needle_at + 12 >= last.split - 1  # at the very end of the haystack
+
+
+def test_trials_are_seeded_and_paired_across_depths(maker, tokenizer):
+    a, b = maker.make(300, 0.2, 0), maker.make(300, 0.8, 0)
+    assert a.key == b.key  # same trial, same key and haystack: depths differ only by where the needle is
+    strip = lambda p: tokenizer.decode(p.ids).replace(f" The secret pass key is {p.key}. ", "")  # noqa: E731
+    assert strip(a).split() == strip(b).split()
+    assert maker.make(300, 0.2, 1).key != a.key or strip(maker.make(300, 0.2, 1)) != strip(a)
+    again = PromptMaker(maker.tokenizer, seed=3).make(300, 0.2, 0)
+    assert again.key == a.key and bool((again.ids == a.ids).all())
+
+
+def test_cells_aggregate_trials():
+    records = [
+        {"policy": "h2o", "budget": "25%", "length": 1000, "depth": 0.5, "hit": hit, "budget_tokens": 260}
+        for hit in (True, False, True, True)
+    ] + [{"policy": "full", "budget": "full", "length": 1000, "depth": 0.5, "hit": False, "budget_tokens": None}]
+    cells = {(c["policy"], c["budget"]): c for c in NeedleResult(records).cells()}
+    assert cells[("h2o", "25%")]["accuracy"] == 0.75 and cells[("h2o", "25%")]["trials"] == 4
+    assert cells[("full", "full")]["accuracy"] == 0.0 and cells[("full", "full")]["trials"] == 1
+
+
+@pytest.mark.parametrize("lengths,depths,trials,message", [
+    ([1000], [1.5], 3, "outside [0, 1]"),
+    ([1000], [-0.1], 3, "outside [0, 1]"),
+    ([1000], [0.5], 0, "at least 1"),
+    ([10], [0.5], 1, "too short"),
+    ([], [0.5], 1, "no haystack lengths"),
+])
+def test_check_grid(lengths, depths, trials, message):
+    with pytest.raises(KvevictError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        check_grid(lengths, depths, trials)
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["--depths", "0.5,1.2"], ["depth 1.2 is outside [0, 1]"]),
+    (["--trials", "0"], ["trials must be at least 1"]),
+    (["--lengths", "1000,abc"], ["--lengths takes comma-separated ints"]),
+    (["--budgets", "150%"], ["percentage in (0, 100]"]),
+    (["--policies", "lru"], ["unknown policy 'lru'"]),
+])
+def test_cli_rejects_bad_grid_before_loading(args, needles):
+    one_line_error(runner.invoke(app, ["needle", "--model", "/nonexistent", *args]), *needles)
+
+
+def test_cli_length_above_context(tiny_dir):
+    result = runner.invoke(app, ["needle", "--model", str(tiny_dir), "--lengths", "9000", "--policies", "full"])
+    one_line_error(result, "haystack length 9000", "context of 8192")
+
+
+def test_cli_budget_too_small_for_policy(tiny_dir):
+    result = runner.invoke(app, ["needle", "--model", str(tiny_dir), "--lengths", "100", "--policies", "snapkv",
+                                 "--budgets", "10%", "--trials", "1"])
+    one_line_error(result, "budget 10%", "snapkv:window=32")
+
+
+def test_cli_json_cells(tiny_dir):
+    result = runner.invoke(app, ["needle", "--model", str(tiny_dir), "--lengths", "64", "--depths", "0,1",
+                                 "--trials", "2", "--policies", "full,window,sink4+h2o", "--budgets", "50%,20",
+                                 "--json"])
+    assert result.exit_code == 0, result.output
+    cells = json.loads(result.stdout.strip().splitlines()[-1])["cells"]
+    # full once, the two bounded policies at each of the two budgets; 2 depths each
+    assert len(cells) == (1 + 2 * 2) * 2
+    for cell in cells:
+        assert {"policy", "budget", "length", "depth", "accuracy", "trials"} <= set(cell)
+        assert cell["trials"] == 2 and cell["length"] == 64 and cell["accuracy"] in (0.0, 0.5, 1.0)
+    assert {c["budget"] for c in cells} == {"full", "50%", "20"}
+
+
+def test_cli_without_chat_template_falls_back(tiny_dir, tmp_path):
+    plain = tmp_path / "plain"
+    shutil.copytree(tiny_dir, plain)
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    for extra in plain.glob("chat_template.*"):
+        extra.unlink()
+    result = runner.invoke(app, ["needle", "--model", str(plain), "--lengths", "64", "--depths", "0.5",
+                                 "--trials", "1", "--policies", "full", "--json"])
+    assert result.exit_code == 0, result.output
+    assert "no chat template" in result.stderr and "plain" in result.stderr
+    assert json.loads(result.stdout.strip().splitlines()[-1])["cells"][0]["trials"] == 1
+
+
+@pytest.mark.model
+def test_embedded_model_finds_the_key_with_full_cache_and_loses_it_when_evicted():
+    from kvevict.models import load_model
+
+    model, tokenizer = load_model("smollm2-135m")
+    # seed 0, trial 0 is a haystack the small model answers from (it misses about a third of them)
+    result = run_needle(model, tokenizer, lengths=[500], depths=[0.1, 0.5], trials=1,
+                        policies=["full", "window"], budgets=["20%"], progress=False)
+    hits = {r["policy"]: [] for r in result.records}
+    for r in result.records:
+        hits[r["policy"]].append(r["hit"])
+    assert sum(hits["full"]) == 2, result.records
+    # a window of the last 20% cannot hold a needle at depth 0.1 or 0.5
+    assert sum(hits["window"]) == 0, result.records
+
+
+def test_heatmaps_one_png_per_policy():
+    from kvevict.report.task_plots import needle_heatmaps
+
+    cells = [
+        {"policy": p, "budget": b, "length": n, "depth": d, "accuracy": 0.5, "trials": 2}
+        for p, budgets in (("full", ["full"]), ("h2o", ["50%", "10%"]))
+        for b in budgets for n in (1000, 2000) for d in (0.1, 0.9)
+    ]
+    figures = needle_heatmaps(cells)
+    assert [title for title, _ in figures] == ["needle: full", "needle: h2o"]
+    assert all(png.startswith(b"\x89PNG") for _, png in figures)
