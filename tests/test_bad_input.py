@@ -7,7 +7,6 @@ import sys
 
 import pytest
 import torch
-from conftest import make_tiny, random_tokens
 from transformers import GPT2Config, GPT2LMHeadModel
 from typer.testing import CliRunner
 
@@ -15,6 +14,8 @@ from kvevict import EvictingCache, KvevictError, compare, parse_policy
 from kvevict.cli import app
 from kvevict.eval.forward import body
 from kvevict.models import load_tokenizer
+
+from conftest import make_tiny, random_tokens
 
 runner = CliRunner()
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny, random_tokens
-from helpers import band_sink_nll, plain_nll
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvevict import EvictingCache, compare
 from kvevict.eval.forward import body
+
+from conftest import make_tiny, random_tokens
+from helpers import band_sink_nll, plain_nll
 
 
 def rel_close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-4) -> None:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import torch
-from conftest import make_tiny
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvevict import EvictingCache
 from kvevict.eval.forward import body
+
+from conftest import make_tiny
 
 MODEL = make_tiny(seed=5, layers=2)
 VOCAB = MODEL.config.vocab_size

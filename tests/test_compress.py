@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import random_tokens
-from helpers import attn, nll_from_logits
 
 from kvevict import KvevictError
 from kvevict.eval.compress import compress, continuation_nll, greedy, parse_budget, resolve_budget
+
+from conftest import random_tokens
+from helpers import attn, nll_from_logits
 
 
 def kept_mask_nll(model, tokens: torch.Tensor, context: int, kept: set[int]) -> torch.Tensor:

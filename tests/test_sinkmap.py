@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny, random_tokens
-from helpers import attn
 
 from kvevict import EvictingCache, KvevictError, parse_policy
 from kvevict.eval.forward import body
 from kvevict.eval.sinkmap import sink_map
 from kvevict.policies.sinkauto import SinkAuto
+
+from conftest import make_tiny, random_tokens
+from helpers import attn
 
 
 def eager_attentions(model, tokens: torch.Tensor) -> list[torch.Tensor]:

@@ -21,8 +21,8 @@ stream (H2O, SnapKV, kvpress); `cache` re-numbers kept entries 0..L-1 in order
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -162,7 +162,9 @@ class EvictingLayer(CacheLayerMixin):
         if self.owner.positions == "cache":
             self.raw = torch.zeros_like(self.keys)
         self.pos = torch.zeros(shape, dtype=torch.long, device=self.device)
-        self.stats = {name: torch.zeros(shape, dtype=torch.float32, device=self.device) for name in self.owner.stat_names}
+        self.stats = {
+            name: torch.zeros(shape, dtype=torch.float32, device=self.device) for name in self.owner.stat_names
+        }
         if old[0] is not None and self.n:
             n = self.n
             self.keys[:, :, :n] = old[0][:, :, :n]
@@ -187,7 +189,7 @@ class EvictingLayer(CacheLayerMixin):
         keys were rotated for), `[B, H_q, q, D]`.
         """
         self.pending = False
-        q, total = self.new, self.n + self.new
+        total = self.n + self.new
         budget = self.owner.budget
         will_evict = budget is not None and total > budget
         if self.owner.query_window:

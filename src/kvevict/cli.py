@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -16,7 +15,9 @@ from rich.table import Table
 
 from .errors import KvevictError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="KV-cache eviction policies: measure before you ship.")
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="KV-cache eviction policies: measure before you ship."
+)
 out = Console()
 err = Console(stderr=True)
 
@@ -215,7 +216,7 @@ def demo(out_dir: str = typer.Option("runs", "--out", help="where results go")) 
 from . import cli_tasks  # noqa: E402,F401  (registers needle / sinks / generation on `app`)
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # config warnings are not the user's business here

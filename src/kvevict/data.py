@@ -36,7 +36,9 @@ def load_text(source: str = "pg-essays") -> str:
         return "\n\n".join(p.read_text(encoding="utf-8") for p in essay_files())
     path = Path(source)
     if not path.exists():
-        raise KvevictError(f"text '{source}' not found: use 'pg-essays', a .txt file, a folder of .txt files or a .jsonl")
+        raise KvevictError(
+            f"text '{source}' not found: use 'pg-essays', a .txt file, a folder of .txt files or a .jsonl"
+        )
     if path.is_dir():
         files = sorted(path.glob("*.txt"))
         if not files:

@@ -123,7 +123,8 @@ class _Lane:
                 break
             lp = log_probs(self.model, hidden[:, lo : lo + n_targets])
             tgt = targets[start + lo : start + lo + n_targets]
-            self.nll[:, start + lo : start + lo + n_targets] = -lp.gather(-1, tgt.view(1, -1, 1).expand(self.rows, -1, 1))[..., 0]
+            picked = lp.gather(-1, tgt.view(1, -1, 1).expand(self.rows, -1, 1))[..., 0]
+            self.nll[:, start + lo : start + lo + n_targets] = -picked
             if sink is not None:
                 sink(start + lo, lp)
         self.seconds += time.perf_counter() - t0

@@ -9,8 +9,8 @@ run a different policy in each row, and lets tests check a policy against a form
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 

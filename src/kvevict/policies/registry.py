@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 import re
-from typing import Callable
+from collections.abc import Callable
 
 from ..errors import KvevictError
 from .base import Policy

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import base64
 import html
-from datetime import datetime, timezone
+from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Callable
 
 from . import plots
 from .tables import COLUMNS, sinks_table, summary_rows
@@ -50,7 +50,7 @@ def render(records: list[dict], config: dict, path: Path) -> Path:
         + html.escape(
             f"model {config.get('model')} · text {config.get('text')} · {config.get('tokens')} tokens · "
             f"positions {config.get('positions')} · seed {config.get('seed')} · "
-            f"generated {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC"
+            f"generated {datetime.now(UTC):%Y-%m-%d %H:%M} UTC"
         )
         + "</p>",
         "<h2>Streaming perplexity and fidelity to the full cache</h2>",

@@ -1,0 +1,64 @@
+"""Time per decode step: EvictingCache under each policy vs transformers' DynamicCache.
+
+Both hold about the same number of entries: the EvictingCache sits at its budget, the
+DynamicCache is prefilled to `budget - steps/2` so it averages the budget over the
+timed steps. Same model, same tokens, one process, arms interleaved round-robin so
+machine noise hits all of them alike.
+
+    .venv/bin/python benchmarks/decode_overhead.py --budget 512 --steps 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from transformers import DynamicCache
+
+from kvevict import EvictingCache, load_model, load_tokens
+from kvevict.eval.forward import body
+
+ARMS = ["dynamic", "window", "streamingllm", "h2o", "snapkv"]
+TARGETS = {"window": 1.05, "streamingllm": 1.05, "h2o": 1.15}
+
+
+def make(model, arm: str, budget: int, steps: int, tokens: torch.Tensor):
+    if arm == "dynamic":
+        cache = DynamicCache(config=model.config)
+        model.set_attn_implementation("sdpa")
+        body(model, tokens[None, : budget - steps // 2], cache)
+        return cache, budget - steps // 2
+    cache = EvictingCache(model, arm, budget=budget)
+    body(model, tokens[None, :budget], cache)
+    return cache, budget
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--budget", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    model, tokenizer = load_model("smollm2-135m")
+    tokens, _ = load_tokens("pg-essays", tokenizer, args.budget + args.steps * args.rounds + 1)
+    times: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    with torch.inference_mode():
+        for _ in range(args.rounds):
+            for arm in ARMS:
+                cache, at = make(model, arm, args.budget, args.steps, tokens)
+                for step in range(args.steps):
+                    t0 = time.perf_counter()
+                    body(model, tokens[None, at + step : at + step + 1], cache)
+                    times[arm].append(time.perf_counter() - t0)
+    base = sorted(times["dynamic"])[len(times["dynamic"]) // 2]
+    print(f"decode step, SmolLM2-135M, budget {args.budget}, batch 1, median of {args.steps * args.rounds} steps")
+    print(f"{'cache':<14}{'ms/step':>10}{'vs DynamicCache':>18}{'target':>10}")
+    for arm in ARMS:
+        median = sorted(times[arm])[len(times[arm]) // 2]
+        target = f"<= {TARGETS[arm]:.2f}x" if arm in TARGETS else ""
+        print(f"{arm:<14}{median * 1000:>10.1f}{median / base:>17.3f}x{target:>10}")
+
+
+if __name__ == "__main__":
+    main()
