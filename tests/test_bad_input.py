@@ -155,3 +155,41 @@ def test_unsupported_model_object():
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=50))
     with pytest.raises(KvevictError, match="rotary"):
         EvictingCache(model, "window", budget=8)
+
+
+def test_cache_reused_for_another_sequence_is_refused_until_reset():
+    model = make_tiny(seed=4)
+    for positions in ("original", "cache"):
+        cache = EvictingCache(model, "sink2+window", budget=8, positions=positions)
+        with torch.inference_mode():
+            model(random_tokens(20)[None], past_key_values=cache)
+            with pytest.raises(KvevictError, match="reset"):
+                model(random_tokens(5)[None], position_ids=torch.arange(5)[None], past_key_values=cache)
+            cache.reset()
+            model(random_tokens(5)[None], position_ids=torch.arange(5)[None], past_key_values=cache)
+        assert cache.tokens_seen == 5
+
+
+def test_budget_change_mid_run_is_validated_and_applied():
+    model = make_tiny(seed=4)
+    cache = EvictingCache(model, "sink4+window", budget=16)
+    tokens = random_tokens(40)
+    with torch.inference_mode():
+        body(model, tokens[None, :20], cache)
+        assert all(layer.n == 16 for layer in cache.layers)
+        cache.budget = 10
+        body(model, tokens[None, 20:21], cache)
+        assert all(layer.n == 10 for layer in cache.layers)
+        kept = cache.layers[0].kept_positions()[0, 0].tolist()
+        assert kept == [0, 1, 2, 3] + list(range(15, 21))
+        with pytest.raises(KvevictError, match="pinned sinks"):
+            cache.budget = 4
+
+
+def test_nan_inputs_are_refused(tiny):
+    cache = EvictingCache(tiny, "h2o", budget=8)
+    embeds = tiny.get_input_embeddings()(random_tokens(10)[None]).clone()
+    embeds[0, 3, 5] = float("nan")
+    with pytest.raises(KvevictError, match="NaN"):
+        with torch.inference_mode():
+            tiny(inputs_embeds=embeds, past_key_values=cache)

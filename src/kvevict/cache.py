@@ -108,6 +108,14 @@ class EvictingLayer(CacheLayerMixin):
                 "use a new EvictingCache for each batch (cache.reset() to reuse it)"
             )
         q = key_states.shape[2]
+        if not bool(torch.isfinite(key_states).all() and torch.isfinite(value_states).all()):
+            raise KvevictError(
+                f"layer {self.index} produced NaN/inf keys or values: check the inputs (inputs_embeds) and the "
+                "model weights; the cache refuses to rank entries by NaN scores"
+            )
+        used = attention.model_positions(kwargs, q, self.n if self.owner.positions == "cache" else self.seen,
+                                          self.device)
+        self._check_continuation(int(used[0]))
         self._ensure_capacity(self.n + q)
         end = self.n + q
         stream_pos = torch.arange(self.seen, self.seen + q, device=self.device)
@@ -116,7 +124,6 @@ class EvictingLayer(CacheLayerMixin):
             stat[:, :, self.n : end] = 0
         self.values[:, :, self.n : end] = value_states
         if self.owner.positions == "cache":
-            used = attention.model_positions(kwargs, q, self.n, self.device)
             cos, sin = self.owner.rotary.at(used)
             raw = self.owner.rotary.unrotate(key_states, cos, sin)
             self.raw[:, :, self.n : end] = raw
@@ -129,6 +136,17 @@ class EvictingLayer(CacheLayerMixin):
         self.seen += q
         self.pending = True
         return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def _check_continuation(self, first: int) -> None:
+        """Refuse a forward that starts a new sequence in a cache that holds another one."""
+        if self.seen == 0:
+            return
+        expected = (self.n, self.seen) if self.owner.positions == "cache" else (self.seen,)
+        if first not in expected:
+            raise KvevictError(
+                f"this cache already holds {self.seen} tokens of a sequence, but the new tokens start at position "
+                f"{first}: call cache.reset() (or make a new EvictingCache) before reusing it for another sequence"
+            )
 
     def get_seq_length(self) -> int:
         return self.n if self.owner.positions == "cache" else self.seen
@@ -332,7 +350,7 @@ class EvictingCache(Cache):
                 raise KvevictError(f"budget must be a positive number of entries, got {budget}")
             for p in self.policies:
                 p.check_budget(budget)
-        self.budget = budget
+        self._budget = budget
         self.positions = positions
         self.slack = slack
         self.stat_names = sorted({name for p in self.policies for name in p.stats})
@@ -367,12 +385,26 @@ class EvictingCache(Cache):
         for p in self.policies:
             p.reset()
 
+    @property
+    def budget(self) -> int | None:
+        return self._budget
+
+    @budget.setter
+    def budget(self, value: int | None) -> None:
+        """Change the budget mid-run: lowering it evicts at the next forward; it is validated like a new cache."""
+        if value is not None:
+            if value < 1:
+                raise KvevictError(f"budget must be a positive number of entries, got {value}")
+            for p in self.policies:
+                p.check_budget(value)
+        self._budget = value
+
     def initial_capacity(self) -> int:
         return (self.budget if self.budget is not None else 0) + self.slack
 
     def freeze(self) -> None:
         """Stop evicting: later tokens are all kept (context-compression protocol)."""
-        self.budget = None
+        self._budget = None
 
     def reset(self) -> None:
         super().reset()
