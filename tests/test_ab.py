@@ -181,3 +181,20 @@ def test_sigkill_mid_sweep_loses_nothing(tmp_path, tiny_dir):
     assert len(keys) == len(set(keys)) == 1 + 5 * (1 + 3)
     report = stdout.strip().splitlines()[-1]
     assert report.endswith("report.html") and os.path.exists(report)
+
+
+def _numbers(records):
+    return {r["key"]: (r["ppl"], r["kl_to_full"], r["seed"]) for r in records}
+
+
+def test_same_seed_same_results_and_seed_recorded(tmp_path, text_file):
+    model = make_tiny(seed=24)
+    runs = []
+    for name, seed in (("a", 3), ("b", 3), ("c", 4)):
+        cfg = config(tmp_path, text_file, policies=["random", "sink2+random"], sinks=[], budgets=[16], seed=seed,
+                     name=name)
+        runs.append(_numbers(run_sweep(cfg, model=model, tokenizer=CharTokenizer(), progress=False)[1]))
+    assert runs[0] == runs[1]
+    assert all(seed == 3 for _, _, seed in runs[0].values())
+    assert "policy|random:seed=3|16" in runs[0] and "policy|random:seed=4|16" in runs[2]
+    assert runs[0]["policy|random:seed=3|16"][0] != runs[2]["policy|random:seed=4|16"][0]
