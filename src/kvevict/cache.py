@@ -345,12 +345,7 @@ class EvictingCache(Cache):
                 "'full' cannot share a batch with bounded policies (its cache grows while theirs do not): "
                 "run the full cache in its own batch"
             )
-        if budget is not None:
-            if budget < 1:
-                raise KvevictError(f"budget must be a positive number of entries, got {budget}")
-            for p in self.policies:
-                p.check_budget(budget)
-        self._budget = budget
+        self.budget = budget
         self.positions = positions
         self.slack = slack
         self.stat_names = sorted({name for p in self.policies for name in p.stats})

@@ -197,6 +197,37 @@ def ab(
         fail(str(exc))
 
 
+@app.command()
+def report(
+    run: str = typer.Argument(..., help="a run folder OUT/NAME written by `kvevict ab`"),
+    markdown: bool = typer.Option(False, "--markdown", help="print the tables as Markdown"),
+) -> None:
+    """Redraw a run's HTML report from its results.jsonl (no model needed)."""
+    from pathlib import Path
+
+    from .report.html import render
+    from .report.store import ResultStore
+    from .report.tables import COLUMNS, sinks_table, summary_rows
+    from .report.tables import markdown as to_markdown
+
+    folder = Path(run)
+    try:
+        if not (folder / "results.jsonl").exists():
+            raise KvevictError(f"no results.jsonl in '{run}': give the OUT/NAME folder of a `kvevict ab` run")
+        records = ResultStore(folder / "results.jsonl").records()
+        config = json.loads((folder / "run.json").read_text())["config"] if (folder / "run.json").exists() else {}
+    except KvevictError as exc:
+        fail(str(exc))
+    path = render(records, config, folder / "report.html")
+    if markdown:
+        print(to_markdown(COLUMNS, summary_rows(records)))
+        sinks = sinks_table(records)
+        if sinks:
+            print()
+            print(to_markdown(*sinks))
+    print(path.resolve())
+
+
 #: The default A/B that `make demo` runs: sized to finish in under 10 minutes on 2 cores.
 DEMO = dict(tokens=1000, budgets=[64, 128, 256], policies=["window", "streamingllm", "h2o", "snapkv"],
             sinks=[0, 1, 2, 4, 8], oracle_stride=16, name="demo")

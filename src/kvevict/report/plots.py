@@ -74,13 +74,7 @@ def ppl_vs_budget(records: list[dict]) -> bytes:
     if full is not None:
         ax.axhline(full["ppl"], color="black", linewidth=2, label="full cache")
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("budget (entries per layer and KV head)")
-    ax.set_ylabel("streaming perplexity")
-    ax.set_title("Perplexity vs budget")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
-    return png(fig)
+    return _finish(ax, fig, "budget (entries per layer and KV head)", "Perplexity vs budget")
 
 
 def ppl_vs_sinks(records: list[dict]) -> bytes | None:
@@ -91,10 +85,15 @@ def ppl_vs_sinks(records: list[dict]) -> bytes | None:
     for budget in _budgets(rows):
         points = sorted((_sink_count(r["label"]), r["ppl"]) for r in rows if r["budget"] == budget)
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"budget {budget}")
+    return _finish(ax, fig, "pinned sink tokens (sinkK+window)", "Perplexity vs number of attention sinks")
+
+
+def _finish(ax, fig, xlabel: str, title: str) -> bytes:
+    """Log-scale perplexity axis, labels, grid, legend: the common dress of the PPL plots."""
     ax.set_yscale("log")
-    ax.set_xlabel("pinned sink tokens (sinkK+window)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("streaming perplexity")
-    ax.set_title("Perplexity vs number of attention sinks")
+    ax.set_title(title)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
     return png(fig)

@@ -62,3 +62,9 @@ def sinks_table(records: list[dict]) -> tuple[list[str], list[list[str]]] | None
             line.append(_fmt(match["ppl"]) if match else "-")
         body.append(line)
     return header, body
+
+
+def markdown(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
