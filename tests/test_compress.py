@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from kvevict import KvevictError
-from kvevict.eval.compress import compress, continuation_nll, greedy, parse_budget, resolve_budget
+from kvevict.eval.compress import (
+    compress,
+    compress_prompt,
+    continuation_nll,
+    greedy,
+    parse_budget,
+    resolve_budget,
+)
 
 from conftest import random_tokens
 from helpers import attn, nll_from_logits
@@ -92,6 +99,32 @@ def test_greedy_equals_masked_reference_loop(tiny):
         expected.append(int(logits.argmax()))
         sequence = torch.cat([sequence, torch.tensor([expected[-1]])])
     assert ours == expected
+
+
+def masked_last_logits(model, tokens: torch.Tensor, context: int, kept: set[int]) -> torch.Tensor:
+    n = tokens.numel()
+    i = torch.arange(n)[:, None]
+    j = torch.arange(n)[None, :]
+    keep = torch.zeros(n, dtype=torch.bool)
+    keep[sorted(kept)] = True
+    visible = (j <= i) & ((i < context) | (j >= context) | keep[None, :])
+    with attn(model, "sdpa"), torch.inference_mode():
+        return model(tokens[None], attention_mask=visible[None, None]).logits[0, -1].float()
+
+
+def test_compress_prompt_reads_its_tail_through_the_compressed_cache(tiny):
+    prompt = random_tokens(60, seed=13)
+    # default split: all but the last token compressed, so even the first answer token is bounded
+    state = compress_prompt(tiny, prompt, "window", 16)
+    assert state.context_length == 59 and all(layer.n == 17 for layer in state.cache.layers)
+    expected = masked_last_logits(tiny, prompt, 59, set(range(59 - 16, 59)))
+    torch.testing.assert_close(state.next_logits(tiny)[0], expected, rtol=1e-4, atol=1e-4)
+    # a split after a "document": the question (last 10 tokens) reads the compressed document
+    state = compress_prompt(tiny, prompt, "sink2+window", 12, split=50)
+    expected = masked_last_logits(tiny, prompt, 50, set(range(2)) | set(range(50 - 10, 50)))
+    torch.testing.assert_close(state.next_logits(tiny)[0], expected, rtol=1e-4, atol=1e-4)
+    with pytest.raises(KvevictError, match="split"):
+        compress_prompt(tiny, prompt, "window", 16, split=60)
 
 
 def test_greedy_stops_each_row_at_its_stop_token(tiny):

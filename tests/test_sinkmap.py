@@ -130,3 +130,24 @@ def test_sink_map_figure(tiny):
 
     data = sink_map(tiny, None, random_tokens(80, seed=2), k=4).to_dict()
     assert sink_map_figure(data).startswith(b"\x89PNG")
+
+
+def test_sinks_cli(tiny_dir, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvevict.cli import app
+
+    runner = CliRunner()
+    image = tmp_path / "map.png"
+    result = runner.invoke(app, ["sinks", "--model", str(tiny_dir), "--tokens", "128", "--k", "4", "--png", str(image),
+                                 "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout.strip().splitlines()[-1])
+    assert data["k"] == 4 and len(data["share"]) == 2 and len(data["share"][0]) == 4 and len(data["tokens"]) == 4
+    assert image.read_bytes().startswith(b"\x89PNG")
+    for args, needle in ((["--tokens", "32"], "at least 64"), (["--tokens", "128", "--k", "40"], "--k must be"),
+                         (["--threshold", "1.5"], "--threshold")):
+        bad = runner.invoke(app, ["sinks", "--model", "/nonexistent", *args])
+        assert bad.exit_code == 2 and bad.stderr.startswith("error: ") and needle in bad.stderr, bad.stderr

@@ -93,7 +93,8 @@ class Compressed:
 
     def next_logits(self, model) -> torch.Tensor:
         """`[B, vocab]` float32 logits of the next token."""
-        return model.get_output_embeddings()(self.hidden).float()
+        with torch.inference_mode():
+            return model.get_output_embeddings()(self.hidden).float()
 
     def feed(self, model, ids: torch.Tensor) -> torch.Tensor:
         """Append `ids` (`[q]` shared by every row, or `[B, q]`) without eviction; returns their hidden states."""
