@@ -77,7 +77,9 @@ def test_sweep_numbers_match_independent_forwards(tmp_path, text_file):
                 -torch.log_softmax(model(tokens[None, p + 1 - budget : p + 1]).logits[0, -1].float(), -1)[tokens[p + 1]]
                 for p in scored
             ]
-        expected = torch.cat([full_nll[:budget], torch.stack(direct)]).double().mean()
+        # stratified: the head (all scored) exactly, the strided tail's mean for the whole tail
+        head, tail = full_nll[:budget].double(), torch.stack(direct).double()
+        expected = (head.sum() + tail.mean() * (n - 1 - budget)) / (n - 1)
         assert math.isclose(by_key[f"oracle|oracle|{budget}"]["ppl"], math.exp(expected), rel_tol=1e-4)
     assert by_key["sinks|window|16"]["ppl"] == by_key["policy|window|16"]["ppl"]
     assert by_key["sinks|sink2+window|32"]["sink_loss"] == 0.0
@@ -198,3 +200,26 @@ def test_same_seed_same_results_and_seed_recorded(tmp_path, text_file):
     assert all(seed == 3 for _, _, seed in runs[0].values())
     assert "policy|random:seed=3|16" in runs[0] and "policy|random:seed=4|16" in runs[2]
     assert runs[0]["policy|random:seed=3|16"][0] != runs[2]["policy|random:seed=4|16"][0]
+
+
+def test_ab_with_needle_generation_and_sink_map_sections(tmp_path, tiny_dir):
+    from kvevict.models import load_model
+
+    model, tokenizer = load_model(str(tiny_dir))
+    cfg = SweepConfig(tokens=300, budgets=[32], policies=["streamingllm", "h2o"], oracle_stride=50,
+                      out=str(tmp_path / "runs"), name="extras", needle=[200], needle_depths=[0.5], needle_trials=1,
+                      generation=True, generation_length=120, sink_map=True)
+    store, records = run_sweep(cfg, model=model, tokenizer=tokenizer, progress=False)
+    kinds = [r["kind"] for r in records]
+    # full + streamingllm + h2o, one depth, one trial: every policy has a needle and a generation record
+    assert kinds.count("needle") == 3 and kinds.count("generation") == 3 and kinds.count("sinkmap") == 1
+    for r in records:
+        if r["kind"] == "needle":
+            assert r["hit"] == (r["passkey"] in r["answer"]) and len(r["passkey"]) == 5
+    page = render(records, asdict(cfg), tmp_path / "report.html").read_text()
+    for table_id in ('id="summary"', 'id="needle"', 'id="generation"'):
+        assert table_id in page
+    assert "Attention-sink map" in page
+    before = store.path.read_text()
+    run_sweep(cfg, model=model, tokenizer=tokenizer, progress=False)  # finished protocols are not rerun
+    assert store.path.read_text() == before

@@ -164,3 +164,18 @@ def test_heatmaps_one_png_per_policy():
     figures = needle_heatmaps(cells)
     assert [title for title, _ in figures] == ["needle: full", "needle: h2o"]
     assert all(png.startswith(b"\x89PNG") for _, png in figures)
+
+
+def test_markdown_table_counts_hits():
+    from kvevict.report.task_plots import needle_markdown
+
+    cells = [
+        {"policy": "h2o", "budget": "10%", "length": 1000, "depth": 0.1, "accuracy": 1 / 3, "trials": 3},
+        {"policy": "h2o", "budget": "10%", "length": 1000, "depth": 0.9, "accuracy": 1.0, "trials": 3},
+        {"policy": "h2o", "budget": "50%", "length": 1000, "depth": 0.1, "accuracy": 2 / 3, "trials": 3},
+        {"policy": "full", "budget": "full", "length": 1000, "depth": 0.1, "accuracy": 1.0, "trials": 3},
+    ]
+    lines = needle_markdown(cells).splitlines()
+    assert lines[0] == "| policy | budget | 1000 @ 0.1 | 1000 @ 0.9 | all |"
+    assert lines[2:] == ["| full | full | 3/3 | - | 3/3 |", "| h2o | 50% | 2/3 | - | 2/3 |",
+                         "| h2o | 10% | 1/3 | 3/3 | 4/6 |"]

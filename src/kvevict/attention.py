@@ -50,7 +50,9 @@ def _take_pending(layer_idx: int | None):
     return layer
 
 
-def model_positions(kwargs: dict, q: int, default_start: int, device: torch.device) -> torch.Tensor:
+def model_positions(
+    kwargs: dict, q: int, default_start: int, device: torch.device, check_rows: bool = True
+) -> torch.Tensor:
     """The positions the model rotated this forward's tokens with, `[q]`.
 
     transformers passes `position_ids` down to the attention layer; rows that disagree
@@ -61,7 +63,7 @@ def model_positions(kwargs: dict, q: int, default_start: int, device: torch.devi
     if position_ids is None:
         return torch.arange(default_start, default_start + q, device=device)
     position_ids = position_ids.reshape(-1, position_ids.shape[-1])
-    if position_ids.shape[0] > 1 and not bool((position_ids == position_ids[:1]).all()):
+    if check_rows and position_ids.shape[0] > 1 and not bool((position_ids == position_ids[:1]).all()):
         raise padded_batch_error()
     return position_ids[0, -q:].to(device)
 
@@ -88,7 +90,7 @@ def kvevict_attention(
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     query_positions = None
     if layer is not None:
-        query_positions = model_positions(kwargs, q_len, layer.n, query.device)
+        query_positions = model_positions(kwargs, q_len, layer.n, query.device, check_rows=False)
         if layer.owner.positions == "cache":
             target = torch.arange(layer.n, layer.n + q_len, device=query.device)
             if not torch.equal(query_positions, target):

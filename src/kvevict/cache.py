@@ -108,14 +108,16 @@ class EvictingLayer(CacheLayerMixin):
                 "use a new EvictingCache for each batch (cache.reset() to reuse it)"
             )
         q = key_states.shape[2]
-        if not bool(torch.isfinite(key_states).all() and torch.isfinite(value_states).all()):
+        if not bool(torch.isfinite(key_states).all()):
             raise KvevictError(
-                f"layer {self.index} produced NaN/inf keys or values: check the inputs (inputs_embeds) and the "
-                "model weights; the cache refuses to rank entries by NaN scores"
+                f"layer {self.index} produced NaN/inf keys: check the inputs (inputs_embeds) and the model weights; "
+                "the cache refuses to rank entries by NaN scores"
             )
-        used = attention.model_positions(kwargs, q, self.n if self.owner.positions == "cache" else self.seen,
-                                          self.device)
-        self._check_continuation(int(used[0]))
+        start = self.n if self.owner.positions == "cache" else self.seen
+        # Positions are the same for every layer of a forward: check them once, at layer 0.
+        used = attention.model_positions(kwargs, q, start, self.device, check_rows=self.index == 0)
+        if self.index == 0:
+            self._check_continuation(int(used[0]))
         self._ensure_capacity(self.n + q)
         end = self.n + q
         stream_pos = torch.arange(self.seen, self.seen + q, device=self.device)
@@ -281,18 +283,31 @@ class EvictingLayer(CacheLayerMixin):
         for group in self.owner.groups:
             group.put(scores, group.policy.scores(self._view(group, total)))
         # Stable sort on reversed slots: among equal scores the later token wins.
-        order = torch.sort(scores.flip(-1), dim=-1, descending=True, stable=True).indices[..., :budget]
-        keep = (total - 1 - order).sort(dim=-1).values
-        had_sink = self.pos[:, :, 0] == 0
+        if total == budget + 1:
+            # The decode step: one entry goes. argmin takes the first of equal minima,
+            # so among equal scores the earlier token goes, the later one stays.
+            victim = scores.argmin(dim=-1, keepdim=True)
+            slots = torch.arange(budget, device=self.device)
+            keep = slots + (slots >= victim).long()
+        else:
+            order = torch.sort(scores.flip(-1), dim=-1, descending=True, stable=True).indices[..., :budget]
+            keep = (total - 1 - order).sort(dim=-1).values
+        track_sink = self.owner.sink_unpinned
+        if track_sink:
+            had_sink = self.pos[:, :, 0] == 0
         self._gather(keep, total, budget)
         self.n = budget
-        lost = had_sink & (self.pos[:, :, 0] != 0) & (self.sink_lost_at < 0)
-        if lost.any():
-            self.sink_lost_at[lost] = self.seen
-        pinned = self.owner.pinned_per_row.to(self.device)
-        if pinned.any():
-            held = (self.pos[:, :, :budget] < pinned[:, None, None]).sum(-1)
-            self.pinned_evicted |= (held < torch.clamp(pinned, max=self.seen)[:, None]).any(-1).cpu()
+        if track_sink:
+            lost = had_sink & (self.pos[:, :, 0] != 0) & (self.sink_lost_at < 0)
+            if lost.any():
+                self.sink_lost_at[lost] = self.seen
+        if self.owner.max_pinned:
+            # Slots are in positional order, so pinned tokens 0..N-1 must sit in slots 0..N-1.
+            pinned = self.owner.pinned_per_row.to(self.device)
+            width = min(self.owner.max_pinned, self.seen)
+            expected = torch.arange(width, device=self.device)
+            wrong = (self.pos[:, :, :width] != expected) & (expected < pinned[:, None, None])
+            self.pinned_evicted |= wrong.flatten(1).any(-1).cpu()
 
     def _gather(self, keep: torch.Tensor, total: int, budget: int) -> None:
         index = keep.unsqueeze(-1).expand(-1, -1, -1, self.head_dim)
@@ -357,6 +372,8 @@ class EvictingCache(Cache):
         self.rotary = Rotary(model.model.rotary_emb, head_dim, dtype, device)
         self.groups: list[RowGroup] = []
         self.pinned_per_row = torch.zeros(0, dtype=torch.long)
+        self.max_pinned = 0
+        self.sink_unpinned = True
         attention.attach(model)
         super().__init__(layers=[EvictingLayer(self, i) for i in range(text.num_hidden_layers)])
 
@@ -377,6 +394,9 @@ class EvictingCache(Cache):
             by_object.setdefault(id(p), []).append(row)
         self.groups = [RowGroup(policies[rows[0]], rows) for rows in by_object.values()]
         self.pinned_per_row = torch.tensor([p.pinned for p in policies], dtype=torch.long)
+        self.max_pinned = max(p.pinned for p in policies)
+        # token 0 can only be lost by rows that do not pin it
+        self.sink_unpinned = any(p.pinned == 0 for p in policies)
         for p in self.policies:
             p.reset()
 

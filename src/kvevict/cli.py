@@ -145,6 +145,13 @@ def parse_ints(text: str, option: str) -> list[int]:
         raise KvevictError(f"{option} takes comma-separated integers, got '{text}'") from None
 
 
+def parse_floats(text: str, option: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise KvevictError(f"{option} takes comma-separated numbers, got '{text}'") from None
+
+
 def run_ab(config) -> None:
     """Plan, validate, run and report one sweep; prints the summary and the report path."""
     from .report.html import render
@@ -182,6 +189,11 @@ def ab(
     seed: int = typer.Option(0, help="seed of random policies (recorded in every result)"),
     name: str = typer.Option("ab", help="run name: results go to OUT/NAME"),
     out_dir: str = typer.Option("runs", "--out", help="output folder"),
+    needle: str = typer.Option("", help="also run pass-key retrieval at these haystack lengths, e.g. 1000,2000"),
+    needle_depths: str = typer.Option("0.1,0.5,0.9", help="needle depths in [0, 1]"),
+    needle_trials: int = typer.Option(2, help="seeded needle trials per length and depth"),
+    generation: bool = typer.Option(False, help="also measure repetition and recall of greedy generation"),
+    sink_map: bool = typer.Option(False, "--sink-map", help="also draw the model's attention-sink map"),
 ) -> None:
     """A/B test policies side by side: resumable results.jsonl, a summary table and an HTML report."""
     from .sweep import SweepConfig
@@ -191,6 +203,8 @@ def ab(
             model=model, text=text, tokens=tokens, budgets=parse_ints(budgets, "--budgets"),
             policies=[p.strip() for p in policies.split(",") if p.strip()], sinks=parse_ints(sinks, "--sinks"),
             oracle_stride=oracle_stride, positions=positions, seed=seed, name=name, out=out_dir,
+            needle=parse_ints(needle, "--needle"), needle_depths=parse_floats(needle_depths, "--needle-depths"),
+            needle_trials=needle_trials, generation=generation, sink_map=sink_map,
         )
         run_ab(config)
     except KvevictError as exc:

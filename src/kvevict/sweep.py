@@ -41,6 +41,12 @@ class SweepConfig:
     seed: int = 0
     name: str = "ab"
     out: str = "runs"
+    needle: list[int] = field(default_factory=list)  # haystack lengths; empty: no needle test
+    needle_depths: list[float] = field(default_factory=lambda: [0.1, 0.5, 0.9])
+    needle_trials: int = 2
+    generation: bool = False
+    generation_length: int = 1000
+    sink_map: bool = False
 
     @property
     def folder(self) -> Path:
@@ -107,6 +113,20 @@ def plan(config: SweepConfig) -> list[Cell]:
             label = "window" if count == 0 else f"sink{count}+window"
             parse_policy(label).check_budget(budget)
             cells.append(Cell("sinks", canonical(label, config.seed), label, budget))
+    if config.needle:
+        from .eval.needle import check_grid
+
+        check_grid(config.needle, config.needle_depths, config.needle_trials)
+        if max(config.budgets) >= min(config.needle):
+            raise KvevictError(
+                f"--needle length {min(config.needle)} must exceed every budget (largest {max(config.budgets)}): "
+                "a budget at least as long as the haystack compresses nothing"
+            )
+    if config.generation and max(config.budgets) >= config.generation_length:
+        raise KvevictError(
+            f"the generation prompt ({config.generation_length} tokens) must exceed every budget "
+            f"(largest {max(config.budgets)})"
+        )
     return cells
 
 
@@ -151,6 +171,7 @@ def record(cell: Cell, result: RowResult, config: SweepConfig) -> dict:
 
 def run_sweep(config: SweepConfig, model=None, tokenizer=None, progress=True) -> tuple[ResultStore, list[dict]]:
     """Run every unfinished cell; returns the store and all its records."""
+    from . import extras
     from .data import load_tokens
     from .models import load_model
 
@@ -158,6 +179,9 @@ def run_sweep(config: SweepConfig, model=None, tokenizer=None, progress=True) ->
     store = prepare_folder(config)
     done = store.done()
     todo = [c for c in cells if c.key not in done]
+    extra_kinds = extras.pending(config, done)
+    if extra_kinds and model is None:
+        model, tokenizer = load_model(config.model)
     if todo:
         if model is None:
             model, tokenizer = load_model(config.model)
@@ -186,7 +210,11 @@ def run_sweep(config: SweepConfig, model=None, tokenizer=None, progress=True) ->
                     result = recompute_oracle(model, tokens, budget, config.oracle_stride, reference, bar)
                     store.append([record(oracle, result, config)])
                     bar.advance(sweep_task)
+    if extra_kinds:
+        tokens, _ = load_tokens(config.text, tokenizer, config.tokens)
+        with bars(progress) as bar:
+            extras.run(config, model, tokenizer, tokens, store, extra_kinds, bar)
     records = store.records()
     wanted = {c.key for c in cells}
-    return store, [r for r in records if r["key"] in wanted]
+    return store, [r for r in records if r["key"] in wanted or r.get("kind") in extras.KINDS]
 

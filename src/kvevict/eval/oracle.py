@@ -57,5 +57,5 @@ def recompute_oracle(
     mask = ~torch.isnan(nll)
     return RowResult(
         policy="oracle", budget=budget, positions="original", nll=nll, kl=kl, agree=agree,
-        max_kept=budget, seconds=time.perf_counter() - t0, scored=mask,
+        max_kept=budget, seconds=time.perf_counter() - t0, scored=mask, head=head,
     )

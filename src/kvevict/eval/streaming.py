@@ -46,17 +46,31 @@ class RowResult:
     sink_lost_at: list = field(default_factory=list)  # [layer][kv head] tokens seen when token 0 left, -1 never
     seconds: float = 0.0
     scored: torch.Tensor | None = None  # [T-1] which predictions were scored (None: all)
+    head: int = 0  # with `scored`: the first `head` predictions are all scored, the rest sampled
 
-    def _scored(self, values: torch.Tensor) -> torch.Tensor:
-        return values if self.scored is None else values[self.scored]
+    def _mean(self, values: torch.Tensor) -> float:
+        """Mean over all predictions; for a strided sample, a stratified estimate.
+
+        The head (every prediction scored) counts exactly and the sampled tail's mean
+        stands for the whole tail, so a sparse sample is not dominated by the head's
+        short-context (high-loss) predictions and stays comparable to full rows.
+        """
+        values = values.double()
+        if self.scored is None:
+            return float(values.mean())
+        head, tail = values[: self.head], values[self.head :][self.scored[self.head :]]
+        if tail.numel() == 0:
+            return float(head.mean())
+        rest = values.numel() - self.head
+        return float((head.sum() + tail.mean() * rest) / values.numel())
 
     @property
     def n_predictions(self) -> int:
-        return int(self._scored(self.nll).numel())
+        return int(self.nll.numel() if self.scored is None else self.scored.sum())
 
     @property
     def nll_mean(self) -> float:
-        return float(self._scored(self.nll).double().mean())
+        return self._mean(self.nll)
 
     @property
     def ppl(self) -> float:
@@ -89,8 +103,8 @@ class RowResult:
             "seconds": self.seconds,
         }
         if self.kl is not None:
-            data["kl_to_full"] = float(self._scored(self.kl).double().mean())
-            data["top1_agreement"] = float(self._scored(self.agree).double().mean())
+            data["kl_to_full"] = self._mean(self.kl)
+            data["top1_agreement"] = self._mean(self.agree)
         return data
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from . import plots
 from .tables import COLUMNS, sinks_table, summary_rows
 
+PPL_KINDS = ("full", "oracle", "policy", "sinks")
 # Extra sections other protocols (needle, generation, sink map) can contribute:
 # each takes the records and returns (title, html) or None.
 SECTIONS: list[Callable[[list[dict]], tuple[str, str] | None]] = []
@@ -44,6 +45,9 @@ img.plot { max-width: 100%; }
 
 def render(records: list[dict], config: dict, path: Path) -> Path:
     """Write the report for `records` to `path` and return it."""
+    from .. import extras  # noqa: F401  (registers the needle / generation / sink-map sections)
+
+    all_records, records = records, [r for r in records if r.get("kind") in PPL_KINDS]
     parts = [
         f"<h1>kvevict A/B report: {html.escape(str(config.get('name', '')))}</h1>",
         '<p class="meta">'
@@ -73,7 +77,7 @@ def render(records: list[dict], config: dict, path: Path) -> Path:
         if data:
             parts += [f"<h2>{html.escape(title)}</h2>", image_html(data, title)]
     for section in SECTIONS:
-        extra = section(records)
+        extra = section(all_records)
         if extra:
             parts += [f"<h2>{html.escape(extra[0])}</h2>", extra[1]]
     page = (

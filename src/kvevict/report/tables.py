@@ -16,6 +16,7 @@ def _fmt(value, digits: int = 2) -> str:
 
 def summary_rows(records: list[dict]) -> list[list[str]]:
     """Full cache first, then per budget the oracle and every policy."""
+    records = [r for r in records if r.get("kind") in KIND_ORDER]
     full = next((r for r in records if r["kind"] == "full"), None)
     base = full["ppl"] if full else None
     unique = {}

@@ -126,3 +126,20 @@ def generation_table(rows: list[dict]) -> list[list[str]]:
         table.append([r["policy"], str(r["budget"]), f"{r['repetition']:.3f}", f"{r['recall']:.2f}",
                       f"{r['output_tokens']:.1f}", str(r["trials"])])
     return table
+
+
+def needle_markdown(cells: list[dict]) -> str:
+    """The needle grid as a Markdown table: one row per policy and budget, one column per length and depth,
+    cells as hits/trials (for the README and docs, regenerated from `--save` JSON)."""
+    columns = sorted({(c["length"], c["depth"]) for c in cells})
+    rows: dict[tuple, dict] = {}
+    for c in cells:
+        rows.setdefault((c["policy"], str(c["budget"])), {})[(c["length"], c["depth"])] = c
+    header = ["policy", "budget", *[f"{n} @ {d:g}" for n, d in columns], "all"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for (policy, budget), found in sorted(rows.items(), key=lambda kv: (_budget_order(kv[0][1]), kv[0][0])):
+        hits = {col: round(c["accuracy"] * c["trials"]) for col, c in found.items()}
+        entries = [f"{hits[col]}/{found[col]['trials']}" if col in found else "-" for col in columns]
+        total = f"{sum(hits.values())}/{sum(c['trials'] for c in found.values())}"
+        lines.append("| " + " | ".join([policy, budget, *entries, total]) + " |")
+    return "\n".join(lines)
