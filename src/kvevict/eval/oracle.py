@@ -55,7 +55,10 @@ def recompute_oracle(
             bar.advance(task, len(batch))
         bar.remove_task(task)
     mask = ~torch.isnan(nll)
-    return RowResult(
+    result = RowResult(
         policy="oracle", budget=budget, positions="original", nll=nll, kl=kl, agree=agree,
         max_kept=budget, seconds=time.perf_counter() - t0, scored=mask, head=head,
     )
+    # A strided sample's PPL is noisy: the full cache on the very same predictions is its fair baseline.
+    result.baseline_nll = result._mean(reference.result.nll)
+    return result

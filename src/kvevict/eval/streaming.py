@@ -47,6 +47,7 @@ class RowResult:
     seconds: float = 0.0
     scored: torch.Tensor | None = None  # [T-1] which predictions were scored (None: all)
     head: int = 0  # with `scored`: the first `head` predictions are all scored, the rest sampled
+    baseline_nll: float | None = None  # the full cache's NLL on the same (sampled) predictions
 
     def _mean(self, values: torch.Tensor) -> float:
         """Mean over all predictions; for a strided sample, a stratified estimate.
@@ -102,6 +103,8 @@ class RowResult:
             "sink_loss": self.sink_loss,
             "seconds": self.seconds,
         }
+        if self.baseline_nll is not None:
+            data["full_ppl_same_tokens"] = math.exp(self.baseline_nll)
         if self.kl is not None:
             data["kl_to_full"] = self._mean(self.kl)
             data["top1_agreement"] = self._mean(self.agree)

@@ -61,7 +61,9 @@ def render(records: list[dict], config: dict, path: Path) -> Path:
         "<p>Each policy keeps at most <em>budget</em> entries per layer and KV head. KL is "
         "KL(full ‖ policy) of the next-token distributions on the same tokens; sink loss is the share "
         "of (layer, KV head) pairs that no longer hold token 0 at the end. The oracle re-computes each "
-        "scored token from its previous <em>budget</em> tokens.</p>",
+        "scored token from its previous <em>budget</em> tokens; with a stride it scores every K-th token, so its "
+        "PPL is a sampled estimate and its <em>ppl / full</em> compares it with the full cache on the very same "
+        "tokens. <em>seconds</em> is the wall time of the batch a row ran in.</p>",
         table_html(COLUMNS, summary_rows(records), "summary"),
     ]
     sinks = sinks_table(records)

@@ -36,7 +36,7 @@ def summary_rows(records: list[dict]) -> list[list[str]]:
                 r.get("label") or r["policy"],
                 _fmt(r["budget"]),
                 _fmt(r["ppl"]),
-                _fmt(r["ppl"] / base if base else None),
+                _fmt(r["ppl"] / (r.get("full_ppl_same_tokens") or base) if base else None),
                 _fmt(r.get("kl_to_full"), 3),
                 _fmt(r.get("top1_agreement"), 3),
                 _fmt(r.get("sink_loss")),
