@@ -211,8 +211,8 @@ def test_ab_with_needle_generation_and_sink_map_sections(tmp_path, tiny_dir):
                       generation=True, generation_length=120, sink_map=True)
     store, records = run_sweep(cfg, model=model, tokenizer=tokenizer, progress=False)
     kinds = [r["kind"] for r in records]
-    # full + streamingllm + h2o, one depth, one trial: every policy has a needle and a generation record
-    assert kinds.count("needle") == 3 and kinds.count("generation") == 3 and kinds.count("sinkmap") == 1
+    # full + streamingllm + h2o: one needle record each (one depth, one trial), four generation prompts each
+    assert kinds.count("needle") == 3 and kinds.count("generation") == 3 * 4 and kinds.count("sinkmap") == 1
     for r in records:
         if r["kind"] == "needle":
             assert r["hit"] == (r["passkey"] in r["answer"]) and len(r["passkey"]) == 5
