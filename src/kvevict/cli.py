@@ -169,7 +169,10 @@ def run_ab(config) -> None:
     report = render(records, asdict(config), config.folder / "report.html")
     table = Table(title=f"kvevict A/B: {config.model} on {config.text}, {config.tokens} tokens, {config.positions}")
     for column in COLUMNS:
-        table.add_column(column, justify="left" if column == "policy" else "right")
+        if column == "policy":
+            table.add_column(column, justify="left", no_wrap=True, min_width=12)
+        else:
+            table.add_column(column, justify="right")
     for row in summary_rows(records):
         table.add_row(*row)
     out.print(table)
