@@ -138,18 +138,20 @@ def compare(
         out.print(ppl_table(summaries, f"streaming perplexity, {model} on {text}, {tokens} tokens, budget {budget}"))
 
 
-def parse_ints(text: str, option: str) -> list[int]:
+def parse_numbers(text: str, option: str, kind: type, noun: str) -> list:
+    """Comma-separated numbers of one kind; a bad item is a one-line error naming the option."""
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        return [kind(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise KvevictError(f"{option} takes comma-separated integers, got '{text}'") from None
+        raise KvevictError(f"{option} takes comma-separated {noun}, got '{text}'") from None
+
+
+def parse_ints(text: str, option: str) -> list[int]:
+    return parse_numbers(text, option, int, "integers")
 
 
 def parse_floats(text: str, option: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise KvevictError(f"{option} takes comma-separated numbers, got '{text}'") from None
+    return parse_numbers(text, option, float, "numbers")
 
 
 def run_ab(config) -> None:

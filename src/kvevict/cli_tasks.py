@@ -13,7 +13,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from .cli import app, check_positions, err, fail, out
+from .cli import app, check_positions, err, fail, out, parse_numbers
 from .errors import KvevictError
 
 
@@ -22,10 +22,7 @@ def _split(text: str) -> list[str]:
 
 
 def _numbers(text: str, option: str, kind: type) -> list:
-    try:
-        return [kind(part) for part in _split(text)]
-    except ValueError:
-        raise KvevictError(f"{option} takes comma-separated {kind.__name__}s, got '{text}'") from None
+    return parse_numbers(text, option, kind, f"{kind.__name__}s")
 
 
 def _budgets(text: str) -> list:

@@ -23,6 +23,7 @@ import torch
 
 from ..errors import KvevictError
 from .base import AttentionRequest, Policy, SlotView
+from .sinks import check_sink_budget
 
 STAT = "sinkauto_mass"
 
@@ -47,12 +48,7 @@ class SinkAuto(Policy):
         return f"sinkauto{self.n_sinks}+{self.inner.spec()}"
 
     def check_budget(self, budget: int) -> None:
-        if budget <= self.n_sinks:
-            raise KvevictError(
-                f"budget {budget} must be larger than the {self.n_sinks} pinned sinks of "
-                f"'{self.spec()}': raise --budget above {self.n_sinks} or pin fewer sinks"
-            )
-        self.inner.check_budget(budget - self.n_sinks)
+        check_sink_budget(self, budget)
 
     def reset(self) -> None:
         self.inner.reset()

@@ -27,12 +27,7 @@ class SinkPinned(Policy):
         return f"sink{self.n_sinks}+{self.inner.spec()}"
 
     def check_budget(self, budget: int) -> None:
-        if budget <= self.n_sinks:
-            raise KvevictError(
-                f"budget {budget} must be larger than the {self.n_sinks} pinned sinks of "
-                f"'{self.spec()}': raise --budget above {self.n_sinks} or pin fewer sinks"
-            )
-        self.inner.check_budget(budget - self.n_sinks)
+        check_sink_budget(self, budget)
 
     def request(self, view: SlotView, will_evict: bool) -> AttentionRequest | None:
         return self.inner.request(view.with_budget(view.budget - self.n_sinks), will_evict)
@@ -46,3 +41,13 @@ class SinkPinned(Policy):
 
     def reset(self) -> None:
         self.inner.reset()
+
+
+def check_sink_budget(wrapper: Policy, budget: int) -> None:
+    """A sink wrapper needs room beyond its pinned slots, and its inner policy must fit in the rest."""
+    if budget <= wrapper.n_sinks:
+        raise KvevictError(
+            f"budget {budget} must be larger than the {wrapper.n_sinks} pinned sinks of "
+            f"'{wrapper.spec()}': raise --budget above {wrapper.n_sinks} or pin fewer sinks"
+        )
+    wrapper.inner.check_budget(budget - wrapper.n_sinks)
