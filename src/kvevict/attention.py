@@ -89,8 +89,10 @@ def kvevict_attention(
     q_len, kv_len = query.shape[2], key.shape[2]
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     query_positions = None
-    if layer is not None:
-        query_positions = model_positions(kwargs, q_len, layer.n, query.device, check_rows=False)
+    if layer is not None and (layer.owner.positions == "cache" or layer.owner.query_window):
+        # Only position-shift mode and policies that remember queries need them.
+        start = layer.n if layer.owner.positions == "cache" else layer.seen - layer.new
+        query_positions = model_positions(kwargs, q_len, start, query.device, check_rows=False)
         if layer.owner.positions == "cache":
             target = torch.arange(layer.n, layer.n + q_len, device=query.device)
             if not torch.equal(query_positions, target):
@@ -153,19 +155,28 @@ def attach(model) -> None:
 
 
 def attention_mass(
-    query: torch.Tensor, query_pos: torch.Tensor, keys: torch.Tensor, key_pos: torch.Tensor, scaling: float
+    query: torch.Tensor,
+    query_pos: torch.Tensor,
+    keys: torch.Tensor,
+    key_pos: torch.Tensor,
+    scaling: float,
+    newest: bool = False,
 ) -> torch.Tensor:
     """Attention probability each key receives, summed over queries and the query heads
     of its KV group: `[b, H_kv, n]`.
 
     query `[b, H_q, m, D]` at stream positions `query_pos` `[m]`; keys `[b, H_kv, n, D]`
     at stream positions `key_pos` `[b, H_kv, n]`. A query sees keys at positions <= its
-    own. Computed in blocks of queries so memory stays `O(block * n)`.
+    own. Computed in blocks of queries so memory stays `O(block * n)`. `newest` says
+    the single query is the latest token, so it sees every key (the decode step).
     """
     b, hq, m, d = query.shape
     hkv, n = keys.shape[1], keys.shape[2]
     group = hq // hkv
     grouped = query.reshape(b, hkv, group, m, d)
+    if newest and m == 1:
+        logits = torch.matmul(grouped[:, :, :, 0], keys.transpose(-1, -2)).float() * scaling
+        return torch.softmax(logits, dim=-1).sum(dim=2)
     total = torch.zeros(b, hkv, n, dtype=torch.float32, device=query.device)
     block = max(1, BLOCK_ELEMENTS // max(1, b * hq * n))
     for start in range(0, m, block):

@@ -44,11 +44,10 @@ class CacheConfig:
     slack: int = 16
 
 
-class RowGroup:
-    """Rows of the batch that run the same policy object."""
+class Rows:
+    """A subset of batch rows, taken with a slice when they are contiguous."""
 
-    def __init__(self, policy: Policy, rows: list[int]) -> None:
-        self.policy = policy
+    def __init__(self, rows: list[int]) -> None:
         self.rows = rows
         self.index = torch.tensor(rows, dtype=torch.long)
         self.contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
@@ -63,6 +62,14 @@ class RowGroup:
             dest[self.rows[0] : self.rows[0] + len(self.rows)] = value
         else:
             dest.index_copy_(0, self.index.to(dest.device), value)
+
+
+class RowGroup(Rows):
+    """Rows of the batch that run the same policy object."""
+
+    def __init__(self, policy: Policy, rows: list[int]) -> None:
+        super().__init__(rows)
+        self.policy = policy
 
 
 class EvictingLayer(CacheLayerMixin):
@@ -86,7 +93,8 @@ class EvictingLayer(CacheLayerMixin):
         self.ring_pos: torch.Tensor | None = None
         self.max_kept = 0
         self.sink_lost_at: torch.Tensor | None = None  # [B, H] seen-count when token 0 left, -1 if never
-        self.pinned_evicted: torch.Tensor | None = None  # [B] a pinned sink was evicted (a bug if ever true)
+        self._base: torch.Tensor | None = None  # see _row_base
+        self._base_cap = 0
 
     # --- transformers' layer API -------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -95,7 +103,6 @@ class EvictingLayer(CacheLayerMixin):
         self.batch_size, self.heads, self.head_dim = batch, heads, dim
         self._allocate(self.owner.initial_capacity())
         self.sink_lost_at = torch.full((batch, heads), -1, dtype=torch.long, device=self.device)
-        self.pinned_evicted = torch.zeros(batch, dtype=torch.bool)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -108,24 +115,30 @@ class EvictingLayer(CacheLayerMixin):
                 "use a new EvictingCache for each batch (cache.reset() to reuse it)"
             )
         q = key_states.shape[2]
-        if not bool(torch.isfinite(key_states).all()):
+        # NaN/inf reaching any layer reaches the last one: checking the first (bad inputs)
+        # and the last (bad weights anywhere) catches both without a sync per layer.
+        if self.index in (0, self.owner.last_layer) and not bool(torch.isfinite(key_states).all()):
             raise KvevictError(
                 f"layer {self.index} produced NaN/inf keys: check the inputs (inputs_embeds) and the model weights; "
                 "the cache refuses to rank entries by NaN scores"
             )
-        start = self.n if self.owner.positions == "cache" else self.seen
-        # Positions are the same for every layer of a forward: check them once, at layer 0.
-        used = attention.model_positions(kwargs, q, start, self.device, check_rows=self.index == 0)
-        if self.index == 0:
-            self._check_continuation(int(used[0]))
+        shifted = self.owner.positions == "cache"
+        if self.index == 0 or shifted:
+            # Positions are the same for every layer of a forward: check them once, at layer 0.
+            start = self.n if shifted else self.seen
+            used = attention.model_positions(kwargs, q, start, self.device, check_rows=self.index == 0)
+            if self.index == 0:
+                self._check_continuation(int(used[0]))
         self._ensure_capacity(self.n + q)
         end = self.n + q
-        stream_pos = torch.arange(self.seen, self.seen + q, device=self.device)
-        self.pos[:, :, self.n : end] = stream_pos
+        if q == 1:
+            self.pos[:, :, self.n].fill_(self.seen)
+        else:
+            self.pos[:, :, self.n : end] = torch.arange(self.seen, self.seen + q, device=self.device)
         for stat in self.stats.values():
             stat[:, :, self.n : end] = 0
         self.values[:, :, self.n : end] = value_states
-        if self.owner.positions == "cache":
+        if shifted:
             cos, sin = self.owner.rotary.at(used)
             raw = self.owner.rotary.unrotate(key_states, cos, sin)
             self.raw[:, :, self.n : end] = raw
@@ -166,7 +179,6 @@ class EvictingLayer(CacheLayerMixin):
         self.ring = self.ring_pos = None
         if self.is_initialized:
             self.sink_lost_at.fill_(-1)
-            self.pinned_evicted.zero_()
             for stat in self.stats.values():
                 stat.zero_()
 
@@ -177,8 +189,9 @@ class EvictingLayer(CacheLayerMixin):
     def _allocate(self, capacity: int) -> None:
         shape = (self.batch_size, self.heads, capacity)
         old = (self.keys, self.values, self.raw, self.pos, self.stats)
-        self.keys = torch.zeros(*shape, self.head_dim, dtype=self.dtype, device=self.device)
-        self.values = torch.zeros_like(self.keys)
+        # Keys and values share one buffer so a decode step moves a slot of both at once.
+        self.kv = torch.zeros(2, *shape, self.head_dim, dtype=self.dtype, device=self.device)
+        self.keys, self.values = self.kv[0], self.kv[1]
         if self.owner.positions == "cache":
             self.raw = torch.zeros_like(self.keys)
         self.pos = torch.zeros(shape, dtype=torch.long, device=self.device)
@@ -214,13 +227,13 @@ class EvictingLayer(CacheLayerMixin):
         will_evict = budget is not None and total > budget
         if self.owner.query_window:
             self._remember_queries(query, query_positions)
-        for group in self.owner.groups:
-            view = self._view(group, total)
-            request = group.policy.request(view, will_evict)
-            if request is not None:
-                self._absorb(group, view, request, query, scaling)
+        groups = self.owner.groups
+        views = [self._view(group, total) for group in groups]
+        requests = [group.policy.request(view, will_evict) for group, view in zip(groups, views)]
+        if any(r is not None for r in requests):
+            self._feed(views, requests, query, scaling, total)
         if will_evict:
-            self._evict(total, budget)
+            self._evict(views, total, budget)
         else:
             self.n = total
         self.new = 0
@@ -237,23 +250,47 @@ class EvictingLayer(CacheLayerMixin):
             keys=lambda: group.take(self.keys[:, :, :total]),
         )
 
-    def _absorb(
-        self, group: RowGroup, view: SlotView, request: AttentionRequest, query: torch.Tensor, scaling: float
+    def _feed(
+        self,
+        views: list[SlotView],
+        requests: list[AttentionRequest | None],
+        query: torch.Tensor,
+        scaling: float,
+        total: int,
     ) -> None:
-        total = self.n + self.new
-        keys = group.take(self.keys[:, :, :total])
-        if request.kind == "new":
+        """Measure the attention each policy asked for and let it update its statistic.
+
+        The attention of this forward's queries ("new") is measured once for all the
+        rows that want it, not once per policy: H2O and sink4+H2O in one batch share it.
+        """
+        groups = self.owner.groups
+        asking = [i for i, r in enumerate(requests) if r is not None and r.kind == "new"]
+        shared: dict[int, torch.Tensor] = {}
+        if asking:
+            rows = sorted(row for i in asking for row in groups[i].rows)
+            subset = Rows(rows)
             q_pos = torch.arange(self.seen - self.new, self.seen, device=self.device)
-            mass = attention.attention_mass(group.take(query), q_pos, keys, view.positions, scaling)
-        elif request.kind == "window":
-            queries, q_pos = self._window_queries(request.size, total)
-            mass = attention.attention_mass(group.take(queries), q_pos, keys, view.positions, scaling)
-        else:
-            raise ValueError(f"unknown attention request kind {request.kind!r}")
-        updated = group.policy.absorb(view, request, mass)
-        stat = self.stats[request.stat]
-        target = stat[:, :, :total]
-        group.put(target, updated.to(stat.dtype))
+            keys = subset.take(self.keys[:, :, :total])
+            key_pos = subset.take(self.pos[:, :, :total])
+            mass = attention.attention_mass(subset.take(query), q_pos, keys, key_pos, scaling, newest=self.new == 1)
+            where = {row: i for i, row in enumerate(rows)}
+            for i in asking:
+                shared[i] = Rows([where[row] for row in groups[i].rows]).take(mass)
+        for i, (group, view, request) in enumerate(zip(groups, views, requests)):
+            if request is None:
+                continue
+            if request.kind == "new":
+                mass = shared[i]
+            elif request.kind == "window":
+                queries, q_pos = self._window_queries(request.size, total)
+                keys = group.take(self.keys[:, :, :total])
+                mass = attention.attention_mass(group.take(queries), q_pos, keys, view.positions, scaling)
+            else:
+                raise ValueError(f"unknown attention request kind {request.kind!r}")
+            stat = self.stats[request.stat]
+            updated = group.policy.absorb(view, request, mass).to(stat.dtype)
+            group.put(stat[:, :, :total], updated)
+            view.stats[request.stat] = updated
 
     def _remember_queries(self, query: torch.Tensor, query_positions: torch.Tensor) -> None:
         size = self.owner.query_window
@@ -278,42 +315,79 @@ class EvictingLayer(CacheLayerMixin):
         cos, sin = self.owner.rotary.at(effective)
         return self.owner.rotary.rotate(raw, cos, sin), stream
 
-    def _evict(self, total: int, budget: int) -> None:
-        scores = torch.empty(self.batch_size, self.heads, total, dtype=torch.float64, device=self.device)
-        for group in self.owner.groups:
-            group.put(scores, group.policy.scores(self._view(group, total)))
-        # Stable sort on reversed slots: among equal scores the later token wins.
-        if total == budget + 1:
-            # The decode step: one entry goes. argmin takes the first of equal minima,
-            # so among equal scores the earlier token goes, the later one stays.
-            victim = scores.argmin(dim=-1, keepdim=True)
-            slots = torch.arange(budget, device=self.device)
-            keep = slots + (slots >= victim).long()
+    def _evict(self, views: list[SlotView], total: int, budget: int) -> None:
+        groups = self.owner.groups
+        if len(groups) == 1:
+            scores = groups[0].policy.scores(views[0])
         else:
-            order = torch.sort(scores.flip(-1), dim=-1, descending=True, stable=True).indices[..., :budget]
-            keep = (total - 1 - order).sort(dim=-1).values
-        track_sink = self.owner.sink_unpinned
-        if track_sink:
-            had_sink = self.pos[:, :, 0] == 0
-        self._gather(keep, total, budget)
+            scores = torch.empty(self.batch_size, self.heads, total, dtype=torch.float64, device=self.device)
+            for group, view in zip(groups, views):
+                group.put(scores, group.policy.scores(view))
+        pos = self.pos[:, :, :total]
+        if total == budget + 1 and self.owner.positions == "original":
+            self._fill_hole(scores, pos, budget)
+        else:
+            self._compact(scores, pos, total, budget)
         self.n = budget
-        if track_sink:
-            lost = had_sink & (self.pos[:, :, 0] != 0) & (self.sink_lost_at < 0)
-            if lost.any():
-                self.sink_lost_at[lost] = self.seen
-        if self.owner.max_pinned:
-            # Slots are in positional order, so pinned tokens 0..N-1 must sit in slots 0..N-1.
-            pinned = self.owner.pinned_per_row.to(self.device)
-            width = min(self.owner.max_pinned, self.seen)
-            expected = torch.arange(width, device=self.device)
-            wrong = (self.pos[:, :, :width] != expected) & (expected < pinned[:, None, None])
-            self.pinned_evicted |= wrong.flatten(1).any(-1).cpu()
+        if self.owner.sink_unpinned:
+            # Token 0 sits in slot 0 for as long as it is held (holes are filled in place,
+            # compaction keeps positional order), so "slot 0 moved on" is "token 0 left".
+            lost = (self.pos[:, :, 0] != 0) & (self.sink_lost_at < 0)
+            self.sink_lost_at.masked_fill_(lost, self.seen)
 
-    def _gather(self, keep: torch.Tensor, total: int, budget: int) -> None:
+    def _fill_hole(self, scores: torch.Tensor, pos: torch.Tensor, budget: int) -> None:
+        """One entry goes (a decode step): move the newest slot into the victim's place.
+
+        Nothing else moves, so the step costs a few one-slot copies instead of a
+        compaction of the whole cache. Slots then stop being in positional order, which
+        attention does not care about in original-position mode: every kept entry is
+        older than every new token, and masks and statistics use `pos`, not slot order.
+        """
+        if all(group.policy.distinct_scores for group in self.owner.groups):
+            victim = scores.argmin(dim=-1)
+        else:
+            # Among equal scores the earlier token goes (slot order is not position order).
+            lowest = scores.amin(dim=-1, keepdim=True)
+            victim = torch.where(scores == lowest, pos, torch.iinfo(torch.long).max).argmin(dim=-1)
+        flat = victim + self._row_base()
+        slots = self.batch_size * self.heads * self.capacity
+        both = (flat[None] + torch.tensor([[[0]], [[slots]]], device=self.device)).reshape(-1)
+        newest = self.kv[:, :, :, budget].clone().reshape(2 * self.batch_size * self.heads, -1)
+        self.kv.view(2 * slots, -1).index_copy_(0, both, newest)
+        flat = flat.reshape(-1)
+        for buffer in self._slot_buffers():
+            newest = buffer[:, :, budget].clone().reshape(self.batch_size * self.heads, -1)
+            buffer.view(slots, -1).index_copy_(0, flat, newest)
+
+    def _compact(self, scores: torch.Tensor, pos: torch.Tensor, total: int, budget: int) -> None:
+        """Keep the `budget` best slots, gathered to the front in positional order.
+
+        Ties go to the later token: a stable sort over slots visited from the latest
+        position to the earliest.
+        """
+        latest_first = pos.argsort(dim=-1, descending=True, stable=True)
+        ranked = torch.sort(scores.gather(-1, latest_first), dim=-1, descending=True, stable=True).indices
+        keep = latest_first.gather(-1, ranked[..., :budget])
+        keep = keep.gather(-1, pos.gather(-1, keep).argsort(dim=-1))
+        self._gather(keep, budget)
+
+    def _row_base(self) -> torch.Tensor:
+        """`[B, H]` offset of each (row, head) in the flattened `[B*H*capacity]` slots."""
+        if self._base is None or self._base.shape != (self.batch_size, self.heads) or self._base_cap != self.capacity:
+            rows = torch.arange(self.batch_size * self.heads, device=self.device)
+            self._base = (rows * self.capacity).view(self.batch_size, self.heads)
+            self._base_cap = self.capacity
+        return self._base
+
+    def _slot_buffers(self) -> list[torch.Tensor]:
+        """Per-slot buffers besides keys and values: positions, statistics, un-rotated keys."""
+        extra = [self.raw] if self.raw is not None else []
+        return [self.pos, *self.stats.values(), *extra]
+
+    def _gather(self, keep: torch.Tensor, budget: int) -> None:
         # One flat row index into [B*H*capacity] for every kept slot: index_select on
         # contiguous rows is ~100x faster on CPU than gather with an expanded index.
-        base = torch.arange(self.batch_size * self.heads, device=self.device).view(self.batch_size, self.heads, 1)
-        flat = (keep + base * self.capacity).reshape(-1)
+        flat = (keep + self._row_base()[..., None]).reshape(-1)
 
         def take(buffer: torch.Tensor) -> torch.Tensor:
             rows = buffer.reshape(self.batch_size * self.heads * self.capacity, -1).index_select(0, flat)
@@ -332,8 +406,8 @@ class EvictingLayer(CacheLayerMixin):
 
     # --- inspection ------------------------------------------------------------------
     def kept_positions(self) -> torch.Tensor:
-        """`[B, H_kv, n]` original positions of the entries held."""
-        return self.pos[:, :, : self.n].clone()
+        """`[B, H_kv, n]` original positions of the entries held, ascending."""
+        return self.pos[:, :, : self.n].sort(dim=-1).values
 
 
 class EvictingCache(Cache):
@@ -382,6 +456,7 @@ class EvictingCache(Cache):
         self.pinned_per_row = torch.zeros(0, dtype=torch.long)
         self.max_pinned = 0
         self.sink_unpinned = True
+        self.last_layer = text.num_hidden_layers - 1
         attention.attach(model)
         super().__init__(layers=[EvictingLayer(self, i) for i in range(text.num_hidden_layers)])
 
@@ -450,12 +525,23 @@ class EvictingCache(Cache):
         return [rows[i] for i in sorted(rows)]
 
     def pinned_sink_evicted(self, row: int | None = None) -> bool:
-        """Whether a pinned sink was ever evicted (for `row`, or any row). True would be a bug."""
-        flags = [layer.pinned_evicted for layer in self.layers if layer.pinned_evicted is not None]
-        if not flags:
+        """Whether a pinned sink was ever evicted (for `row`, or any row). True would be a bug.
+
+        Pinned tokens 0..N-1 sit in slots 0..N-1 from the first forward on and a token
+        never comes back once evicted, so checking the slots now answers "ever".
+        """
+        if not self.max_pinned:
             return False
-        stacked = torch.stack(flags)
-        return bool(stacked.any() if row is None else stacked[:, row].any())
+        pinned = self.pinned_per_row
+        wrong = torch.zeros(len(pinned), dtype=torch.bool)
+        for layer in self.layers:
+            if not layer.is_initialized or layer.n == 0:
+                continue
+            width = min(self.max_pinned, layer.n)
+            expected = torch.arange(width)
+            held = layer.pos[:, :, :width].cpu() == expected
+            wrong |= ((~held) & (expected < pinned[:, None, None])).flatten(1).any(-1)
+        return bool(wrong.any() if row is None else wrong[row])
 
     def sink_lost_at(self) -> torch.Tensor:
         """`[layers, B, H_kv]`: tokens seen when token 0 was evicted, -1 if it never was."""

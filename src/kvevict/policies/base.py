@@ -65,6 +65,8 @@ class Policy:
     pinned: int = 0
     #: most recent queries the cache must remember for this policy (SnapKV)
     query_window: int = 0
+    #: scores never tie among evictable slots, so the cache may skip its tie-break
+    distinct_scores: bool = False
 
     def spec(self) -> str:
         raise NotImplementedError

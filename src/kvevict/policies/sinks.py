@@ -22,6 +22,8 @@ class SinkPinned(Policy):
         self.stats = inner.stats
         self.query_window = inner.query_window
         self.pinned = max(n_sinks, inner.pinned)
+        # pinned slots tie at +inf but are never the lowest: the budget exceeds the sinks
+        self.distinct_scores = inner.distinct_scores
 
     def spec(self) -> str:
         return f"sink{self.n_sinks}+{self.inner.spec()}"

@@ -65,15 +65,17 @@ class SnapKV(Policy):
     def absorb(self, view: SlotView, request: AttentionRequest, mass: torch.Tensor) -> torch.Tensor:
         """Turn raw window attention into the pooled selection score.
 
-        Slots are ordered by position, and every token of the observation window is in
-        the cache (it is always kept), so the prefix is the leading `n - window` slots.
+        Pooling runs along the sequence, so slots are visited in position order (the
+        cache does not keep them sorted). Every token of the observation window is in
+        the cache (it is always kept), so the prefix is all but the last `window`.
         """
         n = mass.shape[-1]
         prefix = n - min(self.window, view.seen)
-        score = torch.zeros_like(mass)
+        order = view.positions.argsort(dim=-1)
+        ranked = torch.zeros_like(mass)
         if prefix > 0:
-            score[..., :prefix] = pool(mass[..., :prefix], self.kernel, self.pooling)
-        return score
+            ranked[..., :prefix] = pool(mass.gather(-1, order)[..., :prefix], self.kernel, self.pooling)
+        return torch.empty_like(mass).scatter_(-1, order, ranked)
 
     def scores(self, view: SlotView) -> torch.Tensor:
         position = view.positions.to(torch.float64)
