@@ -7,6 +7,7 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvevict import EvictingCache, compare
+from kvevict.errors import KvevictError
 from kvevict.eval.forward import body
 
 from conftest import make_tiny, random_tokens
@@ -48,6 +49,36 @@ def test_rows_of_one_batch_equal_separate_runs(tiny):
     for spec, row in zip(specs, together):
         alone, _ = compare(tiny, tokens, [spec], budget=24, reference=False, progress=False)
         rel_close(row.nll, alone[0].nll, 1e-5)
+
+
+@pytest.mark.parametrize("positions", ["original", "cache"])
+def test_one_row_prefill_stands_for_every_row(tiny, positions):
+    """A shared prefill (one row fed for all, evicting inside it) leaves every row exactly
+    as a prefill of all rows would, and decoding on from there gives the same logits."""
+    tokens = random_tokens(70, seed=4)
+    specs = ["window", "sink4+h2o", "snapkv:window=8", "random:seed=3"]
+    outputs, kept = [], []
+    with torch.inference_mode():
+        for rows in (1, len(specs)):
+            cache = EvictingCache(tiny, specs, budget=24, positions=positions)
+            body(tiny, tokens[None, :40].expand(rows, -1), cache)
+            assert not cache.shares_rows  # the prefill overflowed the budget: rows diverged
+            hidden = [body(tiny, tokens[None, t : t + 1].expand(len(specs), -1), cache) for t in range(40, 70)]
+            outputs.append(torch.cat(hidden, dim=1))
+            kept.append([layer.kept_positions() for layer in cache.layers])
+    rel_close(outputs[0], outputs[1], 1e-5)
+    for shared, separate in zip(*kept):
+        assert torch.equal(shared, separate)
+
+
+def test_one_row_forward_is_refused_once_rows_diverged(tiny):
+    cache = EvictingCache(tiny, ["window", "h2o"], budget=8)
+    with torch.inference_mode():
+        body(tiny, random_tokens(6)[None], cache)  # shared: nothing evicted yet
+        assert cache.shares_rows
+        body(tiny, random_tokens(6)[None, :4], cache)  # 10 > 8: evicts inside this forward
+        with pytest.raises(KvevictError, match="holds 2 sequences but got a batch of 1"):
+            body(tiny, random_tokens(6)[None, :1], cache)
 
 
 def test_reference_fidelity_is_zero_before_the_cache_fills(tiny):

@@ -54,6 +54,8 @@ class Rows:
 
     def take(self, x: torch.Tensor) -> torch.Tensor:
         if self.contiguous:
+            if self.rows[0] == 0 and len(self.rows) == x.shape[0]:
+                return x
             return x[self.rows[0] : self.rows[0] + len(self.rows)]
         return x.index_select(0, self.index.to(x.device))
 
@@ -93,12 +95,16 @@ class EvictingLayer(CacheLayerMixin):
         self.ring_pos: torch.Tensor | None = None
         self.max_kept = 0
         self.sink_lost_at: torch.Tensor | None = None  # [B, H] seen-count when token 0 left, -1 if never
+        # Rows hold the same tokens so far (no eviction, no per-row forward): a one-row
+        # forward may stand for all of them.
+        self.identical = True
         self._base: torch.Tensor | None = None  # see _row_base
         self._base_cap = 0
 
     # --- transformers' layer API -------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        batch, heads, _, dim = key_states.shape
+        _, heads, _, dim = key_states.shape
+        batch = self.owner.rows_for(key_states.shape[0])
         self.dtype, self.device = key_states.dtype, key_states.device
         self.batch_size, self.heads, self.head_dim = batch, heads, dim
         self._allocate(self.owner.initial_capacity())
@@ -108,12 +114,15 @@ class EvictingLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-            self.owner.bind_rows(key_states.shape[0])
-        if key_states.shape[0] != self.batch_size:
+            self.owner.bind_rows(self.batch_size)
+        rows = key_states.shape[0]
+        if rows != self.batch_size and not (rows == 1 and self.identical):
             raise KvevictError(
-                f"this cache holds {self.batch_size} sequences but got a batch of {key_states.shape[0]}: "
+                f"this cache holds {self.batch_size} sequences but got a batch of {rows}: "
                 "use a new EvictingCache for each batch (cache.reset() to reuse it)"
             )
+        if rows == self.batch_size and rows > 1:
+            self.identical = False
         q = key_states.shape[2]
         # NaN/inf reaching any layer reaches the last one: checking the first (bad inputs)
         # and the last (bad weights anywhere) catches both without a sync per layer.
@@ -150,7 +159,8 @@ class EvictingLayer(CacheLayerMixin):
         self.new = q
         self.seen += q
         self.pending = True
-        return self.keys[:, :, :end], self.values[:, :, :end]
+        # A shared forward (one row standing for all) attends with row 0; writes above broadcast.
+        return self.keys[:rows, :, :end], self.values[:rows, :, :end]
 
     def _check_continuation(self, first: int) -> None:
         """Refuse a forward that starts a new sequence in a cache that holds another one."""
@@ -174,6 +184,7 @@ class EvictingLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.n = self.seen = self.new = 0
+        self.identical = True
         self.pending = False
         self.max_kept = 0
         self.ring = self.ring_pos = None
@@ -222,6 +233,8 @@ class EvictingLayer(CacheLayerMixin):
         keys were rotated for), `[B, H_q, q, D]`.
         """
         self.pending = False
+        if query.shape[0] != self.batch_size:
+            query = query.expand(self.batch_size, *query.shape[1:])  # a shared forward
         total = self.n + self.new
         budget = self.owner.budget
         will_evict = budget is not None and total > budget
@@ -233,6 +246,7 @@ class EvictingLayer(CacheLayerMixin):
         if any(r is not None for r in requests):
             self._feed(views, requests, query, scaling, total)
         if will_evict:
+            self.identical = False
             self._evict(views, total, budget)
         else:
             self.n = total
@@ -267,15 +281,13 @@ class EvictingLayer(CacheLayerMixin):
         asking = [i for i, r in enumerate(requests) if r is not None and r.kind == "new"]
         shared: dict[int, torch.Tensor] = {}
         if asking:
-            rows = sorted(row for i in asking for row in groups[i].rows)
-            subset = Rows(rows)
-            q_pos = torch.arange(self.seen - self.new, self.seen, device=self.device)
+            subset, parts = self.owner.shared_rows(tuple(asking))
+            q_pos = None if self.new == 1 else torch.arange(self.seen - self.new, self.seen, device=self.device)
             keys = subset.take(self.keys[:, :, :total])
             key_pos = subset.take(self.pos[:, :, :total])
             mass = attention.attention_mass(subset.take(query), q_pos, keys, key_pos, scaling, newest=self.new == 1)
-            where = {row: i for i, row in enumerate(rows)}
-            for i in asking:
-                shared[i] = Rows([where[row] for row in groups[i].rows]).take(mass)
+            for i, part in zip(asking, parts):
+                shared[i] = part.take(mass)
         for i, (group, view, request) in enumerate(zip(groups, views, requests)):
             if request is None:
                 continue
@@ -351,7 +363,7 @@ class EvictingLayer(CacheLayerMixin):
             victim = torch.where(scores == lowest, pos, torch.iinfo(torch.long).max).argmin(dim=-1)
         flat = victim + self._row_base()
         slots = self.batch_size * self.heads * self.capacity
-        both = (flat[None] + torch.tensor([[[0]], [[slots]]], device=self.device)).reshape(-1)
+        both = (flat[None] + self._kv_base).reshape(-1)
         newest = self.kv[:, :, :, budget].clone().reshape(2 * self.batch_size * self.heads, -1)
         self.kv.view(2 * slots, -1).index_copy_(0, both, newest)
         flat = flat.reshape(-1)
@@ -377,6 +389,8 @@ class EvictingLayer(CacheLayerMixin):
             rows = torch.arange(self.batch_size * self.heads, device=self.device)
             self._base = (rows * self.capacity).view(self.batch_size, self.heads)
             self._base_cap = self.capacity
+            # values follow all the keys in the shared key/value buffer
+            self._kv_base = torch.tensor([0, rows.numel() * self.capacity], device=self.device).view(2, 1, 1)
         return self._base
 
     def _slot_buffers(self) -> list[torch.Tensor]:
@@ -461,6 +475,20 @@ class EvictingCache(Cache):
         super().__init__(layers=[EvictingLayer(self, i) for i in range(text.num_hidden_layers)])
 
     # --- rows and policies ---------------------------------------------------------------
+    @property
+    def shares_rows(self) -> bool:
+        """Whether every row still holds the same tokens, so one row may stand for all."""
+        return all(layer.identical for layer in self.layers)
+
+    def rows_for(self, batch: int) -> int:
+        """Rows this cache holds when the first forward has `batch` rows.
+
+        With one policy per row, a first forward of one row stands for all of them: the
+        rows hold the same tokens until the first eviction, so the shared prefix is
+        computed once (see `shares_rows`).
+        """
+        return len(self.policies) if batch == 1 else batch
+
     def bind_rows(self, batch: int) -> None:
         """Assign policies to rows at the first forward (when the batch size is known)."""
         if self.groups:
@@ -476,6 +504,7 @@ class EvictingCache(Cache):
         for row, p in enumerate(policies):
             by_object.setdefault(id(p), []).append(row)
         self.groups = [RowGroup(policies[rows[0]], rows) for rows in by_object.values()]
+        self._shared: dict[tuple[int, ...], tuple[Rows, list[Rows]]] = {}
         self.pinned_per_row = torch.tensor([p.pinned for p in policies], dtype=torch.long)
         self.max_pinned = max(p.pinned for p in policies)
         # token 0 can only be lost by rows that do not pin it
@@ -496,6 +525,15 @@ class EvictingCache(Cache):
             for p in self.policies:
                 p.check_budget(value)
         self._budget = value
+
+    def shared_rows(self, asking: tuple[int, ...]) -> tuple[Rows, list[Rows]]:
+        """The rows of the groups `asking`, and where each group sits among them (memoized)."""
+        if asking not in self._shared:
+            rows = sorted(row for i in asking for row in self.groups[i].rows)
+            where = {row: k for k, row in enumerate(rows)}
+            parts = [Rows([where[row] for row in self.groups[i].rows]) for i in asking]
+            self._shared[asking] = (Rows(rows), parts)
+        return self._shared[asking]
 
     def initial_capacity(self) -> int:
         return (self.budget if self.budget is not None else 0) + self.slack

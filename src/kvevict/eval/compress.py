@@ -24,7 +24,7 @@ import torch
 from ..cache import EvictingCache
 from ..errors import KvevictError
 from ..policies import Policy
-from .forward import body, log_probs
+from .forward import body, log_probs, logits
 
 Budget = int | str | None
 
@@ -94,7 +94,7 @@ class Compressed:
     def next_logits(self, model) -> torch.Tensor:
         """`[B, vocab]` float32 logits of the next token."""
         with torch.inference_mode():
-            return model.get_output_embeddings()(self.hidden).float()
+            return logits(model, self.hidden).float()
 
     def feed(self, model, ids: torch.Tensor) -> torch.Tensor:
         """Append `ids` (`[q]` shared by every row, or `[B, q]`) without eviction; returns their hidden states."""

@@ -11,6 +11,7 @@ import inspect
 from functools import cache
 
 import torch
+from torch import nn
 
 
 @cache
@@ -26,10 +27,30 @@ def body(model, input_ids: torch.Tensor, cache) -> torch.Tensor:
     return base(input_ids=input_ids, **kwargs).last_hidden_state
 
 
+# Up to this many rows, the head runs as `W @ h.T`, see `logits`.
+FEW_ROWS = 16
+
+
+def logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """The LM head's logits for `hidden` `[..., H]`.
+
+    For a handful of rows (a decode step of a batch of policies) `W @ h.T` is what the
+    CPU does well: on the 2-core machine the 49K x 576 head takes ~7 ms for 6 rows that
+    way, against ~26 ms through `F.linear` (which only matches it for 1 row).
+    """
+    head = model.get_output_embeddings()
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    if not isinstance(head, nn.Linear) or rows.shape[0] > FEW_ROWS:
+        return head(hidden)
+    out = torch.matmul(head.weight, rows.T).T
+    if head.bias is not None:
+        out = out + head.bias
+    return out.reshape(*hidden.shape[:-1], -1)
+
+
 def log_probs(model, hidden: torch.Tensor) -> torch.Tensor:
     """Log-softmax of the LM head over the vocabulary, float32."""
-    logits = model.get_output_embeddings()(hidden)
-    return torch.log_softmax(logits.float(), dim=-1)
+    return torch.log_softmax(logits(model, hidden).float(), dim=-1)
 
 
 def forward_kwargs(model, cache) -> dict:

@@ -14,6 +14,7 @@ import time
 import torch
 
 from ..progress import bars
+from .forward import log_probs
 from .streaming import Reference, RowResult
 
 # Tokens per batched forward: bounds activation memory of the oracle's windows.
@@ -46,7 +47,7 @@ def recompute_oracle(
             # prediction p is for token p+1 from tokens p+1-budget .. p
             windows = torch.stack([tokens[p + 1 - budget : p + 1] for p in batch])
             hidden = model.model(input_ids=windows, use_cache=False).last_hidden_state[:, -1]
-            lp = torch.log_softmax(model.get_output_embeddings()(hidden).float(), dim=-1)
+            lp = log_probs(model, hidden)
             index = torch.tensor(batch)
             nll[index] = -lp.gather(-1, targets[index][:, None])[:, 0]
             ref = reference.log_probs[index]

@@ -130,7 +130,9 @@ class _Lane:
     def feed(self, chunk: torch.Tensor, start: int, targets: torch.Tensor, sink: Callable | None) -> None:
         """Feed `chunk` (`[q]` tokens at stream offset `start`) and score its predictions."""
         t0 = time.perf_counter()
-        ids = chunk.unsqueeze(0).expand(self.rows, -1)
+        # Until the first eviction every row holds the same tokens: feed one row for all.
+        shared = self.rows > 1 and self.cache.shares_rows
+        ids = chunk.unsqueeze(0).expand(1 if shared else self.rows, -1)
         hidden = body(self.model, ids, self.cache)
         q = chunk.numel()
         for lo in range(0, q, PREFILL_CHUNK):
@@ -138,7 +140,7 @@ class _Lane:
             n_targets = max(0, min(hi, targets.numel() - start) - lo)
             if n_targets == 0:
                 break
-            lp = log_probs(self.model, hidden[:, lo : lo + n_targets])
+            lp = log_probs(self.model, hidden[:, lo : lo + n_targets]).expand(self.rows, -1, -1)
             tgt = targets[start + lo : start + lo + n_targets]
             picked = lp.gather(-1, tgt.view(1, -1, 1).expand(self.rows, -1, 1))[..., 0]
             self.nll[:, start + lo : start + lo + n_targets] = -picked
