@@ -91,8 +91,12 @@ class EvictingLayer(CacheLayerMixin):
         self.raw: torch.Tensor | None = None  # un-rotated keys (cache positions only)
         self.pos: torch.Tensor | None = None
         self.stats: dict[str, torch.Tensor] = {}
-        self.ring: torch.Tensor | None = None  # un-rotated recent queries (SnapKV)
-        self.ring_pos: torch.Tensor | None = None
+        # The most recent queries (SnapKV's observation window), a circular buffer: as
+        # attention used them, the positions they were rotated at, their stream positions.
+        self.ring: torch.Tensor | None = None
+        self.ring_used: torch.Tensor | None = None
+        self.ring_stream: torch.Tensor | None = None
+        self.ring_count = 0
         self.max_kept = 0
         self.sink_lost_at: torch.Tensor | None = None  # [B, H] seen-count when token 0 left, -1 if never
         # Rows hold the same tokens so far (no eviction, no per-row forward): a one-row
@@ -187,7 +191,8 @@ class EvictingLayer(CacheLayerMixin):
         self.identical = True
         self.pending = False
         self.max_kept = 0
-        self.ring = self.ring_pos = None
+        self.ring = self.ring_used = self.ring_stream = None
+        self.ring_count = 0
         if self.is_initialized:
             self.sink_lost_at.fill_(-1)
             for stat in self.stats.values():
@@ -305,27 +310,48 @@ class EvictingLayer(CacheLayerMixin):
             view.stats[request.stat] = updated
 
     def _remember_queries(self, query: torch.Tensor, query_positions: torch.Tensor) -> None:
+        """Keep the last queries as attention used them; they are only re-rotated when a
+        policy asks for them, and in original-position mode not even then."""
         size = self.owner.query_window
-        cos, sin = self.owner.rotary.at(query_positions)
-        raw = self.owner.rotary.unrotate(query, cos, sin)[:, :, -size:]
-        stream = torch.arange(self.seen - self.new, self.seen, device=self.device)[-size:]
         if self.ring is None:
-            self.ring, self.ring_pos = raw.clone(), stream.clone()
+            self.ring = query.new_zeros(self.batch_size, query.shape[1], size, query.shape[3])
+            self.ring_used = torch.full((size,), -1, dtype=torch.long, device=self.device)
+            self.ring_stream = torch.full((size,), -1, dtype=torch.long, device=self.device)
+        count = min(size, self.new)
+        if count == 1:
+            slot = self.ring_count % size
+            self.ring[:, :, slot] = query[:, :, -1]
+            self.ring_used[slot] = query_positions[-1]
+            self.ring_stream[slot] = self.seen - 1
         else:
-            self.ring = torch.cat([self.ring, raw], dim=2)[:, :, -size:]
-            self.ring_pos = torch.cat([self.ring_pos, stream])[-size:]
+            slots = (self.ring_count + torch.arange(count, device=self.device)) % size
+            self.ring[:, :, slots] = query[:, :, -count:]
+            self.ring_used[slots] = query_positions[-count:]
+            self.ring_stream[slots] = torch.arange(self.seen - count, self.seen, device=self.device)
+        self.ring_count += count
 
     def _window_queries(self, size: int, total: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The last `size` queries, rotated to where they sit now (stream order positions)."""
-        raw, stream = self.ring[:, :, -size:], self.ring_pos[-size:]
+        """The last `size` queries (in any order), rotated to where they sit now, and
+        their stream positions."""
+        held = min(self.ring_count, self.ring_stream.numel())
+        if size >= held:
+            queries, used, stream = self.ring[:, :, :held], self.ring_used[:held], self.ring_stream[:held]
+        else:
+            slots = torch.nonzero(self.ring_stream >= self.seen - size).flatten()
+            queries, used, stream = self.ring[:, :, slots], self.ring_used[slots], self.ring_stream[slots]
         if self.owner.positions == "cache":
             # Every token of the window is still cached, so its slot is fixed by how
             # many tokens came after it.
             effective = total - (self.seen - stream)
         else:
             effective = stream
-        cos, sin = self.owner.rotary.at(effective)
-        return self.owner.rotary.rotate(raw, cos, sin), stream
+        if torch.equal(effective, used):
+            return queries, stream
+        rotary = self.owner.rotary
+        cos, sin = rotary.at(used)
+        raw = rotary.unrotate(queries, cos, sin)
+        cos, sin = rotary.at(effective)
+        return rotary.rotate(raw, cos, sin), stream
 
     def _evict(self, views: list[SlotView], total: int, budget: int) -> None:
         groups = self.owner.groups

@@ -50,11 +50,12 @@ class Rotary:
         return self._cos[:length], self._sin[:length]
 
     def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for any positions of shape `[..., m]` -> `[..., m, D]`."""
+        """cos/sin for any positions of shape `[..., m]` -> `[..., m, D]` (table lookups:
+        calling the rotary module per layer and step costs more than the attention)."""
         flat = positions.reshape(-1)
-        cos, sin = self._compute(flat)
+        cos, sin = self.table(int(flat.max()) + 1 if flat.numel() else 0)
         shape = (*positions.shape, self.head_dim)
-        return cos.reshape(shape), sin.reshape(shape)
+        return cos[flat].reshape(shape), sin[flat].reshape(shape)
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return apply_rotation(x, cos, sin)
