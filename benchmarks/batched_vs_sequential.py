@@ -29,6 +29,11 @@ def main() -> None:
     model, tokenizer = load_model(args.model)
     tokens, _ = load_tokens("pg-essays", tokenizer, args.tokens)
     steps = len(POLICIES) * (args.tokens - 1)
+    # Warm-up, untimed: the first forwards of a process pay for kernel selection and
+    # allocations, which would otherwise be charged to whichever arm runs first.
+    warm = tokens[: args.budget + 32]
+    compare(model, warm, POLICIES, args.budget, reference=False, progress=False)
+    compare(model, warm, POLICIES[:1], args.budget, reference=False, progress=False)
 
     t0 = time.perf_counter()
     batched, _ = compare(model, tokens, POLICIES, args.budget, reference=False, progress=False)
