@@ -2,8 +2,8 @@
 
 Both hold about the same number of entries: the EvictingCache sits at its budget, the
 DynamicCache is prefilled to `budget - steps/2` so it averages the budget over the
-timed steps. Same model, same tokens, one process, arms interleaved round-robin so
-machine noise hits all of them alike.
+timed steps. Same model, same tokens, one process; the arms take turns step by step
+(in a rotating order), so machine noise hits all of them alike.
 
     .venv/bin/python benchmarks/decode_overhead.py --budget 512 --steps 64
 """
@@ -26,12 +26,17 @@ TARGETS = {"window": 1.05, "streamingllm": 1.05, "h2o": 1.15}
 def make(model, arm: str, budget: int, steps: int, tokens: torch.Tensor):
     if arm == "dynamic":
         cache = DynamicCache(config=model.config)
-        model.set_attn_implementation("sdpa")
+        use(model, arm)
         body(model, tokens[None, : budget - steps // 2], cache)
         return cache, budget - steps // 2
     cache = EvictingCache(model, arm, budget=budget)
     body(model, tokens[None, :budget], cache)
     return cache, budget
+
+
+def use(model, arm: str) -> None:
+    """transformers' own SDPA for the DynamicCache, kvevict's attention for the rest."""
+    model.set_attn_implementation("sdpa" if arm == "dynamic" else "kvevict")
 
 
 def main() -> None:
@@ -41,13 +46,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     model, tokenizer = load_model("smollm2-135m")
-    tokens, _ = load_tokens("pg-essays", tokenizer, args.budget + args.steps * args.rounds + 1)
+    tokens, _ = load_tokens("pg-essays", tokenizer, args.budget + args.steps + 1)
     times: dict[str, list[float]] = {arm: [] for arm in ARMS}
     with torch.inference_mode():
         for _ in range(args.rounds):
+            caches = {}
             for arm in ARMS:
-                cache, at = make(model, arm, args.budget, args.steps, tokens)
-                for step in range(args.steps):
+                caches[arm] = make(model, arm, args.budget, args.steps, tokens)
+            for step in range(args.steps):
+                for k in range(len(ARMS)):
+                    arm = ARMS[(step + k) % len(ARMS)]
+                    cache, at = caches[arm]
+                    use(model, arm)
                     t0 = time.perf_counter()
                     body(model, tokens[None, at + step : at + step + 1], cache)
                     times[arm].append(time.perf_counter() - t0)
