@@ -102,6 +102,7 @@ class EvictingLayer(CacheLayerMixin):
         # Rows hold the same tokens so far (no eviction, no per-row forward): a one-row
         # forward may stand for all of them.
         self.identical = True
+        self.ordered = True  # slots sit in positional order (until a hole is filled in place)
         self._base: torch.Tensor | None = None  # see _row_base
         self._base_cap = 0
 
@@ -189,6 +190,7 @@ class EvictingLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.n = self.seen = self.new = 0
         self.identical = True
+        self.ordered = True
         self.pending = False
         self.max_kept = 0
         self.ring = self.ring_used = self.ring_stream = None
@@ -364,8 +366,10 @@ class EvictingLayer(CacheLayerMixin):
         pos = self.pos[:, :, :total]
         if total == budget + 1 and self.owner.positions == "original":
             self._fill_hole(scores, pos, budget)
+            self.ordered = False
         else:
             self._compact(scores, pos, total, budget)
+            self.ordered = True
         self.n = budget
         if self.owner.sink_unpinned:
             # Token 0 sits in slot 0 for as long as it is held (holes are filled in place,
@@ -403,6 +407,17 @@ class EvictingLayer(CacheLayerMixin):
         Ties go to the later token: a stable sort over slots visited from the latest
         position to the earliest.
         """
+        if self.ordered:
+            # Slots are in positional order (always so in position-shift mode): no sorting by position.
+            if total == budget + 1:
+                # argmin takes the first of equal minima: the earlier token goes.
+                victim = scores.argmin(dim=-1, keepdim=True)
+                slots = torch.arange(budget, device=self.device)
+                self._gather(slots + (slots >= victim).long(), budget)
+            else:
+                order = torch.sort(scores.flip(-1), dim=-1, descending=True, stable=True).indices[..., :budget]
+                self._gather((total - 1 - order).sort(dim=-1).values, budget)
+            return
         latest_first = pos.argsort(dim=-1, descending=True, stable=True)
         ranked = torch.sort(scores.gather(-1, latest_first), dim=-1, descending=True, stable=True).indices
         keep = latest_first.gather(-1, ranked[..., :budget])
