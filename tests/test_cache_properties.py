@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from kvevict import EvictingCache
 from kvevict.eval.forward import body
+from kvevict.policies import Policy, SlotView
 
 from conftest import make_tiny
 
@@ -59,3 +60,35 @@ def test_budget_sinks_and_window_invariants(data, inner, budget, length, positio
     spec = inner if sinks == 0 else f"sink{sinks}+{inner}"
     chunks = data.draw(st.lists(st.integers(1, 2 * budget), min_size=0, max_size=4), label="chunks")
     feed_and_check(spec, budget, sinks, length, chunks, positions)
+
+
+class _Indifferent(Policy):
+    """Every slot scores the same: only the cache's tie-break decides."""
+
+    def spec(self) -> str:
+        return "indifferent"
+
+    def scores(self, view: SlotView) -> torch.Tensor:
+        return torch.zeros(view.positions.shape, dtype=torch.float64)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    budget=st.integers(2, 12),
+    chunks=st.lists(st.integers(1, 9), min_size=1, max_size=6),
+    positions=st.sampled_from(["original", "cache"]),
+)
+def test_equal_scores_evict_the_earliest_token(budget, chunks, positions):
+    """With all scores tied the earliest token goes (the later one stays), whether a step
+    fills the victim's slot in place or compacts: the cache then behaves as `window`."""
+    tokens = torch.arange(40) % VOCAB
+    caches = [EvictingCache(MODEL, p, budget=budget, positions=positions) for p in (_Indifferent(), "window")]
+    with torch.inference_mode():
+        seen, chunk_iter = 0, iter(chunks)
+        while seen < tokens.numel():
+            q = min(next(chunk_iter, 1), tokens.numel() - seen)
+            for cache in caches:
+                body(MODEL, tokens[None, seen : seen + q], cache)
+            seen += q
+            for tied, window in zip(caches[0].layers, caches[1].layers):
+                assert torch.equal(tied.kept_positions(), window.kept_positions())

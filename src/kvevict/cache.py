@@ -8,11 +8,18 @@ Life of one forward, per layer:
 2. kvevict's attention function (`attention.py`) computes the output over those views
    and then calls `EvictingLayer.finish`, handing over the queries.
 3. `finish` gives each policy the attention statistics it asked for, and if more than
-   `budget` entries are held, gathers the `budget` best-scoring ones back to the front
-   of the buffers in positional order.
+   `budget` entries are held, keeps the `budget` best-scoring ones. A decode step (one
+   entry too many) moves the newest slot into the victim's place; anything else
+   gathers the survivors back to the front in positional order. So the kept slots are
+   not always sorted by position: nothing depends on it (masks and statistics use
+   `pos`, and every kept entry is older than every new token) except position-shift
+   mode, which therefore always gathers.
 
 So between forwards every layer holds at most `budget` entries, and during a forward
 the new queries see the kept entries plus the tokens of that forward.
+
+Rows of a batch hold the same tokens until the first eviction, so a one-row forward may
+stand for all of them (`shares_rows`): an A/B batch computes its shared prefill once.
 
 Positions, two modes: `original` keeps each key's RoPE rotation at its position in the
 stream (H2O, SnapKV, kvpress); `cache` re-numbers kept entries 0..L-1 in order
@@ -84,7 +91,7 @@ class EvictingLayer(CacheLayerMixin):
         super().__init__()
         self.owner = owner
         self.index = index
-        self.n = 0  # entries kept (valid slots are 0..n-1, in positional order)
+        self.n = 0  # entries kept (valid slots are 0..n-1)
         self.seen = 0  # tokens that have gone through this layer
         self.new = 0  # tokens of the forward in flight
         self.pending = False
