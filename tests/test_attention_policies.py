@@ -192,3 +192,98 @@ def test_snapkv_hard_budget_never_exceeded_and_reselects():
             assert all(layer.n <= 16 for layer in cache.layers)
     kept = cache.layers[0].kept_positions()[0, 0]
     assert kept.max() == 199 and kept.min() < 150  # recent window plus older selected tokens
+
+
+class SnapKVReference:
+    """Full cache + eager attention + an evicted mask per (layer, KV head); streaming
+    SnapKV's rule by hand (the rule documented in policies/snapkv.py).
+
+    At a selection step (the first overflow, then every `interval` tokens) the last
+    `window` queries' attention over the alive entries, summed over the group's heads,
+    pooled along the alive entries in position order, ranks the older entries; the
+    window stays. Between selections the lowest stored score goes (entries that arrived
+    since, or sat in the window at selection, score 0), the recent window protected.
+    """
+
+    def __init__(self, budget: int, window: int, kernel: int, pooling: str, interval: int) -> None:
+        self.budget, self.window, self.kernel, self.pooling, self.interval = budget, window, kernel, pooling, interval
+        self.queries: dict[int, torch.Tensor] = {}
+        self.score: dict[int, torch.Tensor] = {}
+        self.evicted: dict[int, torch.Tensor] = {}
+        self.selected_at: dict[int, int] = {}
+
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
+        layer = module.layer_idx
+        _, hq, q, _ = query.shape
+        hkv, total = key.shape[1], key.shape[2]
+        group = hq // hkv
+        evicted = torch.cat([self.evicted.get(layer, torch.zeros(hkv, 0, dtype=torch.bool)),
+                             torch.zeros(hkv, q, dtype=torch.bool)], dim=1)
+        score = torch.cat([self.score.get(layer, torch.zeros(hkv, 0)), torch.zeros(hkv, q)], dim=1)
+        queries = torch.cat([self.queries.get(layer, query[0, :, :0]), query[0]], dim=1)  # [Hq, total, D]
+        k = key[0].repeat_interleave(group, dim=0)
+        v = value[0].repeat_interleave(group, dim=0)
+        causal = torch.arange(total)[None, :] <= torch.arange(total - q, total)[:, None]
+        allowed = causal[None] & ~evicted.repeat_interleave(group, dim=0)[:, None, :]
+        probs = torch.softmax((query[0] @ k.transpose(-1, -2) * scaling).masked_fill(~allowed, float("-inf")), -1)
+        out = (probs @ v)[None]
+        for head in range(hkv):
+            alive = (~evicted[head]).nonzero()[:, 0].tolist()
+            if len(alive) <= self.budget:
+                continue
+            last = self.selected_at.get((layer, head))
+            if last is None or total - last >= self.interval:
+                self.selected_at[(layer, head)] = total
+                obs = list(range(max(0, total - self.window), total))
+                heads = range(head * group, (head + 1) * group)
+                mass = {p: 0.0 for p in alive}
+                for h in heads:
+                    for i in obs:
+                        seen = [p for p in alive if p <= i]
+                        w = torch.softmax(torch.stack([queries[h, i] @ k[h, p] * scaling for p in seen]), 0)
+                        for p, x in zip(seen, w.tolist()):
+                            mass[p] += x
+                prefix = [p for p in alive if p < total - len(obs)]
+                pooled = pool_direct([mass[p] for p in prefix], self.kernel, self.pooling)
+                score[head] = 0.0
+                for p, x in zip(prefix, pooled):
+                    score[head, p] = x
+            recent = set(range(total - self.window, total))
+            older = [p for p in alive if p not in recent]
+            # highest score first, later token first among equals; the tail goes
+            ranked = sorted(older, key=lambda p: (float(score[head, p]), p), reverse=True)
+            for p in ranked[self.budget - (len(alive) - len(older)) :]:
+                evicted[head, p] = True
+        self.evicted[layer], self.score[layer], self.queries[layer] = evicted, score, queries
+        return out.transpose(1, 2).contiguous(), probs[None]
+
+
+@pytest.mark.parametrize("budget,window,kernel,pooling,interval", [(16, 4, 3, "max", 4), (14, 3, 1, "avg", 5)])
+def test_snapkv_streaming_matches_reference_with_masked_evictions(budget, window, kernel, pooling, interval):
+    """Prefill, then token by token with re-selection every `interval`: same tokens kept
+    per layer and head and the same NLL as the eager reference above."""
+    model = make_tiny(seed=13)
+    tokens = random_tokens(70, seed=budget)
+    spec = f"snapkv:window={window},kernel={kernel},pooling={pooling},interval={interval}"
+    cache = EvictingCache(model, spec, budget=budget)
+    chunks = [tokens[:budget + 3]] + [tokens[t : t + 1] for t in range(budget + 3, tokens.numel())]
+    ours = []
+    with torch.inference_mode():
+        for chunk in chunks:
+            ours.append(model.get_output_embeddings()(body(model, chunk[None], cache))[0])
+    our_nll = -torch.log_softmax(torch.cat(ours)[:-1].float(), -1).gather(-1, tokens[1:, None])[:, 0]
+
+    reference = SnapKVReference(budget, window, kernel, pooling, interval)
+    AttentionInterface.register("snapkv_reference", reference)
+    ref = []
+    with attn(model, "snapkv_reference"), torch.inference_mode():
+        full = DynamicCache(config=model.config)
+        for chunk in chunks:
+            ref.append(model(chunk[None], past_key_values=full, use_cache=True).logits[0])
+    ref_nll = -torch.log_softmax(torch.cat(ref)[:-1].float(), -1).gather(-1, tokens[1:, None])[:, 0]
+    assert ((our_nll - ref_nll).abs() / ref_nll.abs()).max() < 1e-4
+    for idx, layer in enumerate(cache.layers):
+        kept = layer.kept_positions()[0]
+        for head in range(kept.shape[0]):
+            expected = (~reference.evicted[idx][head]).nonzero()[:, 0]
+            assert kept[head].tolist() == expected.tolist(), f"layer {idx} head {head} kept different tokens"
