@@ -134,6 +134,44 @@ def test_cache_positions_do_not_drift(spec):
         assert bool((pos.diff(dim=-1) > 0).all())  # slots in original order
 
 
+@pytest.mark.parametrize("positions", ["original", "cache"])
+def test_remembered_queries_are_rotated_to_where_their_tokens_sit(positions):
+    """SnapKV's observation window: the queries the cache hands back equal q_proj's
+    outputs rotated (by transformers' own RoPE) to the token's position now — its stream
+    position, or in position-shift mode its current slot, which moves at every eviction."""
+    model = make_tiny(seed=3)
+    tokens = random_tokens(60, seed=2)
+    budget, window = 16, 5
+    cache = EvictingCache(model, f"snapkv:window={window}", budget=budget, positions=positions)
+    store: dict[int, list[torch.Tensor]] = {}
+    handles = []
+    for idx, block in enumerate(model.model.layers):
+        def hook(module, args, output, idx=idx, head_dim=block.self_attn.head_dim):
+            b, q, _ = output.shape
+            store.setdefault(idx, []).append(output.view(b, q, -1, head_dim).transpose(1, 2).clone())
+
+        handles.append(block.self_attn.q_proj.register_forward_hook(hook))
+    try:
+        with torch.inference_mode():
+            body(model, tokens[None, :20], cache)
+            for t in range(20, tokens.numel()):
+                body(model, tokens[None, t : t + 1], cache)
+    finally:
+        for h in handles:
+            h.remove()
+    seen = tokens.numel()
+    for idx, layer in enumerate(cache.layers):
+        queries, stream = layer._window_queries(window, layer.n)
+        order = stream.argsort()
+        queries, stream = queries[:, :, order], stream[order]
+        assert stream.tolist() == list(range(seen - window, seen))
+        raw = torch.cat(store[idx], dim=2)[:, :, stream]  # [1, Hq, window, D]
+        now = stream if positions == "original" else layer.n - (seen - stream)
+        cos, sin = model.model.rotary_emb(raw, now[None])
+        expected, _ = apply_rotary_pos_emb(raw, raw, cos, sin)
+        assert (queries - expected).abs().max().item() < 1e-5
+
+
 def test_cache_mode_window_matches_original_mode():
     # a pure window keeps contiguous tokens: relative distances are identical in both modes
     model = make_tiny(seed=6)
