@@ -11,6 +11,7 @@ the two samples should be noise (target < 5%).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 
@@ -30,6 +31,7 @@ def main() -> None:
     parser.add_argument("--policy", default="streamingllm")
     parser.add_argument("--positions", default="cache")
     parser.add_argument("--window", type=int, default=10_000)
+    parser.add_argument("--json", help="also write the numbers to this file")
     args = parser.parse_args()
     model, tokenizer = load_model(args.model)
     tokens, repeated = load_tokens("pg-essays", tokenizer, args.tokens, repeat=True)
@@ -48,8 +50,17 @@ def main() -> None:
     print(f"resident memory: {samples['10%']:.0f} MB at 10%, {samples['100%']:.0f} MB at 100%: "
           f"growth {100 * (samples['100%'] / samples['10%'] - 1):+.1f}% (target < 5%)")
     print(f"overall ppl {row.ppl:.2f}; max kept {row.max_kept}")
-    for w in row.ppl_windows(args.window):
+    windows = row.ppl_windows(args.window)
+    for w in windows:
         print(f"  predictions {w['start']:>7}-{w['end']:<7} ppl {w['ppl']:.2f}")
+    if args.json:
+        record = {
+            "policy": args.policy, "budget": args.budget, "positions": args.positions, "tokens": args.tokens,
+            "repeated": repeated, "rss_mb": samples, "ppl": row.ppl, "max_kept": row.max_kept,
+            "seconds": time.perf_counter() - t0, "windows": windows,
+        }
+        with open(args.json, "w") as handle:
+            json.dump(record, handle, indent=1)
 
 
 if __name__ == "__main__":

@@ -128,6 +128,12 @@ class EvictingLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
             self.owner.bind_rows(self.batch_size)
         rows = key_states.shape[0]
+        if rows == 1 and self.batch_size > 1 and not self.identical:
+            raise KvevictError(
+                f"this cache holds {self.batch_size} rows (one per policy) and they diverged at the first eviction: "
+                f"a one-row forward can only stand for all rows before that; feed {self.batch_size} rows "
+                f"(input_ids.expand({self.batch_size}, -1))"
+            )
         if rows != self.batch_size and not (rows == 1 and self.identical):
             raise KvevictError(
                 f"this cache holds {self.batch_size} sequences but got a batch of {rows}: "
