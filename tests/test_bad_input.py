@@ -193,3 +193,35 @@ def test_nan_inputs_are_refused(tiny):
     with pytest.raises(KvevictError, match="NaN"):
         with torch.inference_mode():
             tiny(inputs_embeds=embeds, past_key_values=cache)
+
+
+def test_every_row_of_the_bad_input_table_names_an_existing_test():
+    """docs/bad-input.md promises a test per row: the named test functions must exist."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    defined = set()
+    for path in (root / "tests").glob("test_*.py"):
+        defined |= set(re.findall(r"^def (test_\w+)", path.read_text(), flags=re.M))
+    rows = [line for line in (root / "docs" / "bad-input.md").read_text().splitlines() if line.startswith("| ")]
+    named = [re.findall(r"\b(test_\w+)\b(?!\.)", row.rsplit("|", 2)[-2]) for row in rows[1:]]
+    assert len(named) >= 20 and all(named), "a row of the table names no test"
+    missing = {name for names in named for name in names} - defined
+    assert not missing, f"docs/bad-input.md names tests that do not exist: {sorted(missing)}"
+
+
+def test_prepared_4d_mask_with_the_cache_is_refused(tiny):
+    cache = EvictingCache(tiny, "window", budget=8)
+    mask = torch.ones(1, 1, 5, 5, dtype=torch.bool).tril()
+    with pytest.raises(KvevictError, match="prepared 4-D attention mask cannot be combined"):
+        with torch.inference_mode():
+            tiny.model(input_ids=random_tokens(5)[None], attention_mask=mask, past_key_values=cache, use_cache=True)
+
+
+def test_beam_search_is_refused(tiny):
+    cache = EvictingCache(tiny, "window", budget=8)
+    with pytest.raises(KvevictError, match="does not support beam search"):
+        with torch.inference_mode():
+            tiny.generate(random_tokens(5)[None], past_key_values=cache, num_beams=2, max_new_tokens=12,
+                          do_sample=False)
