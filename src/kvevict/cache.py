@@ -37,6 +37,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from . import attention
 from .errors import KvevictError
 from .policies import AttentionRequest, Policy, SlotView, parse_policy
+from .query_window import QueryWindow
 from .rotary import Rotary
 
 POSITION_MODES = ("original", "cache")
@@ -98,12 +99,7 @@ class EvictingLayer(CacheLayerMixin):
         self.raw: torch.Tensor | None = None  # un-rotated keys (cache positions only)
         self.pos: torch.Tensor | None = None
         self.stats: dict[str, torch.Tensor] = {}
-        # The most recent queries (SnapKV's observation window), a circular buffer: as
-        # attention used them, the positions they were rotated at, their stream positions.
-        self.ring: torch.Tensor | None = None
-        self.ring_used: torch.Tensor | None = None
-        self.ring_stream: torch.Tensor | None = None
-        self.ring_count = 0
+        self.recent_queries = QueryWindow(owner.query_window)
         self.max_kept = 0
         self.sink_lost_at: torch.Tensor | None = None  # [B, H] seen-count when token 0 left, -1 if never
         # Rows hold the same tokens so far (no eviction, no per-row forward): a one-row
@@ -206,8 +202,7 @@ class EvictingLayer(CacheLayerMixin):
         self.ordered = True
         self.pending = False
         self.max_kept = 0
-        self.ring = self.ring_used = self.ring_stream = None
-        self.ring_count = 0
+        self.recent_queries = QueryWindow(self.owner.query_window)
         if self.is_initialized:
             self.sink_lost_at.fill_(-1)
             for stat in self.stats.values():
@@ -259,7 +254,7 @@ class EvictingLayer(CacheLayerMixin):
         budget = self.owner.budget
         will_evict = budget is not None and total > budget
         if self.owner.query_window:
-            self._remember_queries(query, query_positions)
+            self.recent_queries.remember(query, query_positions, self.seen)
         groups = self.owner.groups
         views = [self._view(group, total) for group in groups]
         requests = [group.policy.request(view, will_evict) for group, view in zip(groups, views)]
@@ -324,36 +319,10 @@ class EvictingLayer(CacheLayerMixin):
             group.put(stat[:, :, :total], updated)
             view.stats[request.stat] = updated
 
-    def _remember_queries(self, query: torch.Tensor, query_positions: torch.Tensor) -> None:
-        """Keep the last queries as attention used them; they are only re-rotated when a
-        policy asks for them, and in original-position mode not even then."""
-        size = self.owner.query_window
-        if self.ring is None:
-            self.ring = query.new_zeros(self.batch_size, query.shape[1], size, query.shape[3])
-            self.ring_used = torch.full((size,), -1, dtype=torch.long, device=self.device)
-            self.ring_stream = torch.full((size,), -1, dtype=torch.long, device=self.device)
-        count = min(size, self.new)
-        if count == 1:
-            slot = self.ring_count % size
-            self.ring[:, :, slot] = query[:, :, -1]
-            self.ring_used[slot] = query_positions[-1]
-            self.ring_stream[slot] = self.seen - 1
-        else:
-            slots = (self.ring_count + torch.arange(count, device=self.device)) % size
-            self.ring[:, :, slots] = query[:, :, -count:]
-            self.ring_used[slots] = query_positions[-count:]
-            self.ring_stream[slots] = torch.arange(self.seen - count, self.seen, device=self.device)
-        self.ring_count += count
-
     def _window_queries(self, size: int, total: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The last `size` queries (in any order), rotated to where they sit now, and
         their stream positions."""
-        held = min(self.ring_count, self.ring_stream.numel())
-        if size >= held:
-            queries, used, stream = self.ring[:, :, :held], self.ring_used[:held], self.ring_stream[:held]
-        else:
-            slots = torch.nonzero(self.ring_stream >= self.seen - size).flatten()
-            queries, used, stream = self.ring[:, :, slots], self.ring_used[slots], self.ring_stream[slots]
+        queries, used, stream = self.recent_queries.last(size, self.seen)
         if self.owner.positions == "cache":
             # Every token of the window is still cached, so its slot is fixed by how
             # many tokens came after it.
