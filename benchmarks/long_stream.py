@@ -57,7 +57,7 @@ def main() -> None:
         record = {
             "policy": args.policy, "budget": args.budget, "positions": args.positions, "tokens": args.tokens,
             "repeated": repeated, "rss_mb": samples, "ppl": row.ppl, "max_kept": row.max_kept,
-            "seconds": time.perf_counter() - t0, "windows": windows,
+            "seconds": time.perf_counter() - t0, "windows": windows, "windows_1000": row.ppl_windows(1000),
         }
         with open(args.json, "w") as handle:
             json.dump(record, handle, indent=1)
