@@ -32,9 +32,14 @@ def main() -> None:
     parser.add_argument("--positions", default="cache")
     parser.add_argument("--window", type=int, default=10_000)
     parser.add_argument("--json", help="also write the numbers to this file")
+    parser.add_argument(
+        "--skip", type=int, default=0,
+        help="start this many tokens into the text (a fresh run over a later stretch: the control for drift)",
+    )
     args = parser.parse_args()
     model, tokenizer = load_model(args.model)
-    tokens, repeated = load_tokens("pg-essays", tokenizer, args.tokens, repeat=True)
+    tokens, repeated = load_tokens("pg-essays", tokenizer, args.skip + args.tokens, repeat=True)
+    tokens = tokens[args.skip :]
     samples: dict[str, float] = {}
 
     def sample(seen: int) -> None:
@@ -45,7 +50,8 @@ def main() -> None:
     rows, _ = compare(model, tokens, [args.policy], args.budget, args.positions, reference=False, on_step=sample)
     samples["100%"] = rss_mb()
     row = rows[0]
-    print(f"{args.policy}, budget {args.budget}, positions {args.positions}, {args.tokens} tokens"
+    print(f"{args.policy}, budget {args.budget}, positions {args.positions}, "
+          f"{args.tokens} tokens from token {args.skip}"
           f"{' (pg-essays repeated to fill the stream)' if repeated else ''}, {time.perf_counter() - t0:.0f} s")
     print(f"resident memory: {samples['10%']:.0f} MB at 10%, {samples['100%']:.0f} MB at 100%: "
           f"growth {100 * (samples['100%'] / samples['10%'] - 1):+.1f}% (target < 5%)")
@@ -56,6 +62,7 @@ def main() -> None:
     if args.json:
         record = {
             "policy": args.policy, "budget": args.budget, "positions": args.positions, "tokens": args.tokens,
+            "skip": args.skip,
             "repeated": repeated, "rss_mb": samples, "ppl": row.ppl, "max_kept": row.max_kept,
             "seconds": time.perf_counter() - t0, "windows": windows, "windows_1000": row.ppl_windows(1000),
         }
