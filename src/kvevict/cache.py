@@ -106,8 +106,6 @@ class EvictingLayer(CacheLayerMixin):
         # forward may stand for all of them.
         self.identical = True
         self.ordered = True  # slots sit in positional order (until a hole is filled in place)
-        self._base: torch.Tensor | None = None  # see _row_base
-        self._base_cap = 0
 
     # --- transformers' layer API -------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -130,7 +128,7 @@ class EvictingLayer(CacheLayerMixin):
                 f"a one-row forward can only stand for all rows before that; feed {self.batch_size} rows "
                 f"(input_ids.expand({self.batch_size}, -1))"
             )
-        if rows != self.batch_size and not (rows == 1 and self.identical):
+        if rows not in (1, self.batch_size):
             raise KvevictError(
                 f"this cache holds {self.batch_size} sequences but got a batch of {rows}: "
                 "use a new EvictingCache for each batch (cache.reset() to reuse it)"
@@ -140,10 +138,12 @@ class EvictingLayer(CacheLayerMixin):
         q = key_states.shape[2]
         # NaN/inf reaching any layer reaches the last one: checking the first (bad inputs)
         # and the last (bad weights anywhere) catches both without a sync per layer.
-        if self.index in (0, self.owner.last_layer) and not bool(torch.isfinite(key_states).all()):
+        if self.index in (0, self.owner.last_layer) and not bool(
+            torch.isfinite(key_states).all() and torch.isfinite(value_states).all()
+        ):
             raise KvevictError(
-                f"layer {self.index} produced NaN/inf keys: check the inputs (inputs_embeds) and the model weights; "
-                "the cache refuses to rank entries by NaN scores"
+                f"layer {self.index} produced NaN/inf keys or values: check the inputs (inputs_embeds) and the "
+                "model weights; the cache refuses to rank entries by NaN scores"
             )
         shifted = self.owner.positions == "cache"
         if self.index == 0 or shifted:
@@ -234,6 +234,11 @@ class EvictingLayer(CacheLayerMixin):
             for name, stat in self.stats.items():
                 stat[:, :, :n] = old[4][name][:, :, :n]
         self.capacity = capacity
+        # Offset of each (row, head) in the flattened [B*H*capacity] slots; in the shared
+        # key/value buffer the values follow all the keys.
+        cells = torch.arange(self.batch_size * self.heads, device=self.device)
+        self.row_base = (cells * capacity).view(self.batch_size, self.heads)
+        self.kv_base = torch.tensor([0, cells.numel() * capacity], device=self.device).view(2, 1, 1)
 
     def _ensure_capacity(self, needed: int) -> None:
         if needed > self.capacity:
@@ -367,21 +372,28 @@ class EvictingLayer(CacheLayerMixin):
         attention does not care about in original-position mode: every kept entry is
         older than every new token, and masks and statistics use `pos`, not slot order.
         """
-        if all(group.policy.distinct_scores for group in self.owner.groups):
-            victim = scores.argmin(dim=-1)
-        else:
-            # Among equal scores the earlier token goes (slot order is not position order).
-            lowest = scores.amin(dim=-1, keepdim=True)
-            victim = torch.where(scores == lowest, pos, torch.iinfo(torch.long).max).argmin(dim=-1)
-        flat = victim + self._row_base()
+        victim = self._victim(scores, pos)
+        flat = victim + self.row_base
         slots = self.batch_size * self.heads * self.capacity
-        both = (flat[None] + self._kv_base).reshape(-1)
+        both = (flat[None] + self.kv_base).reshape(-1)
         newest = self.kv[:, :, :, budget].clone().reshape(2 * self.batch_size * self.heads, -1)
         self.kv.view(2 * slots, -1).index_copy_(0, both, newest)
         flat = flat.reshape(-1)
         for buffer in self._slot_buffers():
             newest = buffer[:, :, budget].clone().reshape(self.batch_size * self.heads, -1)
             buffer.view(slots, -1).index_copy_(0, flat, newest)
+
+    def _victim(self, scores: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """`[B, H]` slot of the entry to evict when one must go; among equal scores the earlier token.
+
+        argmin takes the first of equal minima, which is the earliest token while slots
+        are in positional order, or when no scores can tie; otherwise ties are broken by
+        position explicitly.
+        """
+        if self.ordered or all(group.policy.distinct_scores for group in self.owner.groups):
+            return scores.argmin(dim=-1)
+        lowest = scores.amin(dim=-1, keepdim=True)
+        return torch.where(scores == lowest, pos, torch.iinfo(torch.long).max).argmin(dim=-1)
 
     def _compact(self, scores: torch.Tensor, pos: torch.Tensor, total: int, budget: int) -> None:
         """Keep the `budget` best slots, gathered to the front in positional order.
@@ -392,8 +404,7 @@ class EvictingLayer(CacheLayerMixin):
         if self.ordered:
             # Slots are in positional order (always so in position-shift mode): no sorting by position.
             if total == budget + 1:
-                # argmin takes the first of equal minima: the earlier token goes.
-                victim = scores.argmin(dim=-1, keepdim=True)
+                victim = self._victim(scores, pos)[..., None]
                 slots = torch.arange(budget, device=self.device)
                 self._gather(slots + (slots >= victim).long(), budget)
             else:
@@ -406,16 +417,6 @@ class EvictingLayer(CacheLayerMixin):
         keep = keep.gather(-1, pos.gather(-1, keep).argsort(dim=-1))
         self._gather(keep, budget)
 
-    def _row_base(self) -> torch.Tensor:
-        """`[B, H]` offset of each (row, head) in the flattened `[B*H*capacity]` slots."""
-        if self._base is None or self._base.shape != (self.batch_size, self.heads) or self._base_cap != self.capacity:
-            rows = torch.arange(self.batch_size * self.heads, device=self.device)
-            self._base = (rows * self.capacity).view(self.batch_size, self.heads)
-            self._base_cap = self.capacity
-            # values follow all the keys in the shared key/value buffer
-            self._kv_base = torch.tensor([0, rows.numel() * self.capacity], device=self.device).view(2, 1, 1)
-        return self._base
-
     def _slot_buffers(self) -> list[torch.Tensor]:
         """Per-slot buffers besides keys and values: positions, statistics, un-rotated keys."""
         extra = [self.raw] if self.raw is not None else []
@@ -424,7 +425,7 @@ class EvictingLayer(CacheLayerMixin):
     def _gather(self, keep: torch.Tensor, budget: int) -> None:
         # One flat row index into [B*H*capacity] for every kept slot: index_select on
         # contiguous rows is ~100x faster on CPU than gather with an expanded index.
-        flat = (keep + self._row_base()[..., None]).reshape(-1)
+        flat = (keep + self.row_base[..., None]).reshape(-1)
 
         def take(buffer: torch.Tensor) -> torch.Tensor:
             rows = buffer.reshape(self.batch_size * self.heads * self.capacity, -1).index_select(0, flat)
@@ -491,7 +492,6 @@ class EvictingCache(Cache):
         self.rotary = Rotary(model.model.rotary_emb, head_dim, dtype, device)
         self.groups: list[RowGroup] = []
         self.pinned_per_row = torch.zeros(0, dtype=torch.long)
-        self.max_pinned = 0
         self.sink_unpinned = True
         self.last_layer = text.num_hidden_layers - 1
         attention.attach(model)
@@ -529,7 +529,6 @@ class EvictingCache(Cache):
         self.groups = [RowGroup(policies[rows[0]], rows) for rows in by_object.values()]
         self._shared: dict[tuple[int, ...], tuple[Rows, list[Rows]]] = {}
         self.pinned_per_row = torch.tensor([p.pinned for p in policies], dtype=torch.long)
-        self.max_pinned = max(p.pinned for p in policies)
         # token 0 can only be lost by rows that do not pin it
         self.sink_unpinned = any(p.pinned == 0 for p in policies)
         for p in self.policies:
@@ -591,14 +590,15 @@ class EvictingCache(Cache):
         Pinned tokens 0..N-1 sit in slots 0..N-1 from the first forward on and a token
         never comes back once evicted, so checking the slots now answers "ever".
         """
-        if not self.max_pinned:
-            return False
         pinned = self.pinned_per_row
+        if not bool(pinned.any()):
+            return False
+        most = int(pinned.max())
         wrong = torch.zeros(len(pinned), dtype=torch.bool)
         for layer in self.layers:
             if not layer.is_initialized or layer.n == 0:
                 continue
-            width = min(self.max_pinned, layer.n)
+            width = min(most, layer.n)
             expected = torch.arange(width)
             held = layer.pos[:, :, :width].cpu() == expected
             wrong |= ((~held) & (expected < pinned[:, None, None])).flatten(1).any(-1)

@@ -40,10 +40,10 @@ class SlotView:
     """What one policy sees of one layer: its rows only.
 
     positions: `[b, H_kv, n]` original token positions of the slots (all slots are
-    valid; slots are NOT necessarily ordered by position: a policy that needs
-    sequence order, like SnapKV's pooling, sorts by `positions`). `stats` holds the per-slot accumulators the
-    policy declared. `keys` is a callable so that policies that do not need keys never
-    pay for slicing them out of the batch.
+    valid; slots are NOT necessarily ordered by position: a policy that needs sequence
+    order, like SnapKV's pooling, sorts by `positions`). `stats` holds the per-slot
+    accumulators the policy declared. `keys` is a callable so that policies that do not
+    need keys never pay for slicing them out of the batch.
     """
 
     positions: torch.Tensor

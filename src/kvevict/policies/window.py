@@ -13,6 +13,7 @@ from .base import Policy, SlotView, recency
 
 class Window(Policy):
     distinct_scores = True  # positions
+
     def spec(self) -> str:
         return "window"
 
