@@ -113,14 +113,21 @@ def eager_attentions(model, tokens: torch.Tensor) -> list[torch.Tensor]:
         return list(model(tokens[None], output_attentions=True).attentions)
 
 
-@pytest.mark.parametrize("block_elements", [1 << 24, 4096])
-def test_captured_attention_equals_eager_softmax(block_elements, monkeypatch):
+@pytest.mark.parametrize("block_elements,prompt", [(1 << 24, 90), (4096, 90), (1 << 24, 60)])
+def test_captured_attention_equals_eager_softmax(block_elements, prompt, monkeypatch):
+    """Cumulative attention per key equals eager attention summed over queries and the
+    heads of a group: after a prefill, and after decode steps (`prompt` < 90), where
+    the probabilities come from kvevict's own decode attention instead of a second pass."""
     monkeypatch.setattr(kv_attention, "BLOCK_ELEMENTS", block_elements)
     model = make_tiny(seed=3)
     tokens = random_tokens(90, seed=6)
     cache = EvictingCache(model, "h2o", budget=1000)  # large budget: statistics only, no eviction
     with torch.inference_mode():
-        body(model, tokens[None], cache)
+        hidden = [body(model, tokens[None, :prompt], cache)]
+        hidden += [body(model, tokens[None, t : t + 1], cache) for t in range(prompt, 90)]
+    with attn(model, "sdpa"), torch.inference_mode():
+        plain = model.model(tokens[None]).last_hidden_state
+    torch.testing.assert_close(torch.cat(hidden, dim=1), plain, atol=1e-5, rtol=1e-4)
     for idx, weights in enumerate(eager_attentions(model, tokens)):
         b, hq, q, n = weights.shape
         expected = weights.view(b, 2, hq // 2, q, n).sum(dim=(2, 3))

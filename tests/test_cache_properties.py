@@ -20,14 +20,18 @@ def feed_and_check(spec: str, budget: int, sinks: int, length: int, chunks: list
     cache = EvictingCache(MODEL, spec, budget=budget, positions=positions)
     tokens = torch.arange(length) % VOCAB
     seen = 0
+    # tokens seen when token 0 left each (layer, head), from the kept positions alone
+    lost_at = torch.full((len(MODEL.model.layers), MODEL.config.num_key_value_heads), -1)
     with torch.inference_mode():
         chunk_iter = iter(chunks)
         while seen < length:
             q = min(next(chunk_iter, 1), length - seen)
             body(MODEL, tokens[None, seen : seen + q], cache)
             seen += q
-            for layer in cache.layers:
+            for i, layer in enumerate(cache.layers):
                 kept = layer.kept_positions()[0]  # [H, n]
+                gone = (kept != 0).all(dim=-1) & (lost_at[i] < 0)
+                lost_at[i] = torch.where(gone, seen, lost_at[i])
                 assert kept.shape[-1] <= budget, "cache holds more than the budget"
                 assert kept.shape[-1] == min(seen, budget), "cache did not fill up to the budget"
                 assert bool((kept < seen).all()) and bool((kept.diff(dim=-1) > 0).all())
@@ -38,6 +42,7 @@ def feed_and_check(spec: str, budget: int, sinks: int, length: int, chunks: list
                         recent = set(range(seen - (min(seen, budget) - min(sinks, seen)), seen))
                         assert present == recent | set(range(min(sinks, seen))), "window is not the most recent tokens"
     assert not cache.pinned_sink_evicted()
+    assert torch.equal(cache.sink_lost_at()[:, 0], lost_at), "sink_lost_at disagrees with the kept positions"
 
 
 policies = st.sampled_from(["window", "random", "h2o", "h2o:recent=0.2", "snapkv:window=1,kernel=3", "snapkv:window=2"])

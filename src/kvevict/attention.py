@@ -119,18 +119,44 @@ def kvevict_attention(
             cols = torch.arange(kv_len, device=query.device)
             rows = torch.arange(q_len, device=query.device) + (kv_len - q_len)
             mask = cols[None, :] <= rows[:, None]
-    out = F.scaled_dot_product_attention(
-        query,
-        key,
-        value,
-        attn_mask=mask,
-        is_causal=is_causal,
-        scale=scaling,
-        enable_gqa=query.shape[1] != key.shape[1],
-    )
+    probs = None
+    if layer is not None and layer.plan() and q_len == 1:
+        # A decode step whose policies want this query's attention (H2O): compute it
+        # once by hand and keep the probabilities, instead of SDPA plus a second softmax.
+        out, probs = decode_attention(query, key, value, scaling)
+    else:
+        out = F.scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            attn_mask=mask,
+            is_causal=is_causal,
+            scale=scaling,
+            enable_gqa=query.shape[1] != key.shape[1],
+        )
     if layer is not None:
-        layer.finish(query, query_positions, scaling)
+        layer.finish(query, query_positions, scaling, probs)
     return out.transpose(1, 2).contiguous(), None
+
+
+def decode_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one query per row that also returns its probabilities.
+
+    query `[b, H_q, 1, D]`, key/value `[b, H_kv, n, D]` (grouped-query: no repeat).
+    Returns the output `[b, H_q, 1, D]` and the probabilities `[b, H_kv, group, n]`
+    (float32). Every cached entry is visible to the newest token, so there is no mask.
+    """
+    b, hq, _, d = query.shape
+    hkv, n = key.shape[1], key.shape[2]
+    group = hq // hkv
+    # Merging (row, head) is a view: the cache's buffers are contiguous over both.
+    grouped = query.reshape(b * hkv, group, d)
+    logits = torch.bmm(grouped, key.reshape(b * hkv, n, d).transpose(1, 2)).float()
+    probs = torch.softmax(logits.mul_(scaling), dim=-1)
+    out = torch.bmm(probs.to(value.dtype), value.reshape(b * hkv, n, d))
+    return out.view(b, hq, 1, d), probs.view(b, hkv, group, n)
 
 
 def kvevict_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> None:
@@ -160,23 +186,19 @@ def attention_mass(
     keys: torch.Tensor,
     key_pos: torch.Tensor,
     scaling: float,
-    newest: bool = False,
 ) -> torch.Tensor:
     """Attention probability each key receives, summed over queries and the query heads
     of its KV group: `[b, H_kv, n]`.
 
     query `[b, H_q, m, D]` at stream positions `query_pos` `[m]`; keys `[b, H_kv, n, D]`
     at stream positions `key_pos` `[b, H_kv, n]`. A query sees keys at positions <= its
-    own. Computed in blocks of queries so memory stays `O(block * n)`. `newest` says
-    the single query is the latest token, so it sees every key (the decode step).
+    own. Computed in blocks of queries so memory stays `O(block * n)`. (A decode step's
+    single query gets its probabilities from `decode_attention` instead.)
     """
     b, hq, m, d = query.shape
     hkv, n = keys.shape[1], keys.shape[2]
     group = hq // hkv
     grouped = query.reshape(b, hkv, group, m, d)
-    if newest and m == 1:
-        logits = torch.matmul(grouped[:, :, :, 0], keys.transpose(-1, -2)).float() * scaling
-        return torch.softmax(logits, dim=-1).sum(dim=2)
     total = torch.zeros(b, hkv, n, dtype=torch.float32, device=query.device)
     block = max(1, BLOCK_ELEMENTS // max(1, b * hq * n))
     for start in range(0, m, block):

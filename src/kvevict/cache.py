@@ -239,6 +239,7 @@ class EvictingLayer(CacheLayerMixin):
         cells = torch.arange(self.batch_size * self.heads, device=self.device)
         self.row_base = (cells * capacity).view(self.batch_size, self.heads)
         self.kv_base = torch.tensor([0, cells.numel() * capacity], device=self.device).view(2, 1, 1)
+        self._newest: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
     def _ensure_capacity(self, needed: int) -> None:
         if needed > self.capacity:
@@ -246,25 +247,44 @@ class EvictingLayer(CacheLayerMixin):
             self._allocate(max(needed + self.owner.slack, 2 * self.capacity if self.owner.budget is None else 0))
 
     # --- after attention ---------------------------------------------------------------
-    def finish(self, query: torch.Tensor, query_positions: torch.Tensor, scaling: float) -> None:
+    def plan(self) -> bool:
+        """Ask each policy what it needs from the forward in flight (before attention runs).
+
+        Returns whether some policy wants the attention of this forward's queries, so
+        that a decode step can keep the probabilities attention computes anyway.
+        """
+        total = self.n + self.new
+        budget = self.owner.budget
+        self._will_evict = budget is not None and total > budget
+        groups = self.owner.groups
+        self._views = [self._view(group, total) for group in groups]
+        self._requests = [group.policy.request(view, self._will_evict) for group, view in zip(groups, self._views)]
+        return any(r is not None and r.kind == "new" for r in self._requests)
+
+    def finish(
+        self,
+        query: torch.Tensor,
+        query_positions: torch.Tensor,
+        scaling: float,
+        probs: torch.Tensor | None = None,
+    ) -> None:
         """Feed policies their statistics and evict down to the budget.
 
         `query` is what attention used (rotated at `query_positions`, the positions the
-        keys were rotated for), `[B, H_q, q, D]`.
+        keys were rotated for), `[B, H_q, q, D]`. `probs`, `[B, H_kv, group, n]`, are
+        the attention probabilities of a single query if attention kept them.
         """
         self.pending = False
         if query.shape[0] != self.batch_size:
             query = query.expand(self.batch_size, *query.shape[1:])  # a shared forward
         total = self.n + self.new
         budget = self.owner.budget
-        will_evict = budget is not None and total > budget
+        will_evict, views, requests = self._will_evict, self._views, self._requests
+        self._views = self._requests = None
         if self.owner.query_window:
             self.recent_queries.remember(query, query_positions, self.seen)
-        groups = self.owner.groups
-        views = [self._view(group, total) for group in groups]
-        requests = [group.policy.request(view, will_evict) for group, view in zip(groups, views)]
         if any(r is not None for r in requests):
-            self._feed(views, requests, query, scaling, total)
+            self._feed(views, requests, query, scaling, total, probs)
         if will_evict:
             self.identical = False
             self._evict(views, total, budget)
@@ -291,6 +311,7 @@ class EvictingLayer(CacheLayerMixin):
         query: torch.Tensor,
         scaling: float,
         total: int,
+        probs: torch.Tensor | None,
     ) -> None:
         """Measure the attention each policy asked for and let it update its statistic.
 
@@ -302,10 +323,16 @@ class EvictingLayer(CacheLayerMixin):
         shared: dict[int, torch.Tensor] = {}
         if asking:
             subset, parts = self.owner.shared_rows(tuple(asking))
-            q_pos = None if self.new == 1 else torch.arange(self.seen - self.new, self.seen, device=self.device)
-            keys = subset.take(self.keys[:, :, :total])
-            key_pos = subset.take(self.pos[:, :, :total])
-            mass = attention.attention_mass(subset.take(query), q_pos, keys, key_pos, scaling, newest=self.new == 1)
+            if probs is not None:
+                mass = probs.sum(dim=2)
+                if mass.shape[0] != self.batch_size:
+                    mass = mass.expand(self.batch_size, -1, -1)  # a shared forward
+                mass = subset.take(mass)
+            else:
+                q_pos = torch.arange(self.seen - self.new, self.seen, device=self.device)
+                keys = subset.take(self.keys[:, :, :total])
+                key_pos = subset.take(self.pos[:, :, :total])
+                mass = attention.attention_mass(subset.take(query), q_pos, keys, key_pos, scaling)
             for i, part in zip(asking, parts):
                 shared[i] = part.take(mass)
         for i, (group, view, request) in enumerate(zip(groups, views, requests)):
@@ -351,37 +378,47 @@ class EvictingLayer(CacheLayerMixin):
             for group, view in zip(groups, views):
                 group.put(scores, group.policy.scores(view))
         pos = self.pos[:, :, :total]
+        # Token 0 sits in slot 0 for as long as it is held (holes are filled in place,
+        # compaction keeps positional order), so "slot 0 moved on" is "token 0 left".
         if total == budget + 1 and self.owner.positions == "original":
-            self._fill_hole(scores, pos, budget)
+            victim = self._fill_hole(scores, pos, budget)
             self.ordered = False
+            lost = victim == 0
         else:
             self._compact(scores, pos, total, budget)
             self.ordered = True
+            lost = self.pos[:, :, 0] != 0
         self.n = budget
         if self.owner.sink_unpinned:
-            # Token 0 sits in slot 0 for as long as it is held (holes are filled in place,
-            # compaction keeps positional order), so "slot 0 moved on" is "token 0 left".
-            lost = (self.pos[:, :, 0] != 0) & (self.sink_lost_at < 0)
-            self.sink_lost_at.masked_fill_(lost, self.seen)
+            self.sink_lost_at.masked_fill_(lost & (self.sink_lost_at < 0), self.seen)
 
-    def _fill_hole(self, scores: torch.Tensor, pos: torch.Tensor, budget: int) -> None:
+    def _fill_hole(self, scores: torch.Tensor, pos: torch.Tensor, budget: int) -> torch.Tensor:
         """One entry goes (a decode step): move the newest slot into the victim's place.
 
         Nothing else moves, so the step costs a few one-slot copies instead of a
         compaction of the whole cache. Slots then stop being in positional order, which
         attention does not care about in original-position mode: every kept entry is
         older than every new token, and masks and statistics use `pos`, not slot order.
+        Returns the victims' slots `[B, H]`.
         """
         victim = self._victim(scores, pos)
         flat = victim + self.row_base
+        newest_kv, newest = self._newest_rows(budget)
         slots = self.batch_size * self.heads * self.capacity
-        both = (flat[None] + self.kv_base).reshape(-1)
-        newest = self.kv[:, :, :, budget].clone().reshape(2 * self.batch_size * self.heads, -1)
-        self.kv.view(2 * slots, -1).index_copy_(0, both, newest)
+        kv = self.kv.view(2 * slots, -1)
+        kv.index_copy_(0, (flat[None] + self.kv_base).reshape(-1), kv.index_select(0, newest_kv))
         flat = flat.reshape(-1)
         for buffer in self._slot_buffers():
-            newest = buffer[:, :, budget].clone().reshape(self.batch_size * self.heads, -1)
-            buffer.view(slots, -1).index_copy_(0, flat, newest)
+            rows = buffer.view(slots, -1)
+            rows.index_copy_(0, flat, rows.index_select(0, newest))
+        return victim
+
+    def _newest_rows(self, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat rows of slot `budget` (a decode step's newest entry): in `kv`, and in a per-slot buffer."""
+        if self._newest is None or self._newest[0] != budget:
+            rows = self.row_base + budget
+            self._newest = (budget, (rows[None] + self.kv_base).reshape(-1), rows.reshape(-1))
+        return self._newest[1], self._newest[2]
 
     def _victim(self, scores: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """`[B, H]` slot of the entry to evict when one must go; among equal scores the earlier token.
@@ -393,7 +430,7 @@ class EvictingLayer(CacheLayerMixin):
         if self.ordered or all(group.policy.distinct_scores for group in self.owner.groups):
             return scores.argmin(dim=-1)
         lowest = scores.amin(dim=-1, keepdim=True)
-        return torch.where(scores == lowest, pos, torch.iinfo(torch.long).max).argmin(dim=-1)
+        return pos.masked_fill(scores != lowest, torch.iinfo(torch.long).max).argmin(dim=-1)
 
     def _compact(self, scores: torch.Tensor, pos: torch.Tensor, total: int, budget: int) -> None:
         """Keep the `budget` best slots, gathered to the front in positional order.

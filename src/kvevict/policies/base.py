@@ -86,7 +86,10 @@ class Policy:
         return mass
 
     def scores(self, view: SlotView) -> torch.Tensor:
-        """`[b, H_kv, n]` float64: higher means keep. Ties are broken toward later slots."""
+        """`[b, H_kv, n]` floats (float64 where tiers need `TIER`): higher means keep.
+
+        Among equal scores the cache keeps the later token.
+        """
         raise NotImplementedError
 
     def reset(self) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import KvevictError
-from .base import TIER, AttentionRequest, Policy, SlotView, recent_mask
+from .base import AttentionRequest, Policy, SlotView, recent_mask
 
 
 class H2O(Policy):
@@ -35,7 +35,8 @@ class H2O(Policy):
         return int(round(self.recent * budget))
 
     def scores(self, view: SlotView) -> torch.Tensor:
-        position = view.positions.to(torch.float64)
-        heavy = view.stats["h2o_attention"].to(torch.float64)
+        # The recent window ranks above every heavy hitter. It never holds more than the
+        # budget, so it is always kept whole and the order inside it does not matter: +inf
+        # does, and keeps the scores in float32 (this runs per layer and decode step).
         recent = recent_mask(view, self.recent_count(view.budget))
-        return torch.where(recent, TIER + position, heavy)
+        return view.stats["h2o_attention"].masked_fill(recent, float("inf"))
