@@ -5,7 +5,10 @@ output with `scaled_dot_product_attention` (grouped-query, no `repeat_kv`), then
 the queries to the cache layer that was just updated, which asks its policies what
 they need. Attention probabilities are only ever computed for the layers, rows and
 queries a policy asked for, in query blocks, so a long prefill never materialises an
-L x L matrix per head. Eager attention / `output_attentions` is not involved.
+L x L matrix per head. One exception: a decode step whose policy wants that query's
+attention (H2O) computes attention by hand once and keeps the probabilities, because
+SDPA cannot return them and a second pass would cost as much again. transformers'
+eager attention / `output_attentions` is not involved.
 
 The mask is built here, not by transformers: after eviction the cache's slots are no
 longer contiguous positions, and the right mask is simply "every kept entry is visible,
@@ -120,7 +123,8 @@ def kvevict_attention(
             rows = torch.arange(q_len, device=query.device) + (kv_len - q_len)
             mask = cols[None, :] <= rows[:, None]
     probs = None
-    if layer is not None and layer.plan() and q_len == 1:
+    wants_probs = layer.plan() if layer is not None else False  # the cache asks its policies first
+    if wants_probs and q_len == 1:
         # A decode step whose policies want this query's attention (H2O): compute it
         # once by hand and keep the probabilities, instead of SDPA plus a second softmax.
         out, probs = decode_attention(query, key, value, scaling)
