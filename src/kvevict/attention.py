@@ -154,13 +154,19 @@ def decode_attention(
     """
     b, hq, _, d = query.shape
     hkv, n = key.shape[1], key.shape[2]
-    group = hq // hkv
+    probs = decode_probs(query, key, scaling)
+    out = torch.bmm(probs.to(value.dtype).view(b * hkv, hq // hkv, n), value.reshape(b * hkv, n, d))
+    return out.view(b, hq, 1, d), probs
+
+
+def decode_probs(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Attention probabilities of one query per row over every key, `[b, H_kv, group, n]` float32."""
+    b, hq, _, d = query.shape
+    hkv, n = key.shape[1], key.shape[2]
     # Merging (row, head) is a view: the cache's buffers are contiguous over both.
-    grouped = query.reshape(b * hkv, group, d)
+    grouped = query.reshape(b * hkv, hq // hkv, d)
     logits = torch.bmm(grouped, key.reshape(b * hkv, n, d).transpose(1, 2)).float()
-    probs = torch.softmax(logits.mul_(scaling), dim=-1)
-    out = torch.bmm(probs.to(value.dtype), value.reshape(b * hkv, n, d))
-    return out.view(b, hq, 1, d), probs.view(b, hkv, group, n)
+    return torch.softmax(logits.mul_(scaling), dim=-1).view(b, hkv, hq // hkv, n)
 
 
 def kvevict_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> None:
@@ -197,7 +203,7 @@ def attention_mass(
     query `[b, H_q, m, D]` at stream positions `query_pos` `[m]`; keys `[b, H_kv, n, D]`
     at stream positions `key_pos` `[b, H_kv, n]`. A query sees keys at positions <= its
     own. Computed in blocks of queries so memory stays `O(block * n)`. (A decode step's
-    single query gets its probabilities from `decode_attention` instead.)
+    single query sees every key: `decode_probs`.)
     """
     b, hq, m, d = query.shape
     hkv, n = keys.shape[1], keys.shape[2]

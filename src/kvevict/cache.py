@@ -250,8 +250,10 @@ class EvictingLayer(CacheLayerMixin):
     def plan(self) -> bool:
         """Ask each policy what it needs from the forward in flight (before attention runs).
 
-        Returns whether some policy wants the attention of this forward's queries, so
-        that a decode step can keep the probabilities attention computes anyway.
+        Returns whether every row's policy wants the attention of this forward's
+        queries, so that a decode step can keep the probabilities attention computes
+        anyway. (When only some rows want it, SDPA for all plus a pass over those rows
+        is cheaper than attention by hand for all.)
         """
         total = self.n + self.new
         budget = self.owner.budget
@@ -259,7 +261,7 @@ class EvictingLayer(CacheLayerMixin):
         groups = self.owner.groups
         self._views = [self._view(group, total) for group in groups]
         self._requests = [group.policy.request(view, self._will_evict) for group, view in zip(groups, self._views)]
-        return any(r is not None and r.kind == "new" for r in self._requests)
+        return all(r is not None and r.kind == "new" for r in self._requests)
 
     def finish(
         self,
@@ -328,6 +330,8 @@ class EvictingLayer(CacheLayerMixin):
                 if mass.shape[0] != self.batch_size:
                     mass = mass.expand(self.batch_size, -1, -1)  # a shared forward
                 mass = subset.take(mass)
+            elif self.new == 1:
+                mass = attention.decode_probs(subset.take(query), subset.take(self.keys[:, :, :total]), scaling).sum(2)
             else:
                 q_pos = torch.arange(self.seen - self.new, self.seen, device=self.device)
                 keys = subset.take(self.keys[:, :, :total])
