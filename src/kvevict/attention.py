@@ -5,9 +5,9 @@ output with `scaled_dot_product_attention` (grouped-query, no `repeat_kv`), then
 the queries to the cache layer that was just updated, which asks its policies what
 they need. Attention probabilities are only ever computed for the layers, rows and
 queries a policy asked for, in query blocks, so a long prefill never materialises an
-L x L matrix per head. One exception: a decode step whose policy wants that query's
-attention (H2O) computes attention by hand once and keeps the probabilities, because
-SDPA cannot return them and a second pass would cost as much again. transformers'
+L x L matrix per head. One exception: a decode step where every row's policy wants
+that query's attention (H2O) computes attention by hand once and keeps the
+probabilities, because SDPA cannot return them and a second pass costs as much again. transformers'
 eager attention / `output_attentions` is not involved.
 
 The mask is built here, not by transformers: after eviction the cache's slots are no

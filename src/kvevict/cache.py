@@ -257,10 +257,10 @@ class EvictingLayer(CacheLayerMixin):
         """
         total = self.n + self.new
         budget = self.owner.budget
-        self._will_evict = budget is not None and total > budget
+        will_evict = budget is not None and total > budget
         groups = self.owner.groups
         self._views = [self._view(group, total) for group in groups]
-        self._requests = [group.policy.request(view, self._will_evict) for group, view in zip(groups, self._views)]
+        self._requests = [group.policy.request(view, will_evict) for group, view in zip(groups, self._views)]
         return all(r is not None and r.kind == "new" for r in self._requests)
 
     def finish(
@@ -277,11 +277,14 @@ class EvictingLayer(CacheLayerMixin):
         the attention probabilities of a single query if attention kept them.
         """
         self.pending = False
-        if query.shape[0] != self.batch_size:
-            query = query.expand(self.batch_size, *query.shape[1:])  # a shared forward
+        if query.shape[0] != self.batch_size:  # a shared forward: one row stands for all
+            query = query.expand(self.batch_size, *query.shape[1:])
+            if probs is not None:
+                probs = probs.expand(self.batch_size, *probs.shape[1:])
         total = self.n + self.new
         budget = self.owner.budget
-        will_evict, views, requests = self._will_evict, self._views, self._requests
+        will_evict = budget is not None and total > budget
+        views, requests = self._views, self._requests
         self._views = self._requests = None
         if self.owner.query_window:
             self.recent_queries.remember(query, query_positions, self.seen)
@@ -326,17 +329,15 @@ class EvictingLayer(CacheLayerMixin):
         if asking:
             subset, parts = self.owner.shared_rows(tuple(asking))
             if probs is not None:
-                mass = probs.sum(dim=2)
-                if mass.shape[0] != self.batch_size:
-                    mass = mass.expand(self.batch_size, -1, -1)  # a shared forward
-                mass = subset.take(mass)
-            elif self.new == 1:
-                mass = attention.decode_probs(subset.take(query), subset.take(self.keys[:, :, :total]), scaling).sum(2)
+                mass = subset.take(probs.sum(dim=2))
             else:
-                q_pos = torch.arange(self.seen - self.new, self.seen, device=self.device)
                 keys = subset.take(self.keys[:, :, :total])
-                key_pos = subset.take(self.pos[:, :, :total])
-                mass = attention.attention_mass(subset.take(query), q_pos, keys, key_pos, scaling)
+                if self.new == 1:  # the newest token sees every key: no mask, no blocks
+                    mass = attention.decode_probs(subset.take(query), keys, scaling).sum(dim=2)
+                else:
+                    q_pos = torch.arange(self.seen - self.new, self.seen, device=self.device)
+                    key_pos = subset.take(self.pos[:, :, :total])
+                    mass = attention.attention_mass(subset.take(query), q_pos, keys, key_pos, scaling)
             for i, part in zip(asking, parts):
                 shared[i] = part.take(mass)
         for i, (group, view, request) in enumerate(zip(groups, views, requests)):
