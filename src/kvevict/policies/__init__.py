@@ -1,6 +1,17 @@
 """Eviction policies: pure scoring over small tensors, one file each."""
 
 from .base import AttentionRequest, Policy, SlotView
-from .registry import known_specs, parse_policy, register
+from .registry import REGISTRY, check_policy, known_specs, parse_policy, register
+from .sinks import SinkWrapper
 
-__all__ = ["AttentionRequest", "Policy", "SlotView", "known_specs", "parse_policy", "register"]
+__all__ = [
+    "REGISTRY",
+    "AttentionRequest",
+    "Policy",
+    "SinkWrapper",
+    "SlotView",
+    "check_policy",
+    "known_specs",
+    "parse_policy",
+    "register",
+]

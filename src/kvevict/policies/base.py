@@ -5,18 +5,25 @@ A policy never touches transformers or the cache buffers. The cache hands it a
 score per cached slot; the cache keeps the `budget` highest-scoring slots and does the
 gather. Keeping policies as pure functions of small tensors is what lets one batch
 run a different policy in each row, and lets tests check a policy against a formula.
+
+**The score convention.** `Policy.scores` returns `[b, H_kv, n]` floats, one per slot
+(any floating dtype; the cache compares them as they are). Higher means keep. `+inf`
+marks a slot that must stay (a pinned sink, a protected recent window); a policy never
+marks more slots `+inf` than its budget, so the order among them never matters. Among
+equal scores the cache keeps the later token: policies do not break ties themselves.
+
+**What a policy declares.** Everything the cache, the evaluation or the report needs to
+know about a policy is a declared attribute on `Policy` (`stats`, `pinned`,
+`query_window`, `unbounded`, `needs_attention`), never read off its name.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
-
-# Scores live in float64 so that tiers ("always keep the recent window") can be
-# expressed as a large offset without destroying the ordering inside a tier.
-TIER = 1e15
 
 
 @dataclass
@@ -40,10 +47,11 @@ class SlotView:
     """What one policy sees of one layer: its rows only.
 
     positions: `[b, H_kv, n]` original token positions of the slots (all slots are
-    valid; slots are NOT necessarily ordered by position: a policy that needs sequence
-    order, like SnapKV's pooling, sorts by `positions`). `stats` holds the per-slot
-    accumulators the policy declared. `keys` is a callable so that policies that do not
-    need keys never pay for slicing them out of the batch.
+    valid). The cache may hold slots out of positional order (a decode step fills the
+    victim's slot in place); a policy that needs sequence order (SnapKV's pooling) uses
+    `in_order` / `from_order` instead of sorting itself. `stats` holds the per-slot
+    accumulators the policy declared, `[b, H_kv, n]` float32. `keys` is a callable so
+    that policies that do not need keys never pay for slicing them out of the batch.
     """
 
     positions: torch.Tensor
@@ -52,28 +60,56 @@ class SlotView:
     layer: int
     stats: dict[str, torch.Tensor] = field(default_factory=dict)
     keys: Callable[[], torch.Tensor] | None = None
+    _order: torch.Tensor | None = field(default=None, repr=False)
 
     def with_budget(self, budget: int) -> SlotView:
-        return SlotView(self.positions, self.seen, budget, self.layer, self.stats, self.keys)
+        return SlotView(self.positions, self.seen, budget, self.layer, self.stats, self.keys, self._order)
+
+    def order(self) -> torch.Tensor:
+        """`[b, H_kv, n]` slot indices sorted by position (computed once per view)."""
+        if self._order is None:
+            self._order = self.positions.argsort(dim=-1)
+        return self._order
+
+    def in_order(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` `[b, H_kv, n]` per slot, rearranged so the last axis runs by position."""
+        return x.gather(-1, self.order())
+
+    def from_order(self, x: torch.Tensor) -> torch.Tensor:
+        """Inverse of `in_order`: per-position values `[b, H_kv, n]` back to slot order."""
+        return torch.empty_like(x).scatter_(-1, self.order(), x)
 
 
+@dataclass(eq=False)
 class Policy:
-    """Base class: subclasses override `scores` and, if they need attention, `request`."""
+    """Base class: subclasses are dataclasses of their options and override `scores`.
+
+    The class attributes below are the whole of what the cache and the harness may
+    ask about a policy. Sink wrappers (`SinkWrapper`) forward them from their inner
+    policy.
+    """
 
     #: per-slot float accumulators the cache must carry (and gather) for this policy
-    stats: tuple[str, ...] = ()
+    stats: ClassVar[tuple[str, ...]] = ()
     #: the number of leading tokens this policy guarantees to keep (sink pinning)
-    pinned: int = 0
+    pinned: ClassVar[int] = 0
     #: most recent queries the cache must remember for this policy (SnapKV)
-    query_window: int = 0
-    #: scores never tie among evictable slots, so the cache may skip its tie-break
-    distinct_scores: bool = False
+    query_window: ClassVar[int] = 0
+    #: never evicts: the cache treats the budget as unbounded (`full`)
+    unbounded: ClassVar[bool] = False
+    #: what it keeps depends on attention (so it asks for it); otherwise the kept set
+    #: follows from positions alone and can be computed ahead of attention
+    needs_attention: ClassVar[bool] = False
 
     def spec(self) -> str:
         raise NotImplementedError
 
     def check_budget(self, budget: int) -> None:
         """Raise `KvevictError` if this policy cannot run at `budget`."""
+
+    def with_seed(self, seed: int) -> Policy:
+        """This policy with its random seed set to `seed` (itself when it draws nothing)."""
+        return self
 
     def request(self, view: SlotView, will_evict: bool) -> AttentionRequest | None:
         """The attention statistics this policy wants at this step, if any."""
@@ -86,10 +122,7 @@ class Policy:
         return mass
 
     def scores(self, view: SlotView) -> torch.Tensor:
-        """`[b, H_kv, n]` floats (float64 where tiers need `TIER`): higher means keep.
-
-        Among equal scores the cache keeps the later token.
-        """
+        """`[b, H_kv, n]` floats, higher means keep (see the module's score convention)."""
         raise NotImplementedError
 
     def reset(self) -> None:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .base import Policy, SlotView, recency
 
 
+@dataclass(eq=False)
 class Full(Policy):
     """Never evicts: the cache treats it as an unbounded budget."""
 

@@ -9,19 +9,26 @@ few queries to accumulate mass from; without the window they would be evicted fi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..errors import KvevictError
 from .base import AttentionRequest, Policy, SlotView, recent_mask
 
+STAT = "h2o_attention"
 
+
+@dataclass(eq=False)
 class H2O(Policy):
-    stats = ("h2o_attention",)
+    recent: float = 0.5
 
-    def __init__(self, recent: float = 0.5) -> None:
-        if not 0.0 <= recent <= 1.0:
-            raise KvevictError(f"h2o:recent must be in [0, 1] (a share of the budget), got {recent}")
-        self.recent = recent
+    stats = (STAT,)
+    needs_attention = True
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.recent <= 1.0:
+            raise KvevictError(f"h2o:recent must be in [0, 1] (a share of the budget), got {self.recent}")
 
     def spec(self) -> str:
         return f"h2o:recent={self.recent:g}"
@@ -29,14 +36,13 @@ class H2O(Policy):
     def request(self, view: SlotView, will_evict: bool) -> AttentionRequest:
         # Every query contributes, even before the cache is full: the cumulative score
         # of a token must include the attention of the prompt's queries.
-        return AttentionRequest(kind="new", stat="h2o_attention", accumulate=True)
+        return AttentionRequest(kind="new", stat=STAT, accumulate=True)
 
     def recent_count(self, budget: int) -> int:
         return int(round(self.recent * budget))
 
     def scores(self, view: SlotView) -> torch.Tensor:
-        # The recent window ranks above every heavy hitter. It never holds more than the
-        # budget, so it is always kept whole and the order inside it does not matter: +inf
-        # does, and keeps the scores in float32 (this runs per layer and decode step).
+        # The recent window (never more than the budget) is +inf: always kept whole.
+        # Scores stay float32 (this runs per layer and decode step).
         recent = recent_mask(view, self.recent_count(view.budget))
-        return view.stats["h2o_attention"].masked_fill(recent, float("inf"))
+        return view.stats[STAT].masked_fill(recent, float("inf"))

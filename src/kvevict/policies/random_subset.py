@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass, field
+
 import torch
 
 from .base import Policy, SlotView
 
 
+@dataclass(eq=False)
 class Random(Policy):
-    def __init__(self, seed: int = 0) -> None:
-        self.seed = seed
+    seed: int = 0
+    _gen: torch.Generator = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
         self.reset()
 
     def spec(self) -> str:
         return f"random:seed={self.seed}"
+
+    def with_seed(self, seed: int) -> Random:
+        return dataclasses.replace(self, seed=seed)
 
     def reset(self) -> None:
         # One generator per policy instance: the draws depend only on the seed and on

@@ -68,6 +68,20 @@ def parse_policy(spec: str | Policy) -> Policy:
     return factory(**_parse_options(factory, name, options))
 
 
+def check_policy(spec: str | Policy, budget: int | None) -> Policy:
+    """Parse `spec` and check it can run at `budget` (None: unbounded, nothing to check).
+
+    The one place a (policy, budget) pair is validated, for the cache, the CLI and the
+    sweep planner, so every entry point refuses the same inputs with the same words.
+    """
+    policy = parse_policy(spec)
+    if budget is not None and not policy.unbounded:
+        if budget < 1:
+            raise KvevictError(f"budget must be a positive number of entries, got {budget}")
+        policy.check_budget(budget)
+    return policy
+
+
 def _parse_options(factory: Callable[..., Policy], name: str, options: str) -> dict:
     params = {
         p.name: p for p in inspect.signature(factory).parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD

@@ -19,36 +19,44 @@ Spec: `sinkauto+P` (4 sinks) or `sinkautoN+P`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..errors import KvevictError
-from .base import AttentionRequest, Policy, SlotView
-from .sinks import check_sink_budget
+from .base import AttentionRequest, SlotView
+from .sinks import SinkWrapper
 
 STAT = "sinkauto_mass"
 
 
-class SinkAuto(Policy):
-    def __init__(self, n_sinks: int, inner: Policy, calib: int = 64) -> None:
-        if n_sinks < 1:
-            raise KvevictError(f"sinkauto needs at least 1 sink to pin, got {n_sinks}")
-        if calib < n_sinks:
-            raise KvevictError(f"sinkauto's calibration prefix ({calib}) must be at least its {n_sinks} sinks")
-        self.n_sinks = n_sinks
-        self.inner = inner
-        self.calib = calib
-        self.stats = tuple(dict.fromkeys((*inner.stats, STAT)))
-        self.query_window = inner.query_window
-        # The pinned slots are not the first N positions, so the cache's "first N are held"
-        # check only applies to what the inner policy pins itself.
-        self.pinned = inner.pinned
+@dataclass(eq=False)
+class SinkAuto(SinkWrapper):
+    calib: int = 64
+
+    # Attention decides which slots are pinned. The pinned slots are not the first N
+    # positions, so `pinned` (the cache's "first N are held" check) stays what the inner
+    # policy pins itself.
+    needs_attention = True
+
+    def __post_init__(self) -> None:
+        if self.n_sinks < 1:
+            raise KvevictError(f"sinkauto needs at least 1 sink to pin, got {self.n_sinks}")
+        if self.calib < self.n_sinks:
+            raise KvevictError(f"sinkauto's calibration prefix ({self.calib}) must be at least its {self.n_sinks} sinks")
+        super().__post_init__()
         self.reset()
 
-    def spec(self) -> str:
-        return f"sinkauto{self.n_sinks}+{self.inner.spec()}"
+    @property
+    def stats(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys((*self.inner.stats, STAT)))
 
-    def check_budget(self, budget: int) -> None:
-        check_sink_budget(self, budget)
+    @property
+    def pinned(self) -> int:
+        return self.inner.pinned
+
+    def prefix(self) -> str:
+        return f"sinkauto{self.n_sinks}"
 
     def reset(self) -> None:
         self.inner.reset()
@@ -62,7 +70,7 @@ class SinkAuto(Policy):
 
     # --- calibration -------------------------------------------------------------
     def request(self, view: SlotView, will_evict: bool) -> AttentionRequest | None:
-        inner = self.inner.request(view.with_budget(view.budget - self.n_sinks), will_evict)
+        inner = super().request(view, will_evict)
         if view.layer in self._sinks:
             return inner
         self._closing[view.layer] = will_evict or view.seen >= self.calib
@@ -73,7 +81,7 @@ class SinkAuto(Policy):
             self._record(view, mass)
         if request.stat == STAT:
             return view.stats[STAT] + mass
-        return self.inner.absorb(view.with_budget(view.budget - self.n_sinks), request, mass)
+        return super().absorb(view, request, mass)
 
     def _record(self, view: SlotView, mass: torch.Tensor) -> None:
         acc = self._mass.get(view.layer)
@@ -93,16 +101,15 @@ class SinkAuto(Policy):
         order = torch.sort(acc, dim=-1, descending=True, stable=True).indices
         self._sinks[layer] = order[..., :count]
 
-    def _pinned_mask(self, view: SlotView) -> torch.Tensor:
+    # --- selection -----------------------------------------------------------------
+    def pinned_mask(self, view: SlotView) -> torch.Tensor:
         sinks = self._sinks.get(view.layer)
         if sinks is None:
             # evicting before any attention was measured: fall back to the first N tokens
             return view.positions < self.n_sinks
         return (view.positions[..., :, None] == sinks[..., None, :].to(view.positions.device)).any(-1)
 
-    # --- selection -----------------------------------------------------------------
     def scores(self, view: SlotView) -> torch.Tensor:
         if view.layer not in self._sinks and view.layer in self._mass:
             self._close(view.layer, min(self.calib, view.seen))
-        inner = self.inner.scores(view.with_budget(view.budget - self.n_sinks))
-        return inner.masked_fill(self._pinned_mask(view), float("inf"))
+        return super().scores(view)

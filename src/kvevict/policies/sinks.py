@@ -1,11 +1,19 @@
-"""`sinkN+P`: pin the first N tokens, run policy P on the remaining `budget - N` slots.
+"""Sink wrappers: pin the attention sinks, run an inner policy on the rest of the budget.
 
 Sink pinning is a wrapper rather than a policy because the attention-sink failure is
 orthogonal to how the rest of the cache is chosen: any policy can lose token 0, and
 pinning it composes with all of them (StreamingLLM = `sink4+window`).
+
+`SinkWrapper` does the part every wrapper shares: the inner policy runs on
+`budget - n_sinks` slots, sees every statistic it asked for, and the pinned slots score
+`+inf`. A wrapper only says which slots it pins. `sinkN+P` (`SinkPinned`, here) pins
+the first N tokens; `sinkauto+P` (`sinkauto.py`) pins the measured sinks.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
 
 import torch
 
@@ -13,43 +21,86 @@ from ..errors import KvevictError
 from .base import AttentionRequest, Policy, SlotView
 
 
-class SinkPinned(Policy):
-    def __init__(self, n_sinks: int, inner: Policy) -> None:
-        if n_sinks < 0:
-            raise KvevictError(f"sink count must be >= 0, got {n_sinks}")
-        self.n_sinks = n_sinks
-        self.inner = inner
-        self.stats = inner.stats
-        self.query_window = inner.query_window
-        self.pinned = max(n_sinks, inner.pinned)
-        # pinned slots tie at +inf but are never the lowest: the budget exceeds the sinks
-        self.distinct_scores = inner.distinct_scores
+@dataclass(eq=False)
+class SinkWrapper(Policy):
+    n_sinks: int
+    inner: Policy
+
+    def __post_init__(self) -> None:
+        if isinstance(self.inner, SinkWrapper):
+            raise KvevictError(
+                f"'{self.prefix()}+{self.inner.spec()}' nests sink wrappers: pin sinks once, "
+                f"e.g. {self.prefix()}+{self.inner.inner.spec()}"
+            )
+
+    # what the wrapper declares is what its inner policy declares
+    @property
+    def stats(self) -> tuple[str, ...]:
+        return self.inner.stats
+
+    @property
+    def query_window(self) -> int:
+        return self.inner.query_window
+
+    @property
+    def needs_attention(self) -> bool:
+        return self.inner.needs_attention
+
+    def prefix(self) -> str:
+        """The wrapper's part of the spec, e.g. `sink4`."""
+        raise NotImplementedError
 
     def spec(self) -> str:
-        return f"sink{self.n_sinks}+{self.inner.spec()}"
+        return f"{self.prefix()}+{self.inner.spec()}"
+
+    def pinned_mask(self, view: SlotView) -> torch.Tensor:
+        """`[b, H_kv, n]` True for the slots this wrapper pins."""
+        raise NotImplementedError
+
+    def inner_view(self, view: SlotView) -> SlotView:
+        return view.with_budget(view.budget - self.n_sinks)
 
     def check_budget(self, budget: int) -> None:
-        check_sink_budget(self, budget)
+        """The wrapper needs room beyond its pinned slots, and its inner policy must fit in the rest."""
+        if budget <= self.n_sinks:
+            raise KvevictError(
+                f"budget {budget} must be larger than the {self.n_sinks} pinned sinks of "
+                f"'{self.spec()}': raise --budget above {self.n_sinks} or pin fewer sinks"
+            )
+        self.inner.check_budget(budget - self.n_sinks)
+
+    def with_seed(self, seed: int) -> SinkWrapper:
+        return dataclasses.replace(self, inner=self.inner.with_seed(seed))
 
     def request(self, view: SlotView, will_evict: bool) -> AttentionRequest | None:
-        return self.inner.request(view.with_budget(view.budget - self.n_sinks), will_evict)
+        return self.inner.request(self.inner_view(view), will_evict)
 
     def absorb(self, view: SlotView, request: AttentionRequest, mass: torch.Tensor) -> torch.Tensor:
-        return self.inner.absorb(view.with_budget(view.budget - self.n_sinks), request, mass)
+        return self.inner.absorb(self.inner_view(view), request, mass)
 
     def scores(self, view: SlotView) -> torch.Tensor:
-        inner = self.inner.scores(view.with_budget(view.budget - self.n_sinks))
-        return inner.masked_fill(view.positions < self.n_sinks, float("inf"))
+        # pinned slots tie at +inf but are never the lowest: the budget exceeds the sinks
+        return self.inner.scores(self.inner_view(view)).masked_fill(self.pinned_mask(view), float("inf"))
 
     def reset(self) -> None:
         self.inner.reset()
 
 
-def check_sink_budget(wrapper: Policy, budget: int) -> None:
-    """A sink wrapper needs room beyond its pinned slots, and its inner policy must fit in the rest."""
-    if budget <= wrapper.n_sinks:
-        raise KvevictError(
-            f"budget {budget} must be larger than the {wrapper.n_sinks} pinned sinks of "
-            f"'{wrapper.spec()}': raise --budget above {wrapper.n_sinks} or pin fewer sinks"
-        )
-    wrapper.inner.check_budget(budget - wrapper.n_sinks)
+@dataclass(eq=False)
+class SinkPinned(SinkWrapper):
+    """`sinkN+P`: the first N tokens are never evicted."""
+
+    def __post_init__(self) -> None:
+        if self.n_sinks < 0:
+            raise KvevictError(f"sink count must be >= 0, got {self.n_sinks}")
+        super().__post_init__()
+
+    @property
+    def pinned(self) -> int:
+        return max(self.n_sinks, self.inner.pinned)
+
+    def prefix(self) -> str:
+        return f"sink{self.n_sinks}"
+
+    def pinned_mask(self, view: SlotView) -> torch.Tensor:
+        return view.positions < self.n_sinks

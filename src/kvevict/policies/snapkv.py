@@ -14,31 +14,43 @@ reused.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from ..errors import KvevictError
-from .base import TIER, AttentionRequest, Policy, SlotView, recent_mask
+from .base import AttentionRequest, Policy, SlotView, recent_mask
+
+STAT = "snapkv_score"
 
 
+@dataclass(eq=False)
 class SnapKV(Policy):
-    stats = ("snapkv_score",)
+    window: int = 32
+    kernel: int = 7
+    pooling: str = "max"
+    interval: int | None = None
 
-    def __init__(self, window: int = 32, kernel: int = 7, pooling: str = "max", interval: int | None = None) -> None:
-        if window < 1:
-            raise KvevictError(f"snapkv:window must be >= 1, got {window}")
-        if kernel < 1 or kernel % 2 == 0:
-            raise KvevictError(f"snapkv:kernel must be an odd integer >= 1, got {kernel}")
-        if pooling not in ("max", "avg"):
-            raise KvevictError(f"snapkv:pooling must be 'max' or 'avg', got '{pooling}'")
-        if interval is not None and interval < 1:
-            raise KvevictError(f"snapkv:interval must be >= 1, got {interval}")
-        self.window = window
-        self.kernel = kernel
-        self.pooling = pooling
-        self.interval = interval if interval is not None else window
-        self.query_window = window
+    stats = (STAT,)
+    needs_attention = True
+
+    def __post_init__(self) -> None:
+        if self.window < 1:
+            raise KvevictError(f"snapkv:window must be >= 1, got {self.window}")
+        if self.kernel < 1 or self.kernel % 2 == 0:
+            raise KvevictError(f"snapkv:kernel must be an odd integer >= 1, got {self.kernel}")
+        if self.pooling not in ("max", "avg"):
+            raise KvevictError(f"snapkv:pooling must be 'max' or 'avg', got '{self.pooling}'")
+        if self.interval is not None and self.interval < 1:
+            raise KvevictError(f"snapkv:interval must be >= 1, got {self.interval}")
+        if self.interval is None:
+            self.interval = self.window
         self.reset()
+
+    @property
+    def query_window(self) -> int:  # the cache remembers the observation window's queries
+        return self.window
 
     def spec(self) -> str:
         return f"snapkv:window={self.window},kernel={self.kernel},pooling={self.pooling},interval={self.interval}"
@@ -51,7 +63,7 @@ class SnapKV(Policy):
             )
 
     def reset(self) -> None:
-        self._selected_at: dict[int, int] = {}
+        self._selected_at: dict[int, int] = {}  # layer -> tokens seen at its last selection
 
     def request(self, view: SlotView, will_evict: bool) -> AttentionRequest | None:
         if not will_evict:
@@ -60,27 +72,25 @@ class SnapKV(Policy):
         if last is not None and view.seen - last < self.interval:
             return None
         self._selected_at[view.layer] = view.seen
-        return AttentionRequest(kind="window", stat="snapkv_score", size=self.window, accumulate=False)
+        return AttentionRequest(kind="window", stat=STAT, size=self.window, accumulate=False)
 
     def absorb(self, view: SlotView, request: AttentionRequest, mass: torch.Tensor) -> torch.Tensor:
         """Turn raw window attention into the pooled selection score.
 
-        Pooling runs along the sequence, so slots are visited in position order (the
-        cache does not keep them sorted). Every token of the observation window is in
-        the cache (it is always kept), so the prefix is all but the last `window`.
+        Pooling runs along the sequence, so it works on the slots in position order.
+        Every token of the observation window is in the cache (it is always kept), so
+        the prefix is all but the last `window`.
         """
         n = mass.shape[-1]
         prefix = n - min(self.window, view.seen)
-        order = view.positions.argsort(dim=-1)
         ranked = torch.zeros_like(mass)
         if prefix > 0:
-            ranked[..., :prefix] = pool(mass.gather(-1, order)[..., :prefix], self.kernel, self.pooling)
-        return torch.empty_like(mass).scatter_(-1, order, ranked)
+            ranked[..., :prefix] = pool(view.in_order(mass)[..., :prefix], self.kernel, self.pooling)
+        return view.from_order(ranked)
 
     def scores(self, view: SlotView) -> torch.Tensor:
-        position = view.positions.to(torch.float64)
-        selected = view.stats["snapkv_score"].to(torch.float64)
-        return torch.where(recent_mask(view, self.window), TIER + position, selected)
+        # The observation window (fewer slots than the budget) is always kept.
+        return view.stats[STAT].masked_fill(recent_mask(view, self.window), float("inf"))
 
 
 def pool(x: torch.Tensor, kernel: int, how: str) -> torch.Tensor:

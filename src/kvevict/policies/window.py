@@ -6,14 +6,15 @@ cache is full, which is exactly the failure StreamingLLM documents.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .base import Policy, SlotView, recency
 
 
+@dataclass(eq=False)
 class Window(Policy):
-    distinct_scores = True  # positions
-
     def spec(self) -> str:
         return "window"
 
