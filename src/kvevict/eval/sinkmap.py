@@ -25,6 +25,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from ..errors import KvevictError
+from ..models import text_config
 
 NAME = "kvevict_sinkmap"
 BLOCK_ELEMENTS = 1 << 23
@@ -165,8 +166,7 @@ def sink_map(
         raise KvevictError(f"the sink map needs at least 64 tokens of text, got {t}")
     if not 1 <= k <= t // 4:
         raise KvevictError(f"k must be in [1, {t // 4}] (a quarter of the {t}-token text), got {k}")
-    config = model.config
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    text = text_config(model)
     probe_from, scan = t // 2, t // 4
     collector = _Collector(text.num_hidden_layers, probe_from, scan)
     with _measuring(model, collector), torch.inference_mode():

@@ -1,7 +1,8 @@
-"""Figures of a sweep, as PNG bytes for the self-contained HTML report.
+"""Figures of a sweep, as matplotlib Figures; `png` turns one into bytes for the HTML report.
 
-Each function takes the plain records of `results.jsonl`, so a report can be redrawn
-from the store alone, long after the model is gone.
+Each function takes the typed records of `results.jsonl` (`PplRecord`), so a report
+can be redrawn from the store alone, long after the model is gone. They return the
+Figure rather than its PNG so that what is drawn (series, axes, data) can be checked.
 """
 
 from __future__ import annotations
@@ -14,40 +15,39 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
 
-ATTENTION_DRIVEN = ("h2o", "snapkv")
+from . import traits  # noqa: E402
+from .records import PplRecord  # noqa: E402
 
 
-def png(fig) -> bytes:
+def png(fig: Figure) -> bytes:
+    """The figure as PNG bytes; closes it (pyplot keeps every open figure alive)."""
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
     plt.close(fig)
     return buffer.getvalue()
 
 
-def _budgets(records: list[dict]) -> list[int]:
-    return sorted({r["budget"] for r in records if r["budget"] is not None})
+def _budgets(records: list[PplRecord]) -> list[int]:
+    return sorted({r.budget for r in records if r.budget is not None})
 
 
-def _label(record: dict) -> str:
-    return record.get("label") or record["policy"]
-
-
-def ppl_vs_position(records: list[dict]) -> bytes:
+def ppl_vs_position(records: list[PplRecord]) -> Figure:
     """StreamingLLM's figure: PPL along the stream, log scale, one panel per budget."""
     budgets = _budgets(records)
-    full = next((r for r in records if r["kind"] == "full"), None)
+    full = next((r for r in records if r.kind == "full"), None)
     fig, axes = plt.subplots(1, max(1, len(budgets)), figsize=(5.2 * max(1, len(budgets)), 3.8), squeeze=False)
     for ax, budget in zip(axes[0], budgets):
         # the oracle scores a strided sample: too few tokens per window for a curve
-        rows = [r for r in records if r["budget"] == budget and r["kind"] == "policy"]
+        rows = [r for r in records if r.budget == budget and r.kind == "policy"]
         if full is not None:
             rows = [full] + rows
         for r in rows:
-            xs = [p["end"] for p in r["curve"]]
-            ys = [p["ppl"] for p in r["curve"]]
-            style = {"color": "black", "linewidth": 2} if r["kind"] == "full" else {}
-            ax.plot(xs, ys, label=_label(r), **style)
+            xs = [p["end"] for p in r.curve]
+            ys = [p["ppl"] for p in r.curve]
+            style = {"color": "black", "linewidth": 2} if r.kind == "full" else {}
+            ax.plot(xs, ys, label=r.name, **style)
         ax.set_yscale("log")
         ax.set_title(f"budget {budget}")
         ax.set_xlabel("token position")
@@ -56,38 +56,40 @@ def ppl_vs_position(records: list[dict]) -> bytes:
         ax.grid(alpha=0.3, which="both")
     axes[0][0].legend(fontsize=7)
     fig.suptitle("Perplexity along the stream")
-    return png(fig)
+    return fig
 
 
-def ppl_vs_budget(records: list[dict]) -> bytes:
+def ppl_vs_budget(records: list[PplRecord]) -> Figure:
+    """One line per policy (and the oracle) over the budgets, the full cache as a horizontal line."""
     series: dict[str, list[tuple[int, float]]] = defaultdict(list)
     for r in records:
-        if r["kind"] in ("policy", "oracle"):
-            series[_label(r)].append((r["budget"], r["ppl"]))
+        if r.kind in ("policy", "oracle"):
+            series[r.name].append((r.budget, r.ppl))
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for name, points in sorted(series.items()):
         points.sort()
         style = {"color": "grey", "linestyle": "--"} if name == "oracle" else {"marker": "o"}
         ax.plot([p[0] for p in points], [p[1] for p in points], label=name, **style)
-    full = next((r for r in records if r["kind"] == "full"), None)
+    full = next((r for r in records if r.kind == "full"), None)
     if full is not None:
-        ax.axhline(full["ppl"], color="black", linewidth=2, label="full cache")
+        ax.axhline(full.ppl, color="black", linewidth=2, label="full cache")
     ax.set_xscale("log", base=2)
     return _finish(ax, fig, "budget (entries per layer and KV head)", "Perplexity vs budget")
 
 
-def ppl_vs_sinks(records: list[dict]) -> bytes | None:
-    rows = [r for r in records if r["kind"] == "sinks"]
+def ppl_vs_sinks(records: list[PplRecord]) -> Figure | None:
+    """StreamingLLM's sink sweep: PPL over the number of pinned tokens, one line per budget."""
+    rows = [r for r in records if r.kind == "sinks"]
     if not rows:
         return None
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for budget in _budgets(rows):
-        points = sorted((_sink_count(r["label"]), r["ppl"]) for r in rows if r["budget"] == budget)
+        points = sorted((traits.pinned(r.policy), r.ppl) for r in rows if r.budget == budget)
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"budget {budget}")
     return _finish(ax, fig, "pinned sink tokens (sinkK+window)", "Perplexity vs number of attention sinks")
 
 
-def _finish(ax, fig, xlabel: str, title: str) -> bytes:
+def _finish(ax, fig: Figure, xlabel: str, title: str) -> Figure:
     """Log-scale perplexity axis, labels, grid, legend: the common dress of the PPL plots."""
     ax.set_yscale("log")
     ax.set_xlabel(xlabel)
@@ -95,34 +97,30 @@ def _finish(ax, fig, xlabel: str, title: str) -> bytes:
     ax.set_title(title)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
-    return png(fig)
+    return fig
 
 
-def _sink_count(label: str) -> int:
-    return 0 if label == "window" else int(label[4 : label.index("+")])
+def sink_loss_heatmaps(records: list[PplRecord]) -> Figure | None:
+    """Layer x KV head: the share of the stream spent without token 0, per attention-driven policy.
 
-
-def sink_loss_heatmaps(records: list[dict]) -> bytes | None:
-    """Layer x KV head: the share of the stream spent without token 0, per attention-driven policy."""
-    rows = [
-        r
-        for r in records
-        if r["kind"] == "policy" and any(name in r["policy"] for name in ATTENTION_DRIVEN) and r.get("sink_lost_at")
-    ]
+    Only policies that choose by attention can lose token 0 on some heads and keep it on
+    others; a window loses it everywhere at once, so its map would say nothing.
+    """
+    rows = [r for r in records if r.kind == "policy" and traits.needs_attention(r.policy) and r.sink_lost_at]
     if not rows:
         return None
-    rows.sort(key=lambda r: (_label(r), r["budget"]))
+    rows.sort(key=lambda r: (r.name, r.budget))
     cols = min(4, len(rows))
     lines = -(-len(rows) // cols)
     fig, axes = plt.subplots(lines, cols, figsize=(2.6 * cols, 3.9 * lines), squeeze=False)
     fig.subplots_adjust(hspace=0.55, wspace=0.35)
     image = None
     for ax, r in zip(axes.flat, rows):
-        lost = np.array(r["sink_lost_at"], dtype=float)  # [layers, heads], -1 = never
-        total = r["n_predictions"] + 1
+        lost = np.array(r.sink_lost_at, dtype=float)  # [layers, heads], -1 = never
+        total = r.n_predictions + 1
         share = np.where(lost < 0, 0.0, (total - lost) / total)
         image = ax.imshow(share, aspect="auto", cmap="magma_r", vmin=0, vmax=1, interpolation="nearest")
-        ax.set_title(f"{_label(r)}\nbudget {r['budget']}: {r['sink_loss']:.0%} lost", fontsize=8)
+        ax.set_title(f"{r.name}\nbudget {r.budget}: {r.sink_loss:.0%} lost", fontsize=8)
         ax.set_xlabel("KV head", fontsize=7)
         ax.set_ylabel("layer", fontsize=7)
         ax.set_xticks(range(share.shape[1]))
@@ -131,4 +129,4 @@ def sink_loss_heatmaps(records: list[dict]) -> bytes | None:
     if image is not None:
         fig.colorbar(image, ax=axes, shrink=0.6, label="share of the stream without token 0")
     fig.suptitle("Where attention-driven policies lost the attention sink")
-    return png(fig)
+    return fig

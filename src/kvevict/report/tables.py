@@ -1,71 +1,154 @@
-"""Tables of a sweep: the same rows feed the terminal summary and the HTML report."""
+"""The tables of a run, declared once as column specs: the terminal, the HTML report and Markdown show the same.
+
+`SUMMARY` is the A/B summary (`kvevict ab`, the report's first table, `kvevict report
+--markdown`). Its `drop` numbers are the documented order in which a narrow terminal
+leaves columns out: seconds, kept, top-1 agree, sink loss, KL to full, ppl / full;
+policy, budget and ppl always stay.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from . import traits
+from .columns import Column, Table, number
+from .records import PplRecord
+
 KIND_ORDER = {"full": 0, "oracle": 1, "policy": 2, "sinks": 3}
-COLUMNS = ["policy", "budget", "ppl", "ppl / full", "KL to full", "top-1 agree", "sink loss", "kept", "seconds"]
 
 
-def _fmt(value, digits: int = 2) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.{digits}f}"
-    return str(value)
+@dataclass(frozen=True)
+class SummaryRow:
+    """One row of the summary: a perplexity cell, and the full cache's PPL to compare it with."""
+
+    record: PplRecord
+    full_ppl: float | None
+
+    @property
+    def ppl_over_full(self) -> float | None:
+        # the oracle scores a strided sample: it is compared with the full cache on those same tokens
+        if not self.full_ppl:
+            return None
+        return self.record.ppl / (self.record.full_ppl_same_tokens or self.full_ppl)
 
 
-def summary_rows(records: list[dict]) -> list[list[str]]:
-    """Full cache first, then per budget the oracle and every policy."""
-    records = [r for r in records if r.get("kind") in KIND_ORDER]
-    full = next((r for r in records if r["kind"] == "full"), None)
-    base = full["ppl"] if full else None
-    unique = {}
+SUMMARY: list[Column[SummaryRow]] = [
+    Column("policy", lambda s: s.record.name, align="left"),
+    Column("budget", lambda s: number(s.record.budget)),
+    Column("ppl", lambda s: number(s.record.ppl)),
+    Column("ppl / full", lambda s: number(s.ppl_over_full), drop=6),
+    Column("KL to full", lambda s: number(s.record.kl_to_full, 3), drop=5),
+    Column("top-1 agree", lambda s: number(s.record.top1_agreement, 3), drop=3),
+    Column("sink loss", lambda s: number(s.record.sink_loss), drop=4),
+    Column("kept", lambda s: number(s.record.max_kept), drop=2),
+    Column("seconds", lambda s: number(s.record.seconds, 1), drop=1),
+]
+
+
+def summary_rows(records: Sequence[PplRecord]) -> list[SummaryRow]:
+    """Full cache first, then per budget the oracle and every policy (a sink-sweep row that
+    repeats a policy row at the same budget is shown once)."""
+    records = [r for r in records if r.kind in KIND_ORDER]
+    full = next((r for r in records if r.kind == "full"), None)
+    base = full.ppl if full else None
+    unique: dict[str, PplRecord] = {}
     for r in records:
-        if r["kind"] == "sinks" and any(
-            o["kind"] == "policy" and o["policy"] == r["policy"] and o["budget"] == r["budget"] for o in records
+        if r.kind == "sinks" and any(
+            o.kind == "policy" and o.policy == r.policy and o.budget == r.budget for o in records
         ):
-            continue  # the same row is already in the policy table
-        unique[r["key"]] = r
-    ordered = sorted(
-        unique.values(), key=lambda r: (r["budget"] or 0, KIND_ORDER[r["kind"]], r.get("label") or r["policy"])
-    )
-    rows = []
-    for r in ordered:
-        rows.append(
-            [
-                r.get("label") or r["policy"],
-                _fmt(r["budget"]),
-                _fmt(r["ppl"]),
-                _fmt(r["ppl"] / (r.get("full_ppl_same_tokens") or base) if base else None),
-                _fmt(r.get("kl_to_full"), 3),
-                _fmt(r.get("top1_agreement"), 3),
-                _fmt(r.get("sink_loss")),
-                _fmt(r.get("max_kept")),
-                _fmt(r.get("seconds"), 1),
-            ]
-        )
-    return rows
+            continue
+        unique[r.key] = r
+    ordered = sorted(unique.values(), key=lambda r: (r.budget or 0, KIND_ORDER[r.kind], r.name))
+    return [SummaryRow(r, base) for r in ordered]
 
 
-def sinks_table(records: list[dict]) -> tuple[list[str], list[list[str]]] | None:
+def summary_table(records: Sequence[PplRecord]) -> Table:
+    return Table.of(SUMMARY, summary_rows(records))
+
+
+def sinks_table(records: Sequence[PplRecord]) -> Table | None:
     """StreamingLLM's sink-count table: rows = pinned sinks, columns = budgets, cells = PPL."""
-    rows = [r for r in records if r["kind"] == "sinks"]
+    rows = [r for r in records if r.kind == "sinks"]
     if not rows:
         return None
-    budgets = sorted({r["budget"] for r in rows})
-    labels = sorted({r["label"] for r in rows}, key=lambda s: 0 if s == "window" else int(s[4 : s.index("+")]))
-    header = ["policy"] + [f"budget {b}" for b in budgets]
+    budgets = sorted({r.budget for r in rows})
+    pinned = {r.name: traits.pinned(r.policy) for r in rows}
+    labels = sorted(pinned, key=lambda label: pinned[label])
     body = []
     for label in labels:
         line = [label]
         for b in budgets:
-            match = next((r for r in rows if r["label"] == label and r["budget"] == b), None)
-            line.append(_fmt(match["ppl"]) if match else "-")
+            match = next((r for r in rows if r.name == label and r.budget == b), None)
+            line.append(number(match.ppl) if match else "-")
         body.append(line)
-    return header, body
+    return Table(["policy"] + [f"budget {b}" for b in budgets], body)
 
 
-def markdown(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
+def budget_order(budget: object) -> tuple:
+    """full first, then percentages and entry counts from the largest down."""
+    text = str(budget)
+    if text == "full":
+        return (0, 0.0)
+    value = float(text.rstrip("%"))
+    return (1 if text.endswith("%") else 2, -value)
+
+
+GENERATION: list[Column[dict]] = [
+    Column("policy", lambda r: r["policy"], align="left"),
+    Column("budget", lambda r: str(r["budget"])),
+    Column("repetition", lambda r: f"{r['repetition']:.3f}"),
+    Column("recall", lambda r: f"{r['recall']:.2f}"),
+    Column("output tokens", lambda r: f"{r['output_tokens']:.1f}"),
+    Column("trials", lambda r: str(r["trials"])),
+]
+
+
+def generation_table(rows: Sequence[dict]) -> Table:
+    """The generation summary (`GenerationResult.summary()` rows)."""
+    return Table.of(GENERATION, rows)
+
+
+NEEDLE: list[Column[dict]] = [
+    Column("policy", lambda c: c["policy"], align="left"),
+    Column("budget", lambda c: str(c["budget"])),
+    Column("length", lambda c: str(c["length"])),
+    Column("depth", lambda c: f"{c['depth']:g}"),
+    Column("accuracy", lambda c: f"{c['accuracy']:.2f}"),
+    Column("trials", lambda c: str(c["trials"])),
+]
+
+
+def needle_table(cells: Sequence[dict]) -> Table:
+    """The needle cells (`NeedleResult.cells()`), one line each, sorted by policy, budget, length, depth."""
+    ordered = sorted(cells, key=lambda c: (c["policy"], str(c["budget"]), c["length"], c["depth"]))
+    return Table.of(NEEDLE, ordered)
+
+
+def needle_grid(cells: Sequence[dict]) -> Table:
+    """The needle cells as a grid: rows = policy at budget, columns = length@depth, entries = accuracy."""
+    columns = sorted({(c["length"], c["depth"]) for c in cells})
+    rows: dict[tuple, dict] = {}
+    for c in cells:
+        rows.setdefault((c["policy"], str(c["budget"])), {})[(c["length"], c["depth"])] = c["accuracy"]
+    body = []
+    for (policy, budget), values in rows.items():
+        entries = [f"{values[col]:.2f}" if col in values else "-" for col in columns]
+        body.append([policy, budget, *entries, f"{sum(values.values()) / len(values):.2f}"])
+    return Table(["policy", "budget", *[f"{n}@{d:g}" for n, d in columns], "mean"], body)
+
+
+def needle_markdown(cells: Sequence[dict]) -> str:
+    """The needle grid as a Markdown table: one row per policy and budget, one column per length and depth,
+    cells as hits/trials (for the README and docs, regenerated from `--save` JSON)."""
+    columns = sorted({(c["length"], c["depth"]) for c in cells})
+    rows: dict[tuple, dict] = {}
+    for c in cells:
+        rows.setdefault((c["policy"], str(c["budget"])), {})[(c["length"], c["depth"])] = c
+    body = []
+    for (policy, budget), found in sorted(rows.items(), key=lambda kv: (budget_order(kv[0][1]), kv[0][0])):
+        hits = {col: round(c["accuracy"] * c["trials"]) for col, c in found.items()}
+        entries = [f"{hits[col]}/{found[col]['trials']}" if col in found else "-" for col in columns]
+        total = f"{sum(hits.values())}/{sum(c['trials'] for c in found.values())}"
+        body.append([policy, budget, *entries, total])
+    return Table(["policy", "budget", *[f"{n} @ {d:g}" for n, d in columns], "all"], body).markdown()

@@ -1,4 +1,4 @@
-"""Figures for the protocols beyond perplexity, as PNG bytes for the HTML report.
+"""Figures for the protocols beyond perplexity, as matplotlib Figures (`plots.png` makes the bytes).
 
 Each function takes the plain records the library returns (`NeedleResult.cells()`,
 `SinkMap.to_dict()`, `GenerationResult.summary()`), so figures can be redrawn from a
@@ -7,32 +7,17 @@ results store without the model.
 
 from __future__ import annotations
 
-import io
-
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+from .tables import budget_order  # noqa: E402
 
 
-def _png(fig) -> bytes:
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return buffer.getvalue()
-
-
-def _budget_order(budget: object) -> tuple:
-    """full first, then percentages and entry counts from the largest down."""
-    text = str(budget)
-    if text == "full":
-        return (0, 0.0)
-    value = float(text.rstrip("%"))
-    return (1 if text.endswith("%") else 2, -value)
-
-
-def needle_heatmaps(cells: list[dict]) -> list[tuple[str, bytes]]:
+def needle_heatmaps(cells: list[dict]) -> list[tuple[str, Figure]]:
     """One figure per policy: a depth x length accuracy heatmap for each budget, side by side."""
     figures = []
     policies = list(dict.fromkeys(c["policy"] for c in cells))
@@ -40,7 +25,7 @@ def needle_heatmaps(cells: list[dict]) -> list[tuple[str, bytes]]:
     depths = sorted({c["depth"] for c in cells})
     for policy in policies:
         mine = [c for c in cells if c["policy"] == policy]
-        budgets = sorted({str(c["budget"]) for c in mine}, key=_budget_order)
+        budgets = sorted({str(c["budget"]) for c in mine}, key=budget_order)
         fig, axes = plt.subplots(1, len(budgets), figsize=(1.2 + 1.3 * len(lengths) * len(budgets), 3.2),
                                  squeeze=False)
         for ax, budget in zip(axes[0], budgets, strict=True):
@@ -61,11 +46,11 @@ def needle_heatmaps(cells: list[dict]) -> list[tuple[str, bytes]]:
             ax.set_ylabel("needle depth")
             ax.set_title(f"budget {budget}", fontsize=9)
         fig.suptitle(f"pass-key accuracy: {policy}", fontsize=10)
-        figures.append((f"needle: {policy}", _png(fig)))
+        figures.append((f"needle: {policy}", fig))
     return figures
 
 
-def sink_map_figure(result: dict) -> bytes:
+def sink_map_figure(result: dict) -> Figure:
     """Three panels: layer x first-k share (mean over heads), layer x head share of the first k, and
     the mean share of every early position with the detected sinks named."""
     share = np.array(result["share"])  # [layers, heads, k]
@@ -99,10 +84,10 @@ def sink_map_figure(result: dict) -> bytes:
     ax.set_title("mean attention share of each early position (sinks named)", fontsize=9)
     fig.suptitle(f"attention-sink map{': ' + result['model'] if 'model' in result else ''}", fontsize=11)
     fig.tight_layout()
-    return _png(fig)
+    return fig
 
 
-def generation_figure(rows: list[dict]) -> bytes:
+def generation_figure(rows: list[dict]) -> Figure:
     """Repetition rate and recall per policy, one group of bars per budget."""
     labels = [f"{r['policy']}\n{r['budget']}" for r in rows]
     x = np.arange(len(rows))
@@ -116,30 +101,4 @@ def generation_figure(rows: list[dict]) -> bytes:
         ax.set_ylim(0, 1)
         ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    return _png(fig)
-
-
-def generation_table(rows: list[dict]) -> list[list[str]]:
-    """Header and rows of the generation summary, as strings (for an HTML or Markdown table)."""
-    table = [["policy", "budget", "repetition", "recall", "output tokens", "trials"]]
-    for r in rows:
-        table.append([r["policy"], str(r["budget"]), f"{r['repetition']:.3f}", f"{r['recall']:.2f}",
-                      f"{r['output_tokens']:.1f}", str(r["trials"])])
-    return table
-
-
-def needle_markdown(cells: list[dict]) -> str:
-    """The needle grid as a Markdown table: one row per policy and budget, one column per length and depth,
-    cells as hits/trials (for the README and docs, regenerated from `--save` JSON)."""
-    columns = sorted({(c["length"], c["depth"]) for c in cells})
-    rows: dict[tuple, dict] = {}
-    for c in cells:
-        rows.setdefault((c["policy"], str(c["budget"])), {})[(c["length"], c["depth"])] = c
-    header = ["policy", "budget", *[f"{n} @ {d:g}" for n, d in columns], "all"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for (policy, budget), found in sorted(rows.items(), key=lambda kv: (_budget_order(kv[0][1]), kv[0][0])):
-        hits = {col: round(c["accuracy"] * c["trials"]) for col, c in found.items()}
-        entries = [f"{hits[col]}/{found[col]['trials']}" if col in found else "-" for col in columns]
-        total = f"{sum(hits.values())}/{sum(c['trials'] for c in found.values())}"
-        lines.append("| " + " | ".join([policy, budget, *entries, total]) + " |")
-    return "\n".join(lines)
+    return fig

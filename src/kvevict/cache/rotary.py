@@ -1,4 +1,4 @@
-"""RoPE helpers for the cache's position-shift mode.
+"""RoPE at any position, from the model's own rotary module (position-shift mode).
 
 StreamingLLM re-numbers kept entries 0..L-1. Rotating an already-rotated key by the
 difference of positions, step after step, accumulates floating-point error; instead the
@@ -62,3 +62,12 @@ class Rotary:
 
     def unrotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return (x * cos - rotate_half(x) * sin) / (self.scale * self.scale)
+
+    def move(self, x: torch.Tensor, used: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """`x` `[..., m, D]` rotated at positions `used` `[m]`, re-rotated to `target` `[m]`.
+
+        Undone and redone from scratch rather than rotated by the difference, so moving a
+        vector many times never accumulates error.
+        """
+        raw = self.unrotate(x, *self.at(used))
+        return self.rotate(raw, *self.at(target))

@@ -1,0 +1,34 @@
+"""The engine: a transformers `Cache` that evicts, and the attention function that feeds it.
+
+| module | owns |
+|---|---|
+| `cache.py` | `EvictingCache`: dispatches to layers; policies, rows, position mode, budgets |
+| `layer.py` | `EvictingLayer`: coordinates one layer's update, statistics and eviction |
+| `storage.py` | slot buffers: in-place writes, gather, hole filling |
+| `positions.py` | the two position modes (original, shifted) as strategy objects |
+| `statistics.py` | what policies asked for, measured once, handed back |
+| `probabilities.py` | attention probabilities by hand (decode query, blockwise) |
+| `query_window.py` | the last queries of a layer (SnapKV's observation window) |
+| `selection.py` | victim and kept slots from scores |
+| `rows.py` | which policy runs in which batch row |
+| `rotary.py` | RoPE at any position, from the model's rotary module |
+| `observers.py` | metrics attached from outside: largest size, sink loss |
+| `attention.py` | the registered attention function and mask hook |
+"""
+
+from .attention import attach
+from .cache import EvictingCache
+from .layer import EvictingLayer
+from .observers import Eviction, KeptTracker, Observer, SinkTracker
+from .positions import POSITION_MODES
+
+__all__ = [
+    "POSITION_MODES",
+    "EvictingCache",
+    "EvictingLayer",
+    "Eviction",
+    "KeptTracker",
+    "Observer",
+    "SinkTracker",
+    "attach",
+]

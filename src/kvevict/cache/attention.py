@@ -1,0 +1,98 @@
+"""kvevict's attention function: SDPA for the output, plus the statistics policies need.
+
+Registered in transformers' `AttentionInterface` as `"kvevict"`. The cache layer that
+was just updated left itself in the attention kwargs the model hands over (`LAYER_KEY`),
+so two caches can run in two threads at once. The function asks that layer what its
+policies need (`plan`), computes the output with `scaled_dot_product_attention`
+(grouped-query, no `repeat_kv`), then hands the queries back (`finish`). One exception
+to SDPA: a decode step where every row's policy wants that query's attention (H2O)
+computes attention by hand once and keeps the probabilities, because SDPA cannot
+return them and a second pass costs as much again. transformers' eager attention /
+`output_attentions` is not involved.
+
+The mask is built here, not by transformers: after eviction the cache's slots are no
+longer contiguous positions, and the right mask is simply "every kept entry is visible,
+the new tokens are causal among themselves". A padding mask is refused by the mask
+hook below, because a left-padded row would need per-row positions and budgets.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from ..errors import KvevictError
+from .layer import LAYER_KEY, NAME, padded_batch_error
+from .probabilities import decode_attention
+
+
+def kvevict_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """query `[B, H_q, q, D]`, key/value `[B, H_kv, n + q, D]` -> output `[B, q, H_q, D]`."""
+    layer = kwargs.pop(LAYER_KEY, None)
+    q_len, kv_len = query.shape[2], key.shape[2]
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    query_positions = None
+    if layer is not None:
+        query, query_positions = layer.align_query(query, kwargs)
+    mask = None
+    is_causal = False
+    if attention_mask is not None:
+        if layer is not None:
+            raise KvevictError(
+                "a prepared 4-D attention mask cannot be combined with EvictingCache (its slots are not positions): "
+                "pass no attention_mask, the cache builds the right one"
+            )
+        mask = attention_mask  # a caller's own 4-D mask, without kvevict's cache: plain SDPA semantics
+    elif q_len > 1:
+        if kv_len == q_len:
+            is_causal = True
+        else:
+            # bottom-right aligned: query i sees every cached entry and new tokens <= i
+            cols = torch.arange(kv_len, device=query.device)
+            rows = torch.arange(q_len, device=query.device) + (kv_len - q_len)
+            mask = cols[None, :] <= rows[:, None]
+    probs = None
+    wants_probs = layer.plan() if layer is not None else False  # the cache asks its policies first
+    if wants_probs and q_len == 1:
+        out, probs = decode_attention(query, key, value, scaling)
+    else:
+        out = F.scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            attn_mask=mask,
+            is_causal=is_causal,
+            scale=scaling,
+            enable_gqa=query.shape[1] != key.shape[1],
+        )
+    if layer is not None:
+        layer.finish(query, query_positions, scaling, probs)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def kvevict_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> None:
+    """transformers' mask hook: only used to refuse padding; the real mask is built above."""
+    if attention_mask is not None and attention_mask.dtype == torch.bool and not bool(attention_mask.all()):
+        raise padded_batch_error()
+    if attention_mask is not None and attention_mask.dtype != torch.bool and not bool((attention_mask != 0).all()):
+        raise padded_batch_error()
+    return None
+
+
+def attach(model) -> None:
+    """Route `model`'s attention through kvevict (idempotent)."""
+    AttentionInterface.register(NAME, kvevict_attention)
+    AttentionMaskInterface.register(NAME, kvevict_mask)
+    if getattr(model.config, "_attn_implementation", None) != NAME:
+        model.set_attn_implementation(NAME)

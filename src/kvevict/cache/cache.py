@@ -1,0 +1,166 @@
+"""`EvictingCache`: a transformers `Cache` that keeps at most a budget of entries per layer
+and KV head, choosing survivors with a pluggable policy per batch row.
+
+Like transformers' own caches it only dispatches: `update` goes to the layer
+(`layer.py`), which stores, evicts and reports what it evicted to the observers an
+evaluation attached (`observers.py`). The cache holds what all layers share: the
+policies and their rows, the position mode, the per-layer budgets.
+
+Rows of a batch hold the same tokens until the first eviction, so a one-row forward may
+stand for all of them (`shares_rows`): an A/B batch computes its shared prefill once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers.cache_utils import Cache
+
+from ..errors import KvevictError
+from ..policies import Policy, check_policy
+from .attention import attach
+from .layer import EvictingLayer, LayerSettings
+from .observers import KeptTracker, Observer, SinkTracker, held_pinned_lost, held_sink_loss
+from .positions import MODES, POSITION_MODES
+from .rotary import Rotary
+from .rows import RowLayout
+
+
+class EvictingCache(Cache):
+    """A bounded KV cache; each batch row may run its own policy at the same budget.
+
+    `policy` is a spec string, a `Policy`, or a sequence of them (one per batch row).
+    `observers` are told what each layer holds and evicts; by default a `KeptTracker`
+    and a `SinkTracker` (behind `max_kept()` and `sink_lost_at()`); pass `[]` for none.
+    Constructing the cache attaches kvevict's attention function to `model`.
+    """
+
+    def __init__(
+        self,
+        model,
+        policy: str | Policy | Sequence[str | Policy] = "streamingllm",
+        budget: int | None = 256,
+        positions: str = "original",
+        slack: int = 16,
+        observers: Sequence[Observer] | None = None,
+    ) -> None:
+        from ..models import check_model, text_config
+
+        config = check_model(model)
+        if positions not in POSITION_MODES:
+            raise KvevictError(f"positions must be one of {', '.join(POSITION_MODES)}, got '{positions}'")
+        specs = list(policy) if isinstance(policy, (list, tuple)) else [policy]
+        if not specs:
+            raise KvevictError("no policy given: pass a spec such as 'streamingllm' or a list, one per row")
+        self.policies = [check_policy(spec, None) for spec in specs]
+        bounded = [not p.unbounded for p in self.policies]
+        if budget is not None and any(bounded) and not all(bounded):
+            raise KvevictError(
+                "'full' cannot share a batch with bounded policies (its cache grows while theirs do not): "
+                "run the full cache in its own batch"
+            )
+        text = text_config(config)
+        layers = text.num_hidden_layers
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        parameter = next(model.parameters())
+        rotary = Rotary(model.model.rotary_emb, head_dim, parameter.dtype, parameter.device)
+        if observers is None:
+            observers = [KeptTracker(), SinkTracker(layers)]
+        self.observers = list(observers)
+        self.positions = positions
+        self.layout = RowLayout(self.policies)
+        self.settings = LayerSettings(
+            mode=MODES[positions](rotary),
+            layout=self.layout,
+            stat_names=tuple(sorted({name for p in self.policies for name in p.stats})),
+            query_window=max(p.query_window for p in self.policies),
+            slack=slack,
+            last_layer=layers - 1,
+            budgets=[None] * layers,
+            config=config,
+            observers=self.observers,
+        )
+        self.budget = budget if any(bounded) else None
+        attach(model)
+        super().__init__(layers=[EvictingLayer(i, self.settings) for i in range(layers)])
+
+    # --- budgets ------------------------------------------------------------------------
+    @property
+    def budget(self) -> int | None:
+        return self._budget
+
+    @budget.setter
+    def budget(self, value: int | None) -> None:
+        """Change the budget mid-run: lowering it evicts at the next forward; it is validated like a new cache."""
+        for p in self.policies:
+            check_policy(p, value)
+        self._budget = value
+        self.settings.budgets[:] = [self.layer_budget(i, value) for i in range(len(self.settings.budgets))]
+
+    def layer_budget(self, layer: int, budget: int | None) -> int | None:
+        """Entries layer `layer` keeps when the cache's budget is `budget` (None: never evict).
+
+        The seam for per-layer budgets (PyramidKV): a subclass or a later policy
+        declaration returns a different number per layer. Today every layer keeps
+        `budget`.
+        """
+        return budget
+
+    def freeze(self) -> None:
+        """Stop evicting: later tokens are all kept (context-compression protocol)."""
+        self._budget = None
+        self.settings.budgets[:] = [None] * len(self.settings.budgets)
+
+    # --- rows and policies ---------------------------------------------------------------
+    @property
+    def shares_rows(self) -> bool:
+        """Whether every row still holds the same tokens, so one row may stand for all."""
+        return all(layer.identical for layer in self.layers)
+
+    @property
+    def groups(self):
+        return self.layout.groups
+
+    def row_policies(self) -> list[Policy]:
+        """The policy of each batch row (after the first forward)."""
+        return self.layout.row_policies()
+
+    def reset(self) -> None:
+        super().reset()
+        for p in self.policies:
+            p.reset()
+        for observer in self.observers:
+            observer.reset()
+
+    # --- what the cache holds --------------------------------------------------------------
+    @property
+    def tokens_seen(self) -> int:
+        return self.layers[0].seen if self.layers else 0
+
+    def kept_positions(self) -> list[torch.Tensor]:
+        """Per layer, `[B, H_kv, n]` original positions of the entries held, ascending."""
+        return [layer.kept_positions() for layer in self.layers if layer.is_initialized]
+
+    def _observer(self, kind: type) -> Observer:
+        found = next((o for o in self.observers if isinstance(o, kind)), None)
+        if found is None:
+            raise KvevictError(f"this cache was built without a {kind.__name__} observer: pass observers=None")
+        return found
+
+    def max_kept(self) -> int:
+        """The most entries any layer held after a forward (from the `KeptTracker`)."""
+        return self._observer(KeptTracker).most
+
+    def sink_lost_at(self) -> torch.Tensor:
+        """`[layers, B, H_kv]`: tokens seen when token 0 was evicted, -1 if it never was (`SinkTracker`)."""
+        return self._observer(SinkTracker).lost_at(self.layers[0].heads)
+
+    def sink_loss(self) -> torch.Tensor:
+        """Per row: the fraction of (layer, KV head) pairs whose cache no longer holds token 0."""
+        return held_sink_loss(self.kept_positions())
+
+    def pinned_sink_evicted(self, row: int | None = None) -> bool:
+        """Whether a pinned sink was ever evicted (for `row`, or any row). True would be a bug."""
+        wrong = held_pinned_lost(self.kept_positions(), [p.pinned for p in self.row_policies()])
+        return bool(wrong.any() if row is None else wrong[row])

@@ -1,0 +1,326 @@
+"""`EvictingLayer`: one layer of an `EvictingCache`. A short coordinator over its parts.
+
+Life of one forward, per layer:
+
+1. `update` writes the new keys/values into the slots after the `n` kept ones
+   (`SlotStorage`, keys as the position mode wants them) and returns views of
+   `[kept | new]`: no concatenation. It also leaves itself in the model's attention
+   kwargs, which is how kvevict's attention function finds it (no global state).
+2. The attention function calls `plan` (what do the policies need from this
+   forward?), computes the output, then `finish` with the queries it used.
+3. `finish` feeds the policies their statistics (`Statistics`) and, if more than the
+   budget is held, keeps the best-scoring entries (`selection`): a decode step in
+   original-position mode moves the newest slot into the victim's place; anything
+   else gathers the survivors to the front in positional order. It then reports to
+   the cache's observers what it holds and what it evicted.
+
+So between forwards every layer holds at most its budget, and during a forward the new
+queries see the kept entries plus the tokens of that forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from ..errors import KvevictError
+from ..policies import SlotView
+from . import selection
+from .observers import Eviction, Observer
+from .positions import PositionMode
+from .rows import RowGroup, RowLayout
+from .statistics import Statistics
+from .storage import SlotStorage
+
+#: the name kvevict's attention function is registered under in transformers
+NAME = "kvevict"
+#: where `update` leaves the layer in the model's attention kwargs for the attention function
+LAYER_KEY = "kvevict_layer"
+
+
+@dataclass
+class LayerSettings:
+    """What every layer of one cache shares; set by the cache, read by its layers."""
+
+    mode: PositionMode
+    layout: RowLayout
+    stat_names: tuple[str, ...]
+    query_window: int
+    slack: int
+    last_layer: int
+    budgets: list[int | None]  # per layer; None never evicts
+    config: object  # the model's config: its attention implementation must be kvevict's
+    observers: list[Observer] = field(default_factory=list)
+
+
+class EvictingLayer(CacheLayerMixin):
+    """One layer's slots, its policies' statistics, and eviction down to its budget."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, index: int, settings: LayerSettings) -> None:
+        super().__init__()
+        self.index = index
+        self.settings = settings
+        self.n = 0  # entries kept (valid slots are 0..n-1)
+        self.seen = 0  # tokens that have gone through this layer
+        self.new = 0  # tokens of the forward in flight
+        self.pending = False  # updated, waiting for kvevict's attention to finish
+        self.storage: SlotStorage | None = None
+        self.statistics = Statistics(settings.query_window)
+        # Rows hold the same tokens so far (no eviction, no per-row forward): a one-row
+        # forward may stand for all of them.
+        self.identical = True
+        self.ordered = True  # slots sit in positional order (until a hole is filled in place)
+
+    @property
+    def budget(self) -> int | None:
+        return self.settings.budgets[self.index]
+
+    # --- transformers' layer API -------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        _, heads, _, dim = key_states.shape
+        s = self.settings
+        batch = s.layout.rows_for(key_states.shape[0])
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.batch_size, self.heads, self.head_dim = batch, heads, dim
+        capacity = (self.budget or 0) + s.slack
+        self.storage = SlotStorage(batch, heads, dim, self.dtype, self.device, s.stat_names, s.mode.raw_keys, capacity)
+        self.is_initialized = True
+        if s.layout.bind(batch):
+            pinned = [p.pinned for p in s.layout.row_policies()]
+            for observer in s.observers:
+                observer.on_bind(pinned)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        model_kwargs = kwargs.get("kwargs")
+        if not isinstance(model_kwargs, dict):
+            raise KvevictError(
+                "this model does not hand its attention arguments to the cache (cache.update(..., kwargs=...)), "
+                "so kvevict's attention cannot find its cache layer: use a Llama-family model"
+            )
+        if self.pending or (self.index == 0 and getattr(self.settings.config, "_attn_implementation", None) != NAME):
+            self.pending = False
+            raise attach_error()
+        self._check_rows(key_states.shape[0])
+        self._check_finite(key_states, value_states)
+        q = key_states.shape[2]
+        mode = self.settings.mode
+        used = None
+        if self.index == 0 or mode.keys_need_positions(self.index):
+            # Positions are the same for every layer of a forward: check them once, at layer 0.
+            start = mode.seq_length(self.n, self.seen)
+            used = model_positions(model_kwargs, q, start, self.device, check_rows=self.index == 0)
+            if self.index == 0 and self.seen and not mode.continues(int(used[0]), self.n, self.seen):
+                raise KvevictError(
+                    f"this cache already holds {self.seen} tokens of a sequence, but the new tokens start at position "
+                    f"{int(used[0])}: call cache.reset() (or make a new EvictingCache) before reusing it for another "
+                    "sequence"
+                )
+        storage = self.storage
+        end = self.n + q
+        if end > storage.capacity:
+            # Only a prefill longer than the slack, or a frozen (growing) cache, gets here.
+            storage.ensure(end, self.n, max(end + self.settings.slack, 2 * storage.capacity if self.budget is None else 0))
+        storage.open(self.n, value_states, self.seen)
+        mode.store_keys(storage, key_states, used, self.n)
+        model_kwargs[LAYER_KEY] = self
+        self.new = q
+        self.seen += q
+        self.pending = True
+        # A shared forward (one row standing for all) attends with row 0; writes above broadcast.
+        rows = key_states.shape[0]
+        return storage.keys[:rows, :, :end], storage.values[:rows, :, :end]
+
+    def _check_rows(self, rows: int) -> None:
+        if rows == 1 and self.batch_size > 1 and not self.identical:
+            raise KvevictError(
+                f"this cache holds {self.batch_size} rows (one per policy) and they diverged at the first eviction: "
+                f"a one-row forward can only stand for all rows before that; feed {self.batch_size} rows "
+                f"(input_ids.expand({self.batch_size}, -1))"
+            )
+        if rows not in (1, self.batch_size):
+            raise KvevictError(
+                f"this cache holds {self.batch_size} sequences but got a batch of {rows}: "
+                "use a new EvictingCache for each batch (cache.reset() to reuse it)"
+            )
+        if rows == self.batch_size and rows > 1:
+            self.identical = False
+
+    def _check_finite(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        # NaN/inf reaching any layer reaches the last one: checking the first (bad inputs)
+        # and the last (bad weights anywhere) catches both without a sync per layer.
+        if self.index in (0, self.settings.last_layer) and not bool(
+            torch.isfinite(key_states).all() and torch.isfinite(value_states).all()
+        ):
+            raise KvevictError(
+                f"layer {self.index} produced NaN/inf keys or values: check the inputs (inputs_embeds) and the "
+                "model weights; the cache refuses to rank entries by NaN scores"
+            )
+
+    def get_seq_length(self) -> int:
+        return self.settings.mode.seq_length(self.n, self.seen)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.n + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1 if self.budget is None else self.budget
+
+    def reset(self) -> None:
+        self.n = self.seen = self.new = 0
+        self.identical = True
+        self.ordered = True
+        self.pending = False
+        self.statistics.reset()
+        if self.storage is not None:
+            for stat in self.storage.stats.values():
+                stat.zero_()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise KvevictError("EvictingCache does not support beam search: use greedy or sampling (num_beams=1)")
+
+    # --- around attention ------------------------------------------------------------
+    def align_query(self, query: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The queries `[B, H_q, q, D]` rotated where this layer's keys expect them, and
+        those positions `[q]` (None when nobody needs them: original positions and no
+        policy that remembers queries)."""
+        mode = self.settings.mode
+        if not (mode.raw_keys or self.settings.query_window):
+            return query, None
+        start = mode.seq_length(self.n, self.seen - self.new)
+        used = model_positions(kwargs, query.shape[2], start, query.device, check_rows=False)
+        return mode.align_query(query, used, self.n)
+
+    def plan(self) -> bool:
+        """Ask each policy what it needs from the forward in flight (before attention runs).
+
+        Returns whether every row's policy wants the attention of this forward's
+        queries, so that a decode step can keep the probabilities attention computes
+        anyway. (When only some rows want it, SDPA for all plus a pass over those rows
+        is cheaper than attention by hand for all.)
+        """
+        total = self.n + self.new
+        views = [self._view(group, total) for group in self.settings.layout.groups]
+        return self.statistics.plan(views, self.settings.layout, self._will_evict(total))
+
+    def finish(
+        self,
+        query: torch.Tensor,
+        query_positions: torch.Tensor | None,
+        scaling: float,
+        probs: torch.Tensor | None = None,
+    ) -> None:
+        """Feed policies their statistics and evict down to the budget.
+
+        `query` is what attention used, `[B, H_q, q, D]` (rotated at `query_positions`,
+        where the keys were rotated for). `probs`, `[B, H_kv, group, n]`, are the
+        attention probabilities of a single query if attention kept them.
+        """
+        self.pending = False
+        if query.shape[0] != self.batch_size:  # a shared forward: one row stands for all
+            query = query.expand(self.batch_size, *query.shape[1:])
+            if probs is not None:
+                probs = probs.expand(self.batch_size, *probs.shape[1:])
+        s = self.settings
+        total = self.n + self.new
+        if query_positions is not None:
+            self.statistics.remember(query, query_positions, self.seen)
+        views = self.statistics.feed(s.layout, self.storage, s.mode, query, scaling, self.seen, self.new, total, probs)
+        if self._will_evict(total):
+            self.identical = False
+            self._evict(views, total, self.budget)
+        else:
+            self.n = total
+        self.new = 0
+        for observer in s.observers:
+            observer.on_forward(self.index, self.n)
+
+    def _will_evict(self, total: int) -> bool:
+        return self.budget is not None and total > self.budget
+
+    def _view(self, group: RowGroup, total: int) -> SlotView:
+        storage = self.storage
+        return SlotView(
+            positions=group.take(storage.pos[:, :, :total]),
+            seen=self.seen,
+            budget=self.budget if self.budget is not None else total,
+            layer=self.index,
+            stats={name: group.take(stat[:, :, :total]) for name, stat in storage.stats.items()},
+            keys=lambda: group.take(storage.keys[:, :, :total]),
+        )
+
+    def _evict(self, views: list[SlotView], total: int, budget: int) -> None:
+        groups = self.settings.layout.groups
+        storage = self.storage
+        if len(groups) == 1:
+            scores = groups[0].policy.scores(views[0])
+        else:
+            scores = torch.empty(self.batch_size, self.heads, total, dtype=torch.float64, device=self.device)
+            for group, view in zip(groups, views):
+                group.put(scores, group.policy.scores(view))
+        pos = storage.pos[:, :, :total]
+        observers = self.settings.observers
+        victims = None
+        if total == budget + 1 and self.settings.mode.fills_holes:
+            victim = selection.victim(scores, pos, self.ordered)
+            if any(o.wants_victims for o in observers):
+                victims = pos.gather(-1, victim[..., None])[..., 0]
+            storage.fill_hole(victim, budget)
+            self.ordered = False
+        else:
+            keep = selection.keep_slots(scores, pos, budget, self.ordered)
+            storage.gather(keep, keys=not self.settings.mode.raw_keys)
+            self.settings.mode.after_compaction(storage, budget)
+            self.ordered = True
+        self.n = budget
+        if observers:
+            event = Eviction(self.index, self.seen, storage.pos[:, :, :budget], victims)
+            for observer in observers:
+                observer.on_evict(event)
+
+    # --- inspection ------------------------------------------------------------------
+    @property
+    def stats(self) -> dict[str, torch.Tensor]:
+        """Per-slot statistics `[B, H_kv, capacity]` by name (valid up to `n`)."""
+        return self.storage.stats if self.storage is not None else {}
+
+    def kept_positions(self) -> torch.Tensor:
+        """`[B, H_kv, n]` original positions of the entries held, ascending."""
+        return self.storage.pos[:, :, : self.n].sort(dim=-1).values
+
+
+def attach_error() -> KvevictError:
+    return KvevictError(
+        "EvictingCache needs kvevict's attention function, but the model ran another one: "
+        "call kvevict.attach(model) (or model.set_attn_implementation('kvevict'))"
+    )
+
+
+def model_positions(
+    kwargs: dict, q: int, default_start: int, device: torch.device, check_rows: bool = True
+) -> torch.Tensor:
+    """The positions the model rotated this forward's tokens with, `[q]`.
+
+    transformers passes `position_ids` down to the attention layer; rows that disagree
+    mean a padded batch, which the cache cannot bound correctly.
+    """
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:
+        return torch.arange(default_start, default_start + q, device=device)
+    position_ids = position_ids.reshape(-1, position_ids.shape[-1])
+    if check_rows and position_ids.shape[0] > 1 and not bool((position_ids == position_ids[:1]).all()):
+        raise padded_batch_error()
+    return position_ids[0, -q:].to(device)
+
+
+def padded_batch_error() -> KvevictError:
+    return KvevictError(
+        "padded batches are not supported: every row must be a full sequence of the same length "
+        "(drop the attention_mask padding, or run rows of different lengths as separate batches)"
+    )

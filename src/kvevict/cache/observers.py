@@ -1,0 +1,125 @@
+"""Observers: metrics an evaluation attaches to a cache, kept off the cache's own logic.
+
+A layer reports two things to whoever observes it: after every forward how many
+entries it holds, and after every eviction what left. Sink tracking and the largest
+cache size are built on those reports; the layers know nothing of them. The
+`held_*` functions answer from what the cache holds now, with no observer at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Eviction:
+    """What one layer evicted in one forward.
+
+    `victims` `[B, H_kv]`: original positions of the single entry each (row, head) lost
+    (a decode step), when an observer asked for them; None after a compaction, where
+    `kept` `[B, H_kv, budget]` (positions, ascending) tells what stayed.
+    """
+
+    layer: int
+    seen: int
+    kept: torch.Tensor
+    victims: torch.Tensor | None
+
+
+class Observer:
+    """Base: override what you need. `wants_victims` asks the layer to report victims."""
+
+    wants_victims = False
+
+    def on_bind(self, pinned_per_row: list[int]) -> None:
+        """The cache's rows were bound to policies that pin this many leading tokens each."""
+
+    def on_forward(self, layer: int, held: int) -> None:
+        """`layer` holds `held` entries per (row, KV head) after a forward."""
+
+    def on_evict(self, event: Eviction) -> None:
+        """`layer` just evicted down to its budget."""
+
+    def reset(self) -> None:
+        """The cache was reset for a new sequence."""
+
+
+class KeptTracker(Observer):
+    """The most entries any layer held after a forward (checks the budget was kept)."""
+
+    def __init__(self) -> None:
+        self.most = 0
+
+    def reset(self) -> None:
+        self.most = 0
+
+    def on_forward(self, layer: int, held: int) -> None:
+        if held > self.most:
+            self.most = held
+
+
+class SinkTracker(Observer):
+    """When token 0 (the attention sink) left each layer's (row, KV head): tokens seen then, -1 never.
+
+    Rows whose policy pins token 0 can never lose it; when every row does, eviction
+    reports are not even looked at.
+    """
+
+    def __init__(self, layers: int) -> None:
+        self.layers = layers
+        self.pinned_per_row: list[int] = []
+        self.reset()
+
+    def on_bind(self, pinned_per_row: list[int]) -> None:
+        self.pinned_per_row = pinned_per_row
+        self.wants_victims = any(p == 0 for p in pinned_per_row)
+
+    def reset(self) -> None:
+        self.lost: list[torch.Tensor | None] = [None] * self.layers
+
+    def on_evict(self, event: Eviction) -> None:
+        if not self.wants_victims:
+            return
+        if event.victims is not None:
+            lost = event.victims == 0
+        else:
+            lost = event.kept[:, :, 0] != 0  # kept positions ascend: token 0 held iff first
+        at = self.lost[event.layer]
+        if at is None:
+            at = self.lost[event.layer] = torch.full(lost.shape, -1, dtype=torch.long, device=lost.device)
+        at.masked_fill_(lost & (at < 0), event.seen)
+
+    def lost_at(self, heads: int) -> torch.Tensor:
+        """`[layers, B, H_kv]`: tokens seen when token 0 was evicted, -1 if it never was."""
+        rows = len(self.pinned_per_row)
+        return torch.stack(
+            [at.cpu() if at is not None else torch.full((rows, heads), -1, dtype=torch.long) for at in self.lost]
+        )
+
+
+def held_sink_loss(kept: list[torch.Tensor]) -> torch.Tensor:
+    """Per row: the fraction of (layer, KV head) pairs that no longer hold token 0.
+
+    `kept`: per layer, `[B, H_kv, n]` original positions held (any order).
+    """
+    held = torch.stack([(pos == 0).any(dim=-1) for pos in kept]).cpu()
+    return 1.0 - held.float().mean(dim=(0, 2))
+
+
+def held_pinned_lost(kept: list[torch.Tensor], pinned_per_row: list[int]) -> torch.Tensor:
+    """`[B]` bool: whether a row no longer holds one of the leading tokens its policy pins.
+
+    A token never comes back once evicted, so "not held now" is "evicted at some point":
+    True would be a bug in the cache or the policy.
+    """
+    pinned = torch.tensor(pinned_per_row, dtype=torch.long)
+    wrong = torch.zeros(len(pinned_per_row), dtype=torch.bool)
+    most = int(pinned.max()) if len(pinned_per_row) else 0
+    for pos in kept:
+        # before the cache holds `most` entries nothing was evicted: check what it can hold
+        for token in range(min(most, pos.shape[-1])):
+            held = (pos == token).any(dim=-1).cpu()  # [B, H]
+            wrong |= (~held).flatten(1).any(-1) & (token < pinned)
+    return wrong

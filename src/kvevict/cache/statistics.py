@@ -1,0 +1,105 @@
+"""Attention statistics: what a layer's policies asked for, measured once, handed back.
+
+Before attention runs, each policy says what it needs (`AttentionRequest`): the
+attention of this forward's queries ("new", H2O) or of the last `size` queries even
+from earlier forwards ("window", SnapKV). After attention, `feed` measures it and lets
+each policy fold it into its per-slot statistic. The attention of the new queries is
+measured once for every row that wants it, not once per policy: H2O and sink4+H2O in
+one batch share it. A decode step whose policies all want it gets the probabilities
+attention already computed (`probs`), so nothing is computed twice.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..policies import AttentionRequest, SlotView
+from .positions import PositionMode
+from .probabilities import attention_mass, decode_probs
+from .query_window import QueryWindow
+from .rows import RowLayout
+from .storage import SlotStorage
+
+
+class Statistics:
+    """One layer's pending requests and its window of recent queries."""
+
+    def __init__(self, query_window: int) -> None:
+        self.window_size = query_window
+        self.recent = QueryWindow(query_window)
+        self.views: list[SlotView] | None = None
+        self.requests: list[AttentionRequest | None] | None = None
+
+    def reset(self) -> None:
+        self.recent = QueryWindow(self.window_size)
+        self.views = self.requests = None
+
+    def plan(self, views: list[SlotView], layout: RowLayout, will_evict: bool) -> bool:
+        """Ask each row group's policy what it needs; True if every row wants this forward's attention."""
+        self.views = views
+        self.requests = [group.policy.request(view, will_evict) for group, view in zip(layout.groups, views)]
+        return all(r is not None and r.kind == "new" for r in self.requests)
+
+    def remember(self, query: torch.Tensor, used: torch.Tensor, seen: int) -> None:
+        if self.window_size:
+            self.recent.remember(query, used, seen)
+
+    def feed(
+        self,
+        layout: RowLayout,
+        storage: SlotStorage,
+        mode: PositionMode,
+        query: torch.Tensor,
+        scaling: float,
+        seen: int,
+        new: int,
+        total: int,
+        probs: torch.Tensor | None,
+    ) -> list[SlotView]:
+        """Measure what was asked and update the statistics; returns the views (fresh stats).
+
+        query `[B, H_q, new, D]` as attention used it; probs `[B, H_kv, group, total]`
+        when attention kept a decode query's probabilities.
+        """
+        views, requests = self.views, self.requests
+        self.views = self.requests = None
+        if all(r is None for r in requests):
+            return views
+        asking = [i for i, r in enumerate(requests) if r is not None and r.kind == "new"]
+        shared: dict[int, torch.Tensor] = {}
+        if asking:
+            subset, parts = layout.shared_rows(tuple(asking))
+            if probs is not None:
+                mass = subset.take(probs.sum(dim=2))
+            else:
+                keys = subset.take(storage.keys[:, :, :total])
+                if new == 1:  # the newest token sees every key: no mask, no blocks
+                    mass = decode_probs(subset.take(query), keys, scaling).sum(dim=2)
+                else:
+                    q_pos = torch.arange(seen - new, seen, device=query.device)
+                    key_pos = subset.take(storage.pos[:, :, :total])
+                    mass = attention_mass(subset.take(query), q_pos, keys, key_pos, scaling)
+            for i, part in zip(asking, parts):
+                shared[i] = part.take(mass)
+        for i, (group, view, request) in enumerate(zip(layout.groups, views, requests)):
+            if request is None:
+                continue
+            if request.kind == "new":
+                mass = shared[i]
+            elif request.kind == "window":
+                queries, q_pos = self.window_queries(mode, request.size, seen, total)
+                keys = group.take(storage.keys[:, :, :total])
+                mass = attention_mass(group.take(queries), q_pos, keys, view.positions, scaling)
+            else:
+                raise ValueError(f"unknown attention request kind {request.kind!r}")
+            stat = storage.stats[request.stat]
+            updated = group.policy.absorb(view, request, mass).to(stat.dtype)
+            group.put(stat[:, :, :total], updated)
+            view.stats[request.stat] = updated
+        return views
+
+    def window_queries(self, mode: PositionMode, size: int, seen: int, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last `size` queries `[B, H_q, m, D]` (in any order), rotated to where their
+        tokens sit now, and their stream positions `[m]`."""
+        queries, used, stream = self.recent.last(size, seen)
+        return mode.move(queries, used, mode.now(stream, seen, total)), stream
