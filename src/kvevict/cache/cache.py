@@ -66,7 +66,7 @@ class EvictingCache(Cache):
         parameter = next(model.parameters())
         rotary = Rotary(model.model.rotary_emb, head_dim, parameter.dtype, parameter.device)
         if observers is None:
-            observers = [KeptTracker(), SinkTracker(layers)]
+            observers = [KeptTracker(), SinkTracker()]
         self.observers = list(observers)
         self.positions = positions
         self.layout = RowLayout(self.policies)
@@ -154,7 +154,7 @@ class EvictingCache(Cache):
 
     def sink_lost_at(self) -> torch.Tensor:
         """`[layers, B, H_kv]`: tokens seen when token 0 was evicted, -1 if it never was (`SinkTracker`)."""
-        return self._observer(SinkTracker).lost_at(self.layers[0].heads)
+        return self._observer(SinkTracker).lost_at(len(self.layers), self.layers[0].heads)
 
     def sink_loss(self) -> torch.Tensor:
         """Per row: the fraction of (layer, KV head) pairs whose cache no longer holds token 0."""

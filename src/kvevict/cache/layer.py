@@ -126,7 +126,8 @@ class EvictingLayer(CacheLayerMixin):
         end = self.n + q
         if end > storage.capacity:
             # Only a prefill longer than the slack, or a frozen (growing) cache, gets here.
-            storage.ensure(end, self.n, max(end + self.settings.slack, 2 * storage.capacity if self.budget is None else 0))
+            grow = 2 * storage.capacity if self.budget is None else 0
+            storage.ensure(end, self.n, max(end + self.settings.slack, grow))
         storage.open(self.n, value_states, self.seen)
         mode.store_keys(storage, key_states, used, self.n)
         model_kwargs[LAYER_KEY] = self

@@ -67,8 +67,7 @@ class SinkTracker(Observer):
     reports are not even looked at.
     """
 
-    def __init__(self, layers: int) -> None:
-        self.layers = layers
+    def __init__(self) -> None:
         self.pinned_per_row: list[int] = []
         self.reset()
 
@@ -77,7 +76,7 @@ class SinkTracker(Observer):
         self.wants_victims = any(p == 0 for p in pinned_per_row)
 
     def reset(self) -> None:
-        self.lost: list[torch.Tensor | None] = [None] * self.layers
+        self.lost: dict[int, torch.Tensor] = {}  # layer -> [B, H_kv]
 
     def on_evict(self, event: Eviction) -> None:
         if not self.wants_victims:
@@ -86,17 +85,15 @@ class SinkTracker(Observer):
             lost = event.victims == 0
         else:
             lost = event.kept[:, :, 0] != 0  # kept positions ascend: token 0 held iff first
-        at = self.lost[event.layer]
+        at = self.lost.get(event.layer)
         if at is None:
             at = self.lost[event.layer] = torch.full(lost.shape, -1, dtype=torch.long, device=lost.device)
         at.masked_fill_(lost & (at < 0), event.seen)
 
-    def lost_at(self, heads: int) -> torch.Tensor:
+    def lost_at(self, layers: int, heads: int) -> torch.Tensor:
         """`[layers, B, H_kv]`: tokens seen when token 0 was evicted, -1 if it never was."""
-        rows = len(self.pinned_per_row)
-        return torch.stack(
-            [at.cpu() if at is not None else torch.full((rows, heads), -1, dtype=torch.long) for at in self.lost]
-        )
+        never = torch.full((len(self.pinned_per_row), heads), -1, dtype=torch.long)
+        return torch.stack([self.lost[i].cpu() if i in self.lost else never for i in range(layers)])
 
 
 def held_sink_loss(kept: list[torch.Tensor]) -> torch.Tensor:

@@ -51,7 +51,3 @@ def logits(model, hidden: torch.Tensor) -> torch.Tensor:
 def log_probs(model, hidden: torch.Tensor) -> torch.Tensor:
     """Log-softmax of the LM head over the vocabulary, float32."""
     return torch.log_softmax(logits(model, hidden).float(), dim=-1)
-
-
-def forward_kwargs(model, cache) -> dict:
-    return {_cache_kwarg(type(model)): cache, "use_cache": True}

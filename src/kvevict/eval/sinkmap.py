@@ -24,13 +24,14 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from ..cache.probabilities import blockwise_probs
 from ..errors import KvevictError
 from ..models import text_config
 
 NAME = "kvevict_sinkmap"
-BLOCK_ELEMENTS = 1 << 23
-
-_collector: _Collector | None = None
+# The model hands this forward keyword down to every attention call: the collector
+# travels with the forward instead of sitting in a module global.
+COLLECTOR_KEY = "kvevict_sinkmap_collector"
 
 
 @dataclass
@@ -95,19 +96,21 @@ class SinkMap:
 
 
 class _Collector:
+    """Per layer, the attention the probe queries pay each scanned key, summed: `[H_q, scan]`."""
+
     def __init__(self, layers: int, probe_from: int, scan: int) -> None:
         self.probe_from = probe_from
         self.scan = scan
         self.sums: list[torch.Tensor | None] = [None] * layers
-        self.queries = 0
 
 
 def _sinkmap_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """SDPA for the output; the probe queries' probabilities for the collector the forward carries."""
+    collector = kwargs.pop(COLLECTOR_KEY, None)
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = F.scaled_dot_product_attention(
         query, key, value, is_causal=query.shape[2] > 1, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
     )
-    collector = _collector
     if collector is not None:
         _collect(collector, module.layer_idx, query, key, scaling)
     return out.transpose(1, 2).contiguous(), None
@@ -115,36 +118,25 @@ def _sinkmap_attention(module, query, key, value, attention_mask, scaling=None, 
 
 def _collect(collector: _Collector, layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
     """Sum over probe queries of their attention probabilities on the scanned keys, per query head."""
-    b, hq, t, d = query.shape
-    hkv = key.shape[1]
-    group = hq // hkv
-    keys = key.repeat_interleave(group, dim=1) if group > 1 else key
+    _, hq, t, _ = query.shape
     probe = query[:, :, collector.probe_from :]
+    q_pos = torch.arange(collector.probe_from, t, device=query.device)
+    k_pos = torch.arange(t, device=query.device)
     total = torch.zeros(hq, collector.scan, dtype=torch.float64, device=query.device)
-    block = max(1, BLOCK_ELEMENTS // max(1, b * hq * t))
-    for start in range(0, probe.shape[2], block):
-        q_blk = probe[:, :, start : start + block]
-        logits = torch.einsum("bhmd,bhnd->bhmn", q_blk, keys).float() * scaling
-        q_pos = torch.arange(collector.probe_from + start, collector.probe_from + start + q_blk.shape[2])
-        visible = torch.arange(t)[None, :] <= q_pos[:, None].to(torch.long)
-        logits = logits.masked_fill(~visible.to(logits.device), float("-inf"))
-        probs = torch.softmax(logits, dim=-1)[..., : collector.scan]
-        total += probs.sum(dim=(0, 2)).double()
+    for _, probs in blockwise_probs(probe, q_pos, key, k_pos, scaling):  # [b, H_kv, group, block, t]
+        total += probs[..., : collector.scan].sum(dim=(0, 3)).reshape(hq, collector.scan).double()
     collector.sums[layer] = total
 
 
 @contextmanager
-def _measuring(model, collector: _Collector):
-    global _collector
+def _measuring(model):
     AttentionInterface.register(NAME, _sinkmap_attention)
     AttentionMaskInterface.register(NAME, lambda *args, **kwargs: None)
     before = model.config._attn_implementation
     model.set_attn_implementation(NAME)
-    _collector = collector
     try:
         yield
     finally:
-        _collector = None
         model.set_attn_implementation(before)
 
 
@@ -169,8 +161,8 @@ def sink_map(
     text = text_config(model)
     probe_from, scan = t // 2, t // 4
     collector = _Collector(text.num_hidden_layers, probe_from, scan)
-    with _measuring(model, collector), torch.inference_mode():
-        model.model(input_ids=ids[None].long(), use_cache=False)
+    with _measuring(model), torch.inference_mode():
+        model.model(input_ids=ids[None].long(), use_cache=False, **{COLLECTOR_KEY: collector})
     probes = t - probe_from
     per_layer = [(s / probes).tolist() for s in collector.sums]  # [layers][heads][scan]
     share = [[head[:k] for head in layer] for layer in per_layer]

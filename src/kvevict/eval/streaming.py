@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache import EvictingCache
+from ..cache import EvictingCache, KeptTracker, SinkTracker
+from ..cache.observers import held_pinned_lost, held_sink_loss
 from ..errors import KvevictError
 from ..progress import bars
 from .forward import body, log_probs
@@ -173,7 +174,8 @@ def full_reference(model, tokens: torch.Tensor, progress=True, label: str = "str
             "run without the reference (no KL / top-1), or with fewer tokens"
         )
     store = torch.empty(targets.numel(), vocab)
-    lane = _Lane(model, EvictingCache(model, "full", budget=None), 1, targets.numel())
+    kept = KeptTracker()
+    lane = _Lane(model, EvictingCache(model, "full", budget=None, observers=[kept]), 1, targets.numel())
 
     def keep(at: int, lp: torch.Tensor) -> None:
         store[at : at + lp.shape[1]] = lp[0]
@@ -187,7 +189,7 @@ def full_reference(model, tokens: torch.Tensor, progress=True, label: str = "str
     result = RowResult(
         policy="full", budget=None, positions="original", nll=lane.nll[0].clone(),
         kl=torch.zeros(targets.numel()), agree=torch.ones(targets.numel(), dtype=torch.bool),
-        max_kept=lane.cache.max_kept(), seconds=lane.seconds,
+        max_kept=kept.most, seconds=lane.seconds,
     )
     return Reference(result, store)
 
@@ -214,7 +216,8 @@ def compare(
     targets = tokens[1:]
     steps = targets.numel()
     with torch.inference_mode():
-        cache = EvictingCache(model, list(policies), budget=budget, positions=positions)
+        kept, sinks = KeptTracker(), SinkTracker()
+        cache = EvictingCache(model, list(policies), budget=budget, positions=positions, observers=[kept, sinks])
         lane = _Lane(model, cache, len(policies), steps)
         budget = cache.budget  # None when every row is the full cache
         if isinstance(reference, Reference):
@@ -240,8 +243,9 @@ def compare(
                     on_step(stop)
             bar.remove_task(task)
         results = []
-        lost_at = cache.sink_lost_at()  # [layers, rows, heads]
-        loss = cache.sink_loss()
+        lost_at = sinks.lost_at(len(cache.layers), cache.layers[0].heads)  # [layers, rows, heads]
+        loss = held_sink_loss(cache.kept_positions())
+        pinned_lost = held_pinned_lost(cache.kept_positions(), [p.pinned for p in cache.row_policies()])
         for row, policy in enumerate(cache.row_policies()):
             results.append(
                 RowResult(
@@ -251,8 +255,8 @@ def compare(
                     nll=lane.nll[row].clone(),
                     kl=kl[row].clone() if full is not None else None,
                     agree=agree[row].clone() if full is not None else None,
-                    max_kept=cache.max_kept(),
-                    pinned_sink_evicted=cache.pinned_sink_evicted(row),
+                    max_kept=kept.most,
+                    pinned_sink_evicted=bool(pinned_lost[row]),
                     first_token_evicted=bool((lost_at[:, row] >= 0).any()),
                     sink_loss=float(loss[row]),
                     sink_lost_at=lost_at[:, row].tolist(),

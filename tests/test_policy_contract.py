@@ -1,0 +1,87 @@
+"""The policy contract, checked for every registered policy and both sink wrappers.
+
+Driven by the registry (`policy_matrix.py`): a new policy is covered by registering it.
+The invariants: the cache holds exactly `min(seen, budget)` distinct past tokens per
+(layer, KV head) after every forward; the tokens a policy declares pinned are held; a
+run is deterministic; a row's result does not depend on the rows beside it; and a
+policy that declares no need for attention never asks for it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvevict import EvictingCache, parse_policy
+from kvevict.eval.forward import body
+from kvevict.policies import SlotView
+from kvevict.policies.sinkauto import SinkAuto
+
+from conftest import make_tiny, random_tokens
+from policy_matrix import bounded_specs
+
+MODEL = make_tiny(seed=11, layers=2)
+TOKENS = random_tokens(64, seed=12)
+CHUNKS = [9, 1, 1, 5, 1, 1, 1, 12, 1, 2, 1, 1, 20]  # prefills, decode steps and mid-size forwards
+BUDGET = 10
+
+
+def run(specs: list[str], positions: str) -> tuple[list[torch.Tensor], list[list[torch.Tensor]], EvictingCache]:
+    """Feed TOKENS in CHUNKS; per forward: hidden states `[rows, q, H]` and each layer's kept positions."""
+    cache = EvictingCache(MODEL, specs, budget=BUDGET, positions=positions)
+    hidden, kept, seen = [], [], 0
+    with torch.inference_mode():
+        for q in CHUNKS:
+            ids = TOKENS[None, seen : seen + q].expand(len(specs), -1)
+            hidden.append(body(MODEL, ids, cache))
+            seen += q
+            kept.append([layer.kept_positions() for layer in cache.layers])
+    return hidden, kept, cache
+
+
+@pytest.mark.parametrize("positions", ["original", "cache"])
+@pytest.mark.parametrize("spec", bounded_specs())
+def test_budget_and_pinned_tokens_hold(spec, positions):
+    _, kept, cache = run([spec], positions)
+    policy = cache.row_policies()[0]
+    seen = 0
+    for q, layers in zip(CHUNKS, kept):
+        seen += q
+        for index, pos in enumerate(layers):  # [1, H, n], ascending
+            assert pos.shape[-1] == min(seen, BUDGET), f"{spec}: holds {pos.shape[-1]} after {seen} tokens"
+            assert bool((pos.diff(dim=-1) > 0).all()) and bool((pos < seen).all())
+            held = [set(head.tolist()) for head in pos[0]]
+            assert all(set(range(min(policy.pinned, seen))) <= h for h in held), f"{spec}: pinned token evicted"
+            if isinstance(policy, SinkAuto) and policy.sinks(index) is not None:
+                for h, sinks in zip(held, policy.sinks(index)[0]):
+                    assert set(sinks.tolist()) <= h, f"{spec}: a measured sink was evicted"
+    assert not cache.pinned_sink_evicted()
+
+
+@pytest.mark.parametrize("spec", bounded_specs())
+def test_runs_are_deterministic_and_rows_independent(spec):
+    alone_hidden, alone_kept, _ = run([spec], "original")
+    again_hidden, again_kept, _ = run([spec], "original")
+    for a, b in zip(alone_hidden, again_hidden):
+        assert torch.equal(a, b), f"{spec}: two runs differ"
+    for a, b in zip(alone_kept, again_kept):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    # the same policy as the middle row of a batch, between two others
+    mixed_hidden, mixed_kept, _ = run(["window", spec, "h2o:recent=0.5"], "original")
+    for a, b in zip(alone_hidden, mixed_hidden):
+        assert torch.allclose(a[0], b[1], atol=1e-5, rtol=1e-5), f"{spec}: result depends on its neighbours"
+    for a, b in zip(alone_kept, mixed_kept):
+        assert all(torch.equal(x[0], y[1]) for x, y in zip(a, b)), f"{spec}: kept set depends on its neighbours"
+
+
+@pytest.mark.parametrize("spec", bounded_specs())
+def test_declared_flags_are_honest(spec):
+    """What a policy declares is what it does: a policy that says it needs no attention
+    never asks for it and carries no statistic."""
+    policy = parse_policy(spec)
+    view = SlotView(positions=torch.arange(12).view(1, 1, 12), seen=12, budget=BUDGET, layer=0)
+    if not policy.needs_attention:
+        assert policy.stats == ()
+        assert policy.request(view, will_evict=True) is None
+    else:
+        assert policy.request(view, will_evict=True) is not None
