@@ -28,20 +28,26 @@ def test_two_caches_in_two_threads_equal_running_alone():
 
     alone = [run(job) for job in jobs]
     for _ in range(3):  # interleaving varies from run to run: give a crossing several chances to show
-        together: list = [None, None]
-        start = threading.Barrier(2)
-
-        def worker(i: int) -> None:
-            start.wait()
-            together[i] = run(jobs[i])
-
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        together = run_together(run, jobs)
         for a, b in zip(alone, together):
             assert b is not None, "a thread failed"
             for (nll_a, lost_a), (nll_b, lost_b) in zip(a, b):
                 assert torch.equal(nll_a, nll_b)
                 assert lost_a == lost_b
+
+
+def run_together(run, jobs: list) -> list:
+    """`run(job)` for every job, each in its own thread, all started at once."""
+    results: list = [None] * len(jobs)
+    start = threading.Barrier(len(jobs))
+
+    def worker(i: int) -> None:
+        start.wait()
+        results[i] = run(jobs[i])
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
