@@ -26,6 +26,10 @@ from .positions import MODES, POSITION_MODES
 from .rotary import Rotary
 from .rows import RowLayout
 
+#: the layer class for each kind of attention layer a model declares (`config.layer_types`);
+#: a new kind (a sliding-window layer beside full-attention ones) is one class and one line here
+LAYER_KINDS: dict[str, type[EvictingLayer]] = {"full_attention": EvictingLayer}
+
 
 class EvictingCache(Cache):
     """A bounded KV cache; each batch row may run its own policy at the same budget.
@@ -83,7 +87,8 @@ class EvictingCache(Cache):
         )
         self.budget = budget if any(bounded) else None
         attach(model)
-        super().__init__(layers=[EvictingLayer(i, self.settings) for i in range(layers)])
+        kinds = getattr(text, "layer_types", None) or ["full_attention"] * layers
+        super().__init__(layers=[LAYER_KINDS[kind](i, self.settings) for i, kind in enumerate(kinds)])
 
     # --- budgets ------------------------------------------------------------------------
     @property
