@@ -7,8 +7,8 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 
 from kvevict import EvictingCache, compare
-from kvevict.cache.attention import kvevict_attention
 from kvevict.cache import probabilities
+from kvevict.cache.attention import kvevict_attention
 from kvevict.cache.probabilities import attention_mass
 from kvevict.eval.forward import body
 

@@ -43,7 +43,9 @@ class SinkAuto(SinkWrapper):
         if self.n_sinks < 1:
             raise KvevictError(f"sinkauto needs at least 1 sink to pin, got {self.n_sinks}")
         if self.calib < self.n_sinks:
-            raise KvevictError(f"sinkauto's calibration prefix ({self.calib}) must be at least its {self.n_sinks} sinks")
+            raise KvevictError(
+                f"sinkauto's calibration prefix ({self.calib}) must be at least its {self.n_sinks} sinks"
+            )
         super().__post_init__()
         self.reset()
 
