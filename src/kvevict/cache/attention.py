@@ -42,17 +42,19 @@ def kvevict_attention(
     layer = kwargs.pop(LAYER_KEY, None)
     q_len, kv_len = query.shape[2], key.shape[2]
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if attention_mask is not None and layer is not None:
+        raise KvevictError(
+            "a prepared 4-D attention mask cannot be combined with EvictingCache (its slots are not positions): "
+            "pass no attention_mask, the cache builds the right one"
+        )
+    if layer is not None and layer.replays(q_len):  # a chunk that evicts token by token inside itself
+        return layer.replay(query, kwargs, scaling).transpose(1, 2).contiguous(), None
     query_positions = None
     if layer is not None:
         query, query_positions = layer.align_query(query, kwargs)
     mask = None
     is_causal = False
     if attention_mask is not None:
-        if layer is not None:
-            raise KvevictError(
-                "a prepared 4-D attention mask cannot be combined with EvictingCache (its slots are not positions): "
-                "pass no attention_mask, the cache builds the right one"
-            )
         mask = attention_mask  # a caller's own 4-D mask, without kvevict's cache: plain SDPA semantics
     elif q_len > 1:
         if kv_len == q_len:

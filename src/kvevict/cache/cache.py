@@ -37,6 +37,9 @@ class EvictingCache(Cache):
     `policy` is a spec string, a `Policy`, or a sequence of them (one per batch row).
     `observers` are told what each layer holds and evicts; by default a `KeptTracker`
     and a `SinkTracker` (behind `max_kept()` and `sink_lost_at()`); pass `[]` for none.
+    `per_token=True` makes a forward of many tokens evict exactly as that many one-token
+    forwards would (chunked streaming evaluation, `replay.py`); by default a forward
+    attends to everything it holds and evicts once at its end (prompt compression).
     Constructing the cache attaches kvevict's attention function to `model`.
     """
 
@@ -48,6 +51,7 @@ class EvictingCache(Cache):
         positions: str = "original",
         slack: int = 16,
         observers: Sequence[Observer] | None = None,
+        per_token: bool = False,
     ) -> None:
         from ..models import check_model, text_config
 
@@ -82,6 +86,7 @@ class EvictingCache(Cache):
             slack=slack,
             last_layer=layers - 1,
             budgets=[None] * layers,
+            per_token=per_token,
             config=config,
             observers=self.observers,
         )

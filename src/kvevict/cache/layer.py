@@ -30,6 +30,7 @@ from ..policies import SlotView
 from . import selection
 from .observers import Eviction, Observer
 from .positions import PositionMode
+from .replay import replay_static, replay_steps
 from .rows import RowGroup, RowLayout
 from .statistics import Statistics
 from .storage import SlotStorage
@@ -51,6 +52,7 @@ class LayerSettings:
     slack: int
     last_layer: int
     budgets: list[int | None]  # per layer; None never evicts
+    per_token: bool  # a forward of many tokens evicts as that many one-token forwards would
     config: object  # the model's config: its attention implementation must be kvevict's
     observers: list[Observer] = field(default_factory=list)
 
@@ -197,6 +199,34 @@ class EvictingLayer(CacheLayerMixin):
         start = mode.seq_length(self.n, self.seen - self.new)
         used = model_positions(kwargs, query.shape[2], start, query.device, check_rows=False)
         return mode.align_query(query, used, self.n)
+
+    def replays(self, q: int) -> bool:
+        """Whether a forward of `q` tokens must replay token-by-token eviction inside itself."""
+        return self.settings.per_token and q > 1 and self.budget is not None and self.n + q > self.budget
+
+    def replay(self, query: torch.Tensor, kwargs: dict, scaling: float) -> torch.Tensor:
+        """Attention and eviction of a chunk, exactly as `q` one-token forwards would do them.
+
+        query `[B, H_q, q, D]` as the model rotated it. Returns the output `[B, H_q, q, D]`.
+        """
+        self.pending = False
+        if query.shape[0] != self.batch_size:
+            raise KvevictError(
+                f"a chunk that evicts token by token must be fed for all {self.batch_size} rows: "
+                f"its rows diverge inside it (input_ids.expand({self.batch_size}, -1))"
+            )
+        mode = self.settings.mode
+        static = not mode.raw_keys and all(g.policy.static_scores for g in self.settings.layout.groups)
+        if static:
+            out = replay_static(self, query, scaling)
+        else:
+            used = model_positions(kwargs, query.shape[2], self.seen - self.new, query.device, check_rows=False)
+            out = replay_steps(self, query, used, scaling)
+        self.identical = False
+        self.new = 0
+        for observer in self.settings.observers:
+            observer.on_forward(self.index, self.n)
+        return out
 
     def plan(self) -> bool:
         """Ask each policy what it needs from the forward in flight (before attention runs).

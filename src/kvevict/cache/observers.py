@@ -18,13 +18,14 @@ class Eviction:
     """What one layer evicted in one forward.
 
     `victims` `[B, H_kv]`: original positions of the single entry each (row, head) lost
-    (a decode step), when an observer asked for them; None after a compaction, where
-    `kept` `[B, H_kv, budget]` (positions, ascending) tells what stayed.
+    (a decode step, or one step of a chunk replayed token by token), when an observer
+    asked for them; None after a compaction, where `kept` `[B, H_kv, budget]`
+    (positions, ascending) tells what stayed.
     """
 
     layer: int
     seen: int
-    kept: torch.Tensor
+    kept: torch.Tensor | None
     victims: torch.Tensor | None
 
 

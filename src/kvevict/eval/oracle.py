@@ -50,7 +50,7 @@ def recompute_oracle(
             lp = log_probs(model, hidden)
             index = torch.tensor(batch)
             nll[index] = -lp.gather(-1, targets[index][:, None])[:, 0]
-            ref = reference.log_probs[index]
+            ref = reference.at(index)
             kl[index] = (ref.exp() * (ref - lp)).sum(-1)
             agree[index] = lp.argmax(-1) == ref.argmax(-1)
             bar.advance(task, len(batch))

@@ -3,12 +3,15 @@
 Every token after the first is predicted from what the cache kept of everything before
 it. The first `budget` tokens are prefilled in one forward: nothing is evicted before
 the cache is full, so this is exactly what token-by-token feeding would give. After
-that, one token per step, evicting whenever the budget overflows.
+that the stream is read `chunk` tokens per forward, and inside every layer each token
+sees exactly what token-by-token feeding would have kept at its step (the cache's
+`per_token` mode, `cache/replay.py`): the same numbers as one token per forward
+(`chunk=1`, the reference path), with the weights and MLPs paid once per chunk.
 
 All policies at one budget run as rows of one batch (the weights are read once per
-step for all of them: on a CPU that is the main cost). The full cache runs in lockstep
-as a batch of its own, so fidelity (KL to the full cache, top-1 agreement) is measured
-on exactly the same tokens without storing any distribution.
+forward for all of them). The full cache runs in lockstep as a batch of its own, so
+fidelity (KL to the full cache, top-1 agreement) is measured on exactly the same tokens
+from the same chunked pass, in sub-blocks, without storing any distribution.
 """
 
 from __future__ import annotations
@@ -26,8 +29,11 @@ from ..errors import KvevictError
 from ..progress import bars
 from .forward import body, log_probs
 
-# Rows of the prefill scored at once: bounds the `[rows, chunk, vocab]` logits.
-PREFILL_CHUNK = 256
+# Tokens per forward after the prefill; chosen by benchmarks/chunked_vs_stepwise.py.
+DEFAULT_CHUNK = 64
+# Elements of `[rows, tokens, vocab]` log-probabilities held at once: NLL and KL are
+# computed in sub-blocks of predictions so a long chunk never holds more.
+LOGIT_ELEMENTS = 1 << 25
 
 
 @dataclass
@@ -123,75 +129,96 @@ def _validate(tokens: torch.Tensor) -> torch.Tensor:
 class _Lane:
     """One batch (a cache and its rows) advancing through the stream."""
 
-    def __init__(self, model, cache: EvictingCache, rows: int, steps: int) -> None:
+    def __init__(self, model, cache: EvictingCache, rows: int) -> None:
         self.model, self.cache, self.rows = model, cache, rows
-        self.nll = torch.zeros(rows, steps)
         self.seconds = 0.0
 
-    def feed(self, chunk: torch.Tensor, start: int, targets: torch.Tensor, sink: Callable | None) -> None:
-        """Feed `chunk` (`[q]` tokens at stream offset `start`) and score its predictions."""
+    def forward(self, chunk: torch.Tensor) -> torch.Tensor:
+        """Feed `chunk` (`[q]` tokens); final hidden states `[1 or rows, q, H]`."""
         t0 = time.perf_counter()
-        # Until the first eviction every row holds the same tokens: feed one row for all.
-        shared = self.rows > 1 and self.cache.shares_rows
+        # Until the first eviction every row holds the same tokens: feed one row for all
+        # (not for a chunk that will evict inside itself: its rows diverge there).
+        budget = self.cache.budget
+        fits = budget is None or self.cache.layers[0].n + chunk.numel() <= budget
+        shared = self.rows > 1 and self.cache.shares_rows and fits
         ids = chunk.unsqueeze(0).expand(1 if shared else self.rows, -1)
         hidden = body(self.model, ids, self.cache)
-        q = chunk.numel()
-        for lo in range(0, q, PREFILL_CHUNK):
-            hi = min(q, lo + PREFILL_CHUNK)
-            n_targets = max(0, min(hi, targets.numel() - start) - lo)
-            if n_targets == 0:
-                break
-            lp = log_probs(self.model, hidden[:, lo : lo + n_targets]).expand(self.rows, -1, -1)
-            tgt = targets[start + lo : start + lo + n_targets]
-            picked = lp.gather(-1, tgt.view(1, -1, 1).expand(self.rows, -1, 1))[..., 0]
-            self.nll[:, start + lo : start + lo + n_targets] = -picked
-            if sink is not None:
-                sink(start + lo, lp)
         self.seconds += time.perf_counter() - t0
+        return hidden
 
 
-# Above this many bytes of stored reference distributions, ask for reference=False.
-REFERENCE_LIMIT = 4 << 30
+def check_chunk(chunk: object) -> int:
+    """A chunk is a whole number of tokens per forward, at least 1."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise KvevictError(f"chunk must be a whole number of tokens >= 1 (1 = token by token), got {chunk!r}")
+    return chunk
+
+
+def boundaries(length: int, prefill: int, chunk: int) -> list[tuple[int, int]]:
+    """`(start, stop)` of every forward: the prefill, then chunks of `chunk` tokens."""
+    return [(0, prefill)] + [(t, min(t + chunk, length)) for t in range(prefill, length, chunk)]
+
+
+def blocks(q: int, rows: int, vocab: int) -> range:
+    """Starts of sub-blocks of predictions whose `[rows, block, vocab]` stays under the cap."""
+    return range(0, q, max(1, LOGIT_ELEMENTS // max(1, rows * vocab)))
 
 
 @dataclass
 class Reference:
+    """The full cache's row, and its log-probabilities at the predictions `index` `[m]`
+    (all of them when `index` is None): what the recompute oracle compares against."""
+
     result: RowResult
-    log_probs: torch.Tensor  # [T-1, vocab] the full cache's next-token log-probabilities
+    log_probs: torch.Tensor  # [m, vocab]
+    index: torch.Tensor | None = None
+
+    def at(self, predictions: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities `[k, vocab]` at prediction indices `predictions` `[k]` (all kept)."""
+        if self.index is None:
+            return self.log_probs[predictions]
+        where = torch.searchsorted(self.index, predictions)
+        return self.log_probs[where]
 
 
-def full_reference(model, tokens: torch.Tensor, progress=True, label: str = "stream") -> Reference:
-    """The full cache's distributions for every prediction, from chunked prefill.
+def full_reference(
+    model, tokens: torch.Tensor, progress=True, label: str = "stream", keep: torch.Tensor | None = None
+) -> Reference:
+    """The full cache's row, keeping its distributions at the predictions `keep` (sorted;
+    None: every prediction).
 
-    Chunks through a full cache are exactly a full-sequence forward, and much cheaper
-    than decoding the reference token by token in lockstep.
+    Chunks through a full cache are exactly a full-sequence forward. Keep only what you
+    compare against later (the oracle's strided predictions): `[T, vocab]` for a long
+    stream is gigabytes.
     """
+    tokens = _validate(tokens)
     targets = tokens[1:]
+    steps = targets.numel()
     vocab = model.get_output_embeddings().weight.shape[0]
-    if targets.numel() * vocab * 4 > REFERENCE_LIMIT:
-        raise KvevictError(
-            f"{tokens.numel()} tokens x {vocab} vocabulary is too much full-cache reference to hold: "
-            "run without the reference (no KL / top-1), or with fewer tokens"
-        )
-    store = torch.empty(targets.numel(), vocab)
+    wanted = torch.arange(steps) if keep is None else keep.long()
+    store = torch.empty(wanted.numel(), vocab)
+    nll = torch.zeros(steps)
     kept = KeptTracker()
-    lane = _Lane(model, EvictingCache(model, "full", budget=None, observers=[kept]), 1, targets.numel())
-
-    def keep(at: int, lp: torch.Tensor) -> None:
-        store[at : at + lp.shape[1]] = lp[0]
-
+    lane = _Lane(model, EvictingCache(model, "full", budget=None, observers=[kept]), 1)
     with torch.inference_mode(), bars(progress) as bar:
         task = bar.add_task(f"{label}: full-cache reference", total=tokens.numel())
-        for start in range(0, tokens.numel(), 512):
-            lane.feed(tokens[start : start + 512], start, targets, keep)
-            bar.advance(task, min(512, tokens.numel() - start))
+        for start, stop in boundaries(tokens.numel(), 0, 512)[1:]:
+            hidden = lane.forward(tokens[start:stop])
+            n_targets = max(0, min(stop, steps) - start)
+            for lo in blocks(n_targets, 1, vocab):
+                hi = min(n_targets, lo + max(1, LOGIT_ELEMENTS // vocab))
+                lp = log_probs(model, hidden[0, lo:hi])
+                nll[start + lo : start + hi] = -lp.gather(-1, targets[start + lo : start + hi, None])[:, 0]
+                inside = (wanted >= start + lo) & (wanted < start + hi)
+                store[inside] = lp[wanted[inside] - start - lo]
+            bar.advance(task, stop - start)
         bar.remove_task(task)
     result = RowResult(
-        policy="full", budget=None, positions="original", nll=lane.nll[0].clone(),
-        kl=torch.zeros(targets.numel()), agree=torch.ones(targets.numel(), dtype=torch.bool),
+        policy="full", budget=None, positions="original", nll=nll,
+        kl=torch.zeros(steps), agree=torch.ones(steps, dtype=torch.bool),
         max_kept=kept.most, seconds=lane.seconds,
     )
-    return Reference(result, store)
+    return Reference(result, store, None if keep is None else wanted)
 
 
 def compare(
@@ -200,70 +227,91 @@ def compare(
     policies: Sequence[str],
     budget: int,
     positions: str = "original",
-    reference: bool | Reference = True,
+    reference: bool = True,
     progress=True,
     label: str = "stream",
     on_step: Callable[[int], None] | None = None,
+    chunk: int = DEFAULT_CHUNK,
 ) -> tuple[list[RowResult], RowResult | None]:
     """Streaming NLL of every policy (rows of one batch) and of the full cache.
 
     Returns (one RowResult per policy, the full cache's RowResult or None). With
-    `reference` (True, or a `Reference` computed once for several calls), each policy
-    row also gets per-token KL(full || policy) and top-1 agreement with the full cache.
+    `reference`, the full cache runs in lockstep and each policy row also gets
+    per-token KL(full || policy) and top-1 agreement with it. `chunk` tokens are read
+    per forward after the prefill (1: one token per forward, the reference path).
     `progress` is a bool or an existing rich Progress to add a bar to.
     """
     tokens = _validate(tokens)
+    chunk = check_chunk(chunk)
     targets = tokens[1:]
     steps = targets.numel()
+    rows = len(policies)
+    vocab = model.get_output_embeddings().weight.shape[0]
     with torch.inference_mode():
         kept, sinks = KeptTracker(), SinkTracker()
-        cache = EvictingCache(model, list(policies), budget=budget, positions=positions, observers=[kept, sinks])
-        lane = _Lane(model, cache, len(policies), steps)
+        cache = EvictingCache(
+            model, list(policies), budget=budget, positions=positions, observers=[kept, sinks], per_token=True
+        )
+        lane = _Lane(model, cache, rows)
         budget = cache.budget  # None when every row is the full cache
-        if isinstance(reference, Reference):
-            full = reference
-        else:
-            full = full_reference(model, tokens, progress, label) if reference else None
-        if full is not None:
-            kl = torch.zeros(len(policies), steps)
-            agree = torch.zeros(len(policies), steps, dtype=torch.bool)
-
-        def compare_rows(at: int, lp: torch.Tensor) -> None:
-            ref = full.log_probs[at : at + lp.shape[1]]
-            kl[:, at : at + lp.shape[1]] = (ref.exp() * (ref - lp)).sum(-1)
-            agree[:, at : at + lp.shape[1]] = lp.argmax(-1) == ref.argmax(-1)
-
+        full_kept = KeptTracker()
+        full = _Lane(model, EvictingCache(model, "full", budget=None, observers=[full_kept]), 1) if reference else None
+        nll = torch.zeros(rows, steps)
+        full_nll = torch.zeros(steps)
+        kl = torch.zeros(rows, steps)
+        agree = torch.zeros(rows, steps, dtype=torch.bool)
         prefill = tokens.numel() if budget is None else min(budget, tokens.numel())
         with bars(progress) as bar:
             task = bar.add_task(f"{label} (budget {budget}, {positions})", total=tokens.numel())
-            for start, stop in [(0, prefill)] + [(t, t + 1) for t in range(prefill, tokens.numel())]:
-                lane.feed(tokens[start:stop], start, targets, compare_rows if full is not None else None)
+            for start, stop in boundaries(tokens.numel(), prefill, chunk):
+                hidden = lane.forward(tokens[start:stop])
+                hidden_full = full.forward(tokens[start:stop]) if full is not None else None
+                t0 = time.perf_counter()
+                n_targets = max(0, min(stop, steps) - start)
+                for lo in blocks(n_targets, rows + 1, vocab):
+                    hi = min(n_targets, lo + max(1, LOGIT_ELEMENTS // ((rows + 1) * vocab)))
+                    at = slice(start + lo, start + hi)
+                    tgt = targets[at]
+                    lp = log_probs(model, hidden[:, lo:hi]).expand(rows, -1, -1)
+                    nll[:, at] = -lp.gather(-1, tgt.view(1, -1, 1).expand(rows, -1, 1))[..., 0]
+                    if hidden_full is not None:
+                        ref = log_probs(model, hidden_full[:, lo:hi])  # [1, k, vocab]
+                        full_nll[at] = -ref[0].gather(-1, tgt[:, None])[:, 0]
+                        kl[:, at] = (ref.exp() * (ref - lp)).sum(-1)
+                        agree[:, at] = lp.argmax(-1) == ref.argmax(-1)
+                lane.seconds += time.perf_counter() - t0
                 bar.advance(task, stop - start)
                 if on_step is not None:
                     on_step(stop)
             bar.remove_task(task)
-        results = []
         lost_at = sinks.lost_at(len(cache.layers), cache.layers[0].heads)  # [layers, rows, heads]
         loss = held_sink_loss(cache.kept_positions())
         pinned_lost = held_pinned_lost(cache.kept_positions(), [p.pinned for p in cache.row_policies()])
-        for row, policy in enumerate(cache.row_policies()):
-            results.append(
-                RowResult(
-                    policy=policy.spec(),
-                    budget=budget,
-                    positions=positions,
-                    nll=lane.nll[row].clone(),
-                    kl=kl[row].clone() if full is not None else None,
-                    agree=agree[row].clone() if full is not None else None,
-                    max_kept=kept.most,
-                    pinned_sink_evicted=bool(pinned_lost[row]),
-                    first_token_evicted=bool((lost_at[:, row] >= 0).any()),
-                    sink_loss=float(loss[row]),
-                    sink_lost_at=lost_at[:, row].tolist(),
-                    seconds=lane.seconds,
-                )
+        results = [
+            RowResult(
+                policy=policy.spec(),
+                budget=budget,
+                positions=positions,
+                nll=nll[row].clone(),
+                kl=kl[row].clone() if full is not None else None,
+                agree=agree[row].clone() if full is not None else None,
+                max_kept=kept.most,
+                pinned_sink_evicted=bool(pinned_lost[row]),
+                first_token_evicted=bool((lost_at[:, row] >= 0).any()),
+                sink_loss=float(loss[row]),
+                sink_lost_at=lost_at[:, row].tolist(),
+                seconds=lane.seconds,
             )
-        return results, (full.result if full is not None else None)
+            for row, policy in enumerate(cache.row_policies())
+        ]
+        full_row = None
+        if full is not None:
+            full_row = RowResult(
+                policy="full", budget=None, positions="original", nll=full_nll,
+                kl=torch.zeros(steps), agree=torch.ones(steps, dtype=torch.bool),
+                max_kept=full_kept.most, seconds=full.seconds,
+            )
+        return results, full_row
 
 
 def streaming_ppl(
@@ -273,7 +321,8 @@ def streaming_ppl(
     budget: int = 256,
     positions: str = "original",
     progress: bool = True,
+    chunk: int = DEFAULT_CHUNK,
 ) -> RowResult:
     """Streaming perplexity of one policy (the library form of `kvevict ppl`)."""
-    rows, _ = compare(model, tokens, [policy], budget, positions, reference=False, progress=progress)
+    rows, _ = compare(model, tokens, [policy], budget, positions, reference=False, progress=progress, chunk=chunk)
     return rows[0]

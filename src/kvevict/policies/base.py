@@ -14,7 +14,8 @@ equal scores the cache keeps the later token: policies do not break ties themsel
 
 **What a policy declares.** Everything the cache, the evaluation or the report needs to
 know about a policy is a declared attribute on `Policy` (`stats`, `pinned`,
-`query_window`, `unbounded`, `needs_attention`), never read off its name.
+`query_window`, `unbounded`, `needs_attention`, `static_scores`), never read off its
+name.
 """
 
 from __future__ import annotations
@@ -100,6 +101,10 @@ class Policy:
     #: what it keeps depends on attention (so it asks for it); otherwise the kept set
     #: follows from positions alone and can be computed ahead of attention
     needs_attention: ClassVar[bool] = False
+    #: a token's score is fixed when it arrives (its position alone decides it) and no
+    #: randomness is drawn, so the kept set after any step is the top-budget of all
+    #: tokens seen: chunked evaluation computes it in closed form instead of stepping
+    static_scores: ClassVar[bool] = False
 
     def spec(self) -> str:
         raise NotImplementedError

@@ -15,6 +15,8 @@ class Full(Policy):
 
     unbounded = True
 
+    static_scores = True  # its position
+
     def spec(self) -> str:
         return "full"
 

@@ -13,7 +13,7 @@ from .base import Policy, SlotView
 @dataclass(eq=False)
 class Random(Policy):
     seed: int = 0
-    _gen: torch.Generator = field(init=False, repr=False)
+    _gens: dict[int, torch.Generator] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.reset()
@@ -25,10 +25,14 @@ class Random(Policy):
         return dataclasses.replace(self, seed=seed)
 
     def reset(self) -> None:
-        # One generator per policy instance: the draws depend only on the seed and on
-        # the order of eviction calls, which is deterministic for a given run.
-        self._gen = torch.Generator().manual_seed(self.seed)
+        self._gens = {}
 
     def scores(self, view: SlotView) -> torch.Tensor:
-        noise = torch.rand(view.positions.shape, generator=self._gen, dtype=torch.float64)
+        # One generator per layer: the draws depend only on the seed, the layer and its
+        # own eviction steps, not on how layers interleave (a chunk replays one layer's
+        # steps before the next layer's), so chunked and token-by-token runs agree.
+        gen = self._gens.get(view.layer)
+        if gen is None:
+            gen = self._gens[view.layer] = torch.Generator().manual_seed(self.seed * 100_003 + view.layer)
+        noise = torch.rand(view.positions.shape, generator=gen, dtype=torch.float64)
         return noise.to(view.positions.device)

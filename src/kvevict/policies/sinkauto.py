@@ -38,6 +38,7 @@ class SinkAuto(SinkWrapper):
     # positions, so `pinned` (the cache's "first N are held" check) stays what the inner
     # policy pins itself.
     needs_attention = True
+    static_scores = False
 
     def __post_init__(self) -> None:
         if self.n_sinks < 1:

@@ -46,6 +46,10 @@ class SinkWrapper(Policy):
     def needs_attention(self) -> bool:
         return self.inner.needs_attention
 
+    @property
+    def static_scores(self) -> bool:
+        return self.inner.static_scores
+
     def prefix(self) -> str:
         """The wrapper's part of the spec, e.g. `sink4`."""
         raise NotImplementedError

@@ -15,6 +15,8 @@ from .base import Policy, SlotView, recency
 
 @dataclass(eq=False)
 class Window(Policy):
+    static_scores = True  # its position
+
     def spec(self) -> str:
         return "window"
 

@@ -1,0 +1,246 @@
+"""Token-by-token eviction inside one forward of many tokens: chunked exact streaming.
+
+Feeding a stream one token per forward pays the weights and the MLPs per token. A
+forward of `q` tokens pays them once, but its queries must still see exactly what
+token-by-token feeding would have kept: query `i` attends to the entries alive at its
+own step (what was kept after step `i - 1`, plus itself), and the evictions of the
+chunk are replayed one step at a time so the next chunk starts from the same kept set.
+
+Two ways to know the alive sets:
+
+* **Closed form** (`replay_static`): when every row's policy declares `static_scores`
+  (`window`, `sinkN+window`: a token's score is fixed on arrival), the kept set after
+  any step is the top-`budget` of all tokens seen, so every query's alive set follows
+  from one ranking; one masked attention for the chunk. Original positions only.
+* **Stepping** (`replay_steps`): otherwise (attention-driven policies, random draws,
+  position-shift mode) the layer steps through the chunk's queries, doing only what a
+  decode step does to the cache: the query's attention over its alive set (from
+  logits computed once per chunk in original-position mode), the policies'
+  statistics, the victim, the hole it leaves. Rows and heads are vectorised.
+
+Both keep a *virtual* slot layout, `vslot` `[B, H, budget + 1]` (storage slot of each
+slot a token-by-token run would use), so policies see the same views, random draws
+land on the same slots, and the final gather leaves the storage exactly as
+token-by-token feeding would have.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from ..policies import SlotView
+from . import selection
+from .observers import Eviction
+from .probabilities import attention_mass
+
+if TYPE_CHECKING:
+    from .layer import EvictingLayer
+    from .rows import RowGroup
+
+
+def replay_static(layer: EvictingLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Closed-form replay for static scores, original positions. Returns the output `[B, H_q, q, D]`.
+
+    With fixed per-token scores, one eviction at a time keeps the top-`budget` of the
+    tokens seen (ties keep the later token). Rank every held and new token once; the
+    kept set after step `i` is then "rank among {held} + {new tokens <= i} within the
+    budget", a cumulative count over the ranking.
+    """
+    storage, budget = layer.storage, layer.budget
+    n0, q = layer.n, layer.new
+    total = n0 + q
+    first_seen = layer.seen - q
+    b, hkv = layer.batch_size, layer.heads
+    pos = storage.pos[:, :, :total]
+    scores = _scores(layer, pos, first_seen + q, total)
+    # rank: best score first, the later token first among equals
+    latest_first = pos.argsort(dim=-1, descending=True, stable=True)
+    by_rank = latest_first.gather(-1, torch.sort(scores.gather(-1, latest_first), dim=-1, descending=True,
+                                                 stable=True).indices)  # [B, H, total] slots, best first
+    step_of = (torch.arange(total, device=pos.device) - n0).clamp(min=-1)  # chunk step of each slot, -1 held
+    steps = torch.arange(q, device=pos.device)
+    member = step_of[by_rank][:, :, None, :] <= steps[:, None]  # [B, H, q, total] in rank order
+    within = member & (member.to(torch.int32).cumsum(dim=-1) <= budget)
+    after = torch.zeros(b, hkv, q, total, dtype=torch.bool, device=pos.device)
+    after.scatter_(-1, by_rank[:, :, None, :].expand(-1, -1, q, -1), within)  # kept after step i, by slot
+    before = torch.cat([(step_of < 0).expand(b, hkv, 1, total), after[:, :, :-1]], dim=2)
+    alive = before.clone()
+    alive[:, :, steps, n0 + steps] = True  # each query sees itself
+    if layer.settings.observers:
+        gone = (alive & ~after).float().argmax(dim=-1)  # [B, H, q] the slot each step evicted
+        victims = pos.gather(-1, gone)
+        for i in range(q):
+            if n0 + i + 1 > budget:
+                _report(layer, first_seen + i + 1, victims[:, :, i])
+    final = after[:, :, -1]
+    keep = pos.masked_fill(~final, selection.LATEST_LAST).argsort(dim=-1)[..., :budget]
+    group = query.shape[1] // hkv
+    mask = alive.repeat_interleave(group, dim=1) if group > 1 else alive
+    out = F.scaled_dot_product_attention(
+        query, storage.keys[:, :, :total], storage.values[:, :, :total], attn_mask=mask, scale=scaling,
+        enable_gqa=group > 1,
+    )
+    storage.gather(keep)
+    layer.ordered = True
+    layer.n = budget
+    return out
+
+
+def replay_steps(layer: EvictingLayer, query: torch.Tensor, used: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Step through the chunk's queries: attention, statistics and one eviction per step.
+
+    query `[B, H_q, q, D]` as the model rotated it, at positions `used` `[q]`. Returns
+    the output `[B, H_q, q, D]`.
+    """
+    s, storage, budget = layer.settings, layer.storage, layer.budget
+    mode, groups = s.mode, s.layout.groups
+    n0, q = layer.n, layer.new
+    first_seen = layer.seen - q
+    b, hq, _, d = query.shape
+    hkv = layer.heads
+    group = hq // hkv
+    shifted = mode.raw_keys
+    vslot = torch.empty(b, hkv, budget + 1, dtype=torch.long, device=layer.device)
+    vslot[:, :, :n0] = torch.arange(n0, device=layer.device)
+    k = n0
+    if shifted:
+        raw_query = mode.rotary.unrotate(query, *mode.rotary.at(used))
+        outs = []
+    else:
+        # every query's logits over every slot it could see, once for the chunk: [B, H_kv, g, q, n0 + q]
+        total_all = n0 + q
+        logits = torch.einsum(
+            "bhgqd,bhnd->bhgqn", query.reshape(b, hkv, group, q, d), storage.keys[:, :, :total_all]
+        ).float() * scaling
+        alive = torch.zeros(b, hkv, q, total_all, dtype=torch.bool, device=layer.device)
+    evicted = False
+    for i in range(q):
+        vslot[:, :, k] = n0 + i
+        total, seen = k + 1, first_seen + i + 1
+        slots = vslot[:, :, :total]
+        positions = storage.pos.gather(-1, slots)
+        if shifted:
+            # kept entries renumbered 0..k-1 in positional order, the new token at k
+            cos, sin = mode.rotary.table(total)
+            keys = mode.rotary.rotate(_take_slots(storage.raw, slots), cos, sin)
+            q_i = mode.rotary.rotate(raw_query[:, :, i : i + 1], cos[k : k + 1], sin[k : k + 1])
+            q_used = torch.tensor([k], device=layer.device)
+            logit = torch.bmm(q_i.reshape(b * hkv, group, d), keys.reshape(b * hkv, total, d).transpose(1, 2))
+            probs = torch.softmax(logit.float().mul_(scaling), dim=-1).view(b, hkv, group, total)
+            values = _take_slots(storage.values, slots)
+            out = torch.bmm(probs.to(values.dtype).view(b * hkv, group, total), values.reshape(b * hkv, total, d))
+            outs.append(out.view(b, hq, 1, d))
+        else:
+            alive[:, :, i].scatter_(-1, slots, True)
+            logit = logits[:, :, :, i].gather(-1, slots[:, :, None, :].expand(-1, -1, group, -1))
+            probs = torch.softmax(logit, dim=-1)  # [B, H_kv, g, total]
+            q_i, q_used = query[:, :, i : i + 1], used[i : i + 1]
+            keys = None
+        layer.statistics.remember(q_i, q_used, seen)
+        will_evict = total > budget
+        views = [_view(layer, g, positions, slots, seen, budget, storage, keys) for g in groups]
+        requests = [g.policy.request(v, will_evict) for g, v in zip(groups, views)]
+        for g, view, request in zip(groups, views, requests):
+            if request is None:
+                continue
+            if request.kind == "new":
+                mass = g.take(probs.sum(dim=2))
+            else:  # "window": the last queries, rotated to where their tokens sit now
+                queries, q_pos = layer.statistics.window_queries(mode, request.size, seen, total)
+                mass = attention_mass(g.take(queries), q_pos, view.keys(), view.positions, scaling)
+            stat = storage.stats[request.stat]
+            updated = g.policy.absorb(view, request, mass).to(stat.dtype)
+            g.put(stat, g.take(stat).scatter(-1, g.take(slots), updated))
+            view.stats[request.stat] = updated
+        if not will_evict:
+            k += 1
+            continue
+        evicted = True
+        scores = _merge(layer, [g.policy.scores(v) for g, v in zip(groups, views)], total)
+        victim = selection.victim(scores, positions, ordered=False)
+        _report(layer, seen, positions.gather(-1, victim[..., None])[..., 0])
+        if shifted:  # compaction keeps positional order
+            keep = torch.arange(budget, device=layer.device)
+            vslot[:, :, :budget] = slots.gather(-1, keep + (keep >= victim[..., None]).long())
+        else:  # the newest slot fills the victim's place
+            vslot.scatter_(-1, victim[..., None], vslot[:, :, budget : budget + 1])
+    if shifted:
+        result = torch.cat(outs, dim=2)
+        storage.gather(vslot[:, :, :k], keys=False)
+        mode.after_compaction(storage, k)
+    else:
+        logits.masked_fill_(~alive[:, :, None], float("-inf"))
+        probs = torch.softmax(logits, dim=-1).to(storage.values.dtype)  # [B, H_kv, g, q, n0 + q]
+        result = torch.einsum("bhgqn,bhnd->bhgqd", probs, storage.values[:, :, : n0 + q]).reshape(b, hq, q, d)
+        storage.gather(vslot[:, :, :k])
+        if evicted:
+            layer.ordered = False
+    layer.n = k
+    return result
+
+
+def _take_slots(buffer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """`buffer` `[B, H, capacity, D]` at `slots` `[B, H, m]` -> `[B, H, m, D]`."""
+    return buffer.gather(2, slots[..., None].expand(-1, -1, -1, buffer.shape[-1]))
+
+
+def _view(
+    layer: EvictingLayer,
+    group: RowGroup,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    seen: int,
+    budget: int,
+    storage,
+    keys: torch.Tensor | None,
+) -> SlotView:
+    """What `group`'s policy sees at one step: the virtual slots, in token-by-token order."""
+    if keys is None:
+        def keys_now() -> torch.Tensor:
+            return group.take(_take_slots(storage.keys, slots))
+    else:
+        def keys_now() -> torch.Tensor:
+            return group.take(keys)
+    return SlotView(
+        positions=group.take(positions),
+        seen=seen,
+        budget=budget,
+        layer=layer.index,
+        stats={name: group.take(stat).gather(-1, group.take(slots)) for name, stat in storage.stats.items()},
+        keys=keys_now,
+    )
+
+
+def _scores(layer: EvictingLayer, pos: torch.Tensor, seen: int, total: int) -> torch.Tensor:
+    """Every group's scores over all `total` slots (static policies: position decides)."""
+    storage = layer.storage
+    parts = []
+    for group in layer.settings.layout.groups:
+        view = SlotView(
+            positions=group.take(pos), seen=seen, budget=layer.budget, layer=layer.index,
+            stats={name: group.take(stat[:, :, :total]) for name, stat in storage.stats.items()},
+        )
+        parts.append(group.policy.scores(view))
+    return _merge(layer, parts, total)
+
+
+def _merge(layer: EvictingLayer, parts: list[torch.Tensor], total: int) -> torch.Tensor:
+    groups = layer.settings.layout.groups
+    if len(groups) == 1:
+        return parts[0]
+    scores = torch.empty(layer.batch_size, layer.heads, total, dtype=torch.float64, device=layer.device)
+    for group, part in zip(groups, parts):
+        group.put(scores, part)
+    return scores
+
+
+def _report(layer: EvictingLayer, seen: int, victims: torch.Tensor) -> None:
+    """Tell the observers which positions `[B, H]` one step evicted."""
+    observers = layer.settings.observers
+    if observers:
+        event = Eviction(layer.index, seen, None, victims)
+        for observer in observers:
+            observer.on_evict(event)
