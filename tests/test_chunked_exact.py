@@ -9,6 +9,8 @@ hand-written policies).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
@@ -16,6 +18,7 @@ from kvevict import EvictingCache, compare
 from kvevict.cache import EvictingLayer, KeptTracker, SinkTracker
 from kvevict.eval.forward import body, log_probs
 from kvevict.eval.streaming import boundaries
+from kvevict.policies import REGISTRY, Policy, SlotView, register
 
 from conftest import make_tiny, random_tokens
 from policy_matrix import bounded_specs
@@ -93,3 +96,32 @@ def test_chunked_equals_token_by_token_on_the_embedded_model():
             assert torch.allclose(b.nll, a.nll, rtol=5e-5, atol=1e-4), f"{a.policy} ({positions})"
             assert f"{a.ppl:.2f}" == f"{b.ppl:.2f}"
             assert a.sink_lost_at == b.sink_lost_at
+
+
+@dataclass(eq=False)
+class _EvenFirst(Policy):
+    """A static policy that is not window-shaped: even positions outrank odd ones.
+
+    Its victims are not the oldest entries, so position-shift mode cannot use the
+    closed form's shortcut and must step; both modes must still be exact.
+    """
+
+    static_scores = True
+
+    def spec(self) -> str:
+        return "evenfirst"
+
+    def scores(self, view: SlotView) -> torch.Tensor:
+        return view.positions.double() + 1000.0 * (view.positions % 2 == 0)
+
+
+@pytest.mark.parametrize("positions", ["original", "cache"])
+def test_static_policy_that_is_not_a_window_is_exact(positions, monkeypatch):
+    register("evenfirst", _EvenFirst)
+    try:
+        ref_nll, ref_kept, _ = stream(["evenfirst"], positions, 1)
+        nll, kept, _ = stream(["evenfirst"], positions, 16)
+    finally:
+        REGISTRY.pop("evenfirst")
+    assert (nll - ref_nll).abs().max() < 1e-4
+    assert all(torch.equal(a, b) for a, b in zip(kept, ref_kept))

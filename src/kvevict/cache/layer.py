@@ -215,12 +215,12 @@ class EvictingLayer(CacheLayerMixin):
                 f"a chunk that evicts token by token must be fed for all {self.batch_size} rows: "
                 f"its rows diverge inside it (input_ids.expand({self.batch_size}, -1))"
             )
-        mode = self.settings.mode
-        static = not mode.raw_keys and all(g.policy.static_scores for g in self.settings.layout.groups)
-        if static:
-            out = replay_static(self, query, scaling)
-        else:
-            used = model_positions(kwargs, query.shape[2], self.seen - self.new, query.device, check_rows=False)
+        start = self.settings.mode.seq_length(self.n, self.seen - self.new)
+        used = model_positions(kwargs, query.shape[2], start, query.device, check_rows=False)
+        out = None
+        if all(g.policy.static_scores for g in self.settings.layout.groups):
+            out = replay_static(self, query, used, scaling)
+        if out is None:
             out = replay_steps(self, query, used, scaling)
         self.identical = False
         self.new = 0

@@ -41,8 +41,9 @@ if TYPE_CHECKING:
     from .rows import RowGroup
 
 
-def replay_static(layer: EvictingLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Closed-form replay for static scores, original positions. Returns the output `[B, H_q, q, D]`.
+def replay_static(layer: EvictingLayer, query: torch.Tensor, used: torch.Tensor, scaling: float) -> torch.Tensor | None:
+    """Closed-form replay for static scores. Returns the output `[B, H_q, q, D]`, or None
+    (nothing changed) when position-shift mode's shortcut does not apply.
 
     With fixed per-token scores, one eviction at a time keeps the top-`budget` of the
     tokens seen (ties keep the later token). Rank every held and new token once; the
@@ -58,8 +59,8 @@ def replay_static(layer: EvictingLayer, query: torch.Tensor, scaling: float) -> 
     scores = _scores(layer, pos, first_seen + q, total)
     # rank: best score first, the later token first among equals
     latest_first = pos.argsort(dim=-1, descending=True, stable=True)
-    by_rank = latest_first.gather(-1, torch.sort(scores.gather(-1, latest_first), dim=-1, descending=True,
-                                                 stable=True).indices)  # [B, H, total] slots, best first
+    ranked = torch.sort(scores.gather(-1, latest_first), dim=-1, descending=True, stable=True).indices
+    by_rank = latest_first.gather(-1, ranked)  # [B, H, total] slots, best first
     step_of = (torch.arange(total, device=pos.device) - n0).clamp(min=-1)  # chunk step of each slot, -1 held
     steps = torch.arange(q, device=pos.device)
     member = step_of[by_rank][:, :, None, :] <= steps[:, None]  # [B, H, q, total] in rank order
@@ -69,24 +70,78 @@ def replay_static(layer: EvictingLayer, query: torch.Tensor, scaling: float) -> 
     before = torch.cat([(step_of < 0).expand(b, hkv, 1, total), after[:, :, :-1]], dim=2)
     alive = before.clone()
     alive[:, :, steps, n0 + steps] = True  # each query sees itself
-    if layer.settings.observers:
-        gone = (alive & ~after).float().argmax(dim=-1)  # [B, H, q] the slot each step evicted
-        victims = pos.gather(-1, gone)
-        for i in range(q):
-            if n0 + i + 1 > budget:
-                _report(layer, first_seen + i + 1, victims[:, :, i])
-    final = after[:, :, -1]
-    keep = pos.masked_fill(~final, selection.LATEST_LAST).argsort(dim=-1)[..., :budget]
-    group = query.shape[1] // hkv
-    mask = alive.repeat_interleave(group, dim=1) if group > 1 else alive
-    out = F.scaled_dot_product_attention(
-        query, storage.keys[:, :, :total], storage.values[:, :, :total], attn_mask=mask, scale=scaling,
-        enable_gqa=group > 1,
-    )
-    storage.gather(keep)
+    evicting = steps >= max(0, budget - n0)  # [q] steps that overflow the budget
+    victims = pos.gather(-1, (alive & ~after).float().argmax(dim=-1))  # [B, H, q] what each step evicted
+    if layer.settings.mode.raw_keys:
+        out = _shifted_static_attention(layer, query, used, scaling, pos, step_of, alive, victims, evicting)
+        if out is None:
+            return None
+    else:
+        group = query.shape[1] // hkv
+        mask = alive.repeat_interleave(group, dim=1) if group > 1 else alive
+        out = F.scaled_dot_product_attention(
+            query, storage.keys[:, :, :total], storage.values[:, :, :total], attn_mask=mask, scale=scaling,
+            enable_gqa=group > 1,
+        )
+    for i in range(q):
+        if evicting[i]:
+            _report(layer, first_seen + i + 1, victims[:, :, i])
+    keep = pos.masked_fill(~after[:, :, -1], selection.LATEST_LAST).argsort(dim=-1)[..., :budget]
+    storage.gather(keep, keys=not layer.settings.mode.raw_keys)
+    layer.settings.mode.after_compaction(storage, budget)
     layer.ordered = True
     layer.n = budget
     return out
+
+
+def _shifted_static_attention(
+    layer: EvictingLayer,
+    query: torch.Tensor,
+    used: torch.Tensor,
+    scaling: float,
+    pos: torch.Tensor,
+    step_of: torch.Tensor,
+    alive: torch.Tensor,
+    victims: torch.Tensor,
+    evicting: torch.Tensor,
+) -> torch.Tensor | None:
+    """Position-shift attention of a chunk whose every step evicts the oldest unpinned entry.
+
+    In position-shift mode query `i` sits at `n_i` (the entries it sees, less itself)
+    and a key at its rank among them, so ranks move as entries leave. When each step
+    evicts the oldest entry outside a fixed set `S` of older, never-evicted ones (the
+    sinks: `window`, `sinkN+window`), every other key's rank drops by one per eviction,
+    so the relative distance `n_i - rank` equals `Q_i - P_j` with `Q_i = n_i + E(i)`
+    (`E(i)`: evictions before step `i`) and `P_j` fixed per key: two rotations of the
+    queries (for `S`, and for the rest) and one of the keys give every logit exactly.
+    Returns None when the chunk does not have that shape (then it is stepped).
+    """
+    storage, mode, budget = layer.storage, layer.settings.mode, layer.budget
+    n0, q = layer.n, layer.new
+    b, hq, _, d = query.shape
+    hkv = layer.heads
+    group = hq // hkv
+    device = query.device
+    never = selection.LATEST_LAST
+    first_victim = victims.masked_fill(~evicting, never).amin(dim=-1)  # [B, H]
+    pinned = (step_of < 0) & (pos < first_victim[..., None])  # S: held, older than every victim
+    oldest = pos[:, :, None, :].masked_fill(~alive | pinned[:, :, None, :], never).amin(dim=-1)  # [B, H, q]
+    if not bool(((oldest == victims) | ~evicting).all()):
+        return None
+    steps = torch.arange(q, device=device)
+    seen_before = (n0 + steps).clamp(max=budget)  # n_i
+    evictions = (steps - max(0, budget - n0)).clamp(min=0)  # E(i)
+    slot_rank = torch.cat([torch.arange(n0, device=device), seen_before + evictions])  # P_j, by slot
+    raw_query = mode.rotary.unrotate(query, *mode.rotary.at(used))
+    keys = mode.rotary.rotate(storage.raw[:, :, : n0 + q], *mode.rotary.at(slot_rank))
+    grouped = raw_query.reshape(b, hkv, group, q, d)
+    logits = torch.einsum("bhgqd,bhnd->bhgqn", mode.rotary.rotate(grouped, *mode.rotary.at(seen_before + evictions)),
+                          keys)
+    at_pinned = torch.einsum("bhgqd,bhnd->bhgqn", mode.rotary.rotate(grouped, *mode.rotary.at(seen_before)), keys)
+    logits = torch.where(pinned[:, :, None, None, :], at_pinned, logits).float() * scaling
+    logits.masked_fill_(~alive[:, :, None], float("-inf"))
+    probs = torch.softmax(logits, dim=-1).to(storage.values.dtype)
+    return torch.einsum("bhgqn,bhnd->bhgqd", probs, storage.values[:, :, : n0 + q]).reshape(b, hq, q, d)
 
 
 def replay_steps(layer: EvictingLayer, query: torch.Tensor, used: torch.Tensor, scaling: float) -> torch.Tensor:
