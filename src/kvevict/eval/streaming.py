@@ -166,59 +166,57 @@ def blocks(q: int, rows: int, vocab: int) -> range:
 
 @dataclass
 class Reference:
-    """The full cache's row, and its log-probabilities at the predictions `index` `[m]`
-    (all of them when `index` is None): what the recompute oracle compares against."""
+    """The full cache over a stream: its row, and its final hidden states `[T, H]`.
+
+    Hidden states, not distributions: `[T, H]` is tens of megabytes where `[T, vocab]`
+    would be gigabytes, and the LM head turns any block of them into log-probabilities
+    when a comparison needs it (KL and top-1 of the policy rows, the recompute oracle).
+    """
 
     result: RowResult
-    log_probs: torch.Tensor  # [m, vocab]
-    index: torch.Tensor | None = None
+    hidden: torch.Tensor
+    model: object = field(repr=False, default=None)
+
+    def log_probs(self, start: int, stop: int) -> torch.Tensor:
+        """`[stop - start, vocab]` next-token log-probabilities of predictions start..stop-1."""
+        return log_probs(self.model, self.hidden[start:stop])
 
     def at(self, predictions: torch.Tensor) -> torch.Tensor:
-        """Log-probabilities `[k, vocab]` at prediction indices `predictions` `[k]` (all kept)."""
-        if self.index is None:
-            return self.log_probs[predictions]
-        where = torch.searchsorted(self.index, predictions)
-        return self.log_probs[where]
+        """`[k, vocab]` log-probabilities at prediction indices `predictions` `[k]`."""
+        return log_probs(self.model, self.hidden[predictions])
 
 
-def full_reference(
-    model, tokens: torch.Tensor, progress=True, label: str = "stream", keep: torch.Tensor | None = None
-) -> Reference:
-    """The full cache's row, keeping its distributions at the predictions `keep` (sorted;
-    None: every prediction).
+# Tokens per forward of the full-cache reference (it never evicts: any chunk is exact).
+REFERENCE_CHUNK = 512
 
-    Chunks through a full cache are exactly a full-sequence forward. Keep only what you
-    compare against later (the oracle's strided predictions): `[T, vocab]` for a long
-    stream is gigabytes.
-    """
+
+def full_reference(model, tokens: torch.Tensor, progress=True, label: str = "stream") -> Reference:
+    """The full cache over `tokens`: chunks through a full cache are exactly a
+    full-sequence forward, at prefill speed."""
     tokens = _validate(tokens)
     targets = tokens[1:]
     steps = targets.numel()
     vocab = model.get_output_embeddings().weight.shape[0]
-    wanted = torch.arange(steps) if keep is None else keep.long()
-    store = torch.empty(wanted.numel(), vocab)
-    nll = torch.zeros(steps)
     kept = KeptTracker()
     lane = _Lane(model, EvictingCache(model, "full", budget=None, observers=[kept]), 1)
+    hidden = []
     with torch.inference_mode(), bars(progress) as bar:
         task = bar.add_task(f"{label}: full-cache reference", total=tokens.numel())
-        for start, stop in boundaries(tokens.numel(), 0, 512)[1:]:
-            hidden = lane.forward(tokens[start:stop])
-            n_targets = max(0, min(stop, steps) - start)
-            for lo in blocks(n_targets, 1, vocab):
-                hi = min(n_targets, lo + max(1, LOGIT_ELEMENTS // vocab))
-                lp = log_probs(model, hidden[0, lo:hi])
-                nll[start + lo : start + hi] = -lp.gather(-1, targets[start + lo : start + hi, None])[:, 0]
-                inside = (wanted >= start + lo) & (wanted < start + hi)
-                store[inside] = lp[wanted[inside] - start - lo]
+        for start, stop in boundaries(tokens.numel(), 0, REFERENCE_CHUNK)[1:]:
+            hidden.append(lane.forward(tokens[start:stop])[0])
             bar.advance(task, stop - start)
         bar.remove_task(task)
-    result = RowResult(
+        reference = Reference(None, torch.cat(hidden)[:steps], model)
+        nll = torch.zeros(steps)
+        for lo in blocks(steps, 1, vocab):
+            hi = min(steps, lo + max(1, LOGIT_ELEMENTS // vocab))
+            nll[lo:hi] = -reference.log_probs(lo, hi).gather(-1, targets[lo:hi, None])[:, 0]
+    reference.result = RowResult(
         policy="full", budget=None, positions="original", nll=nll,
         kl=torch.zeros(steps), agree=torch.ones(steps, dtype=torch.bool),
         max_kept=kept.most, seconds=lane.seconds,
     )
-    return Reference(result, store, None if keep is None else wanted)
+    return reference
 
 
 def compare(
@@ -227,7 +225,7 @@ def compare(
     policies: Sequence[str],
     budget: int,
     positions: str = "original",
-    reference: bool = True,
+    reference: bool | Reference = True,
     progress=True,
     label: str = "stream",
     on_step: Callable[[int], None] | None = None,
@@ -236,10 +234,11 @@ def compare(
     """Streaming NLL of every policy (rows of one batch) and of the full cache.
 
     Returns (one RowResult per policy, the full cache's RowResult or None). With
-    `reference`, the full cache runs in lockstep and each policy row also gets
-    per-token KL(full || policy) and top-1 agreement with it. `chunk` tokens are read
-    per forward after the prefill (1: one token per forward, the reference path).
-    `progress` is a bool or an existing rich Progress to add a bar to.
+    `reference` (True, or a `Reference` computed once for several calls), each policy
+    row also gets per-token KL(full || policy) and top-1 agreement with the full cache,
+    computed block by block as the rows are scored. `chunk` tokens are read per forward
+    after the prefill (1: one token per forward, the reference path). `progress` is a
+    bool or an existing rich Progress to add a bar to.
     """
     tokens = _validate(tokens)
     chunk = check_chunk(chunk)
@@ -254,10 +253,11 @@ def compare(
         )
         lane = _Lane(model, cache, rows)
         budget = cache.budget  # None when every row is the full cache
-        full_kept = KeptTracker()
-        full = _Lane(model, EvictingCache(model, "full", budget=None, observers=[full_kept]), 1) if reference else None
+        if isinstance(reference, Reference):
+            full = reference
+        else:
+            full = full_reference(model, tokens, progress, label) if reference else None
         nll = torch.zeros(rows, steps)
-        full_nll = torch.zeros(steps)
         kl = torch.zeros(rows, steps)
         agree = torch.zeros(rows, steps, dtype=torch.bool)
         prefill = tokens.numel() if budget is None else min(budget, tokens.numel())
@@ -265,7 +265,6 @@ def compare(
             task = bar.add_task(f"{label} (budget {budget}, {positions})", total=tokens.numel())
             for start, stop in boundaries(tokens.numel(), prefill, chunk):
                 hidden = lane.forward(tokens[start:stop])
-                hidden_full = full.forward(tokens[start:stop]) if full is not None else None
                 t0 = time.perf_counter()
                 n_targets = max(0, min(stop, steps) - start)
                 for lo in blocks(n_targets, rows + 1, vocab):
@@ -274,9 +273,8 @@ def compare(
                     tgt = targets[at]
                     lp = log_probs(model, hidden[:, lo:hi]).expand(rows, -1, -1)
                     nll[:, at] = -lp.gather(-1, tgt.view(1, -1, 1).expand(rows, -1, 1))[..., 0]
-                    if hidden_full is not None:
-                        ref = log_probs(model, hidden_full[:, lo:hi])  # [1, k, vocab]
-                        full_nll[at] = -ref[0].gather(-1, tgt[:, None])[:, 0]
+                    if full is not None:
+                        ref = full.log_probs(at.start, at.stop)[None]  # [1, k, vocab]
                         kl[:, at] = (ref.exp() * (ref - lp)).sum(-1)
                         agree[:, at] = lp.argmax(-1) == ref.argmax(-1)
                 lane.seconds += time.perf_counter() - t0
@@ -304,14 +302,7 @@ def compare(
             )
             for row, policy in enumerate(cache.row_policies())
         ]
-        full_row = None
-        if full is not None:
-            full_row = RowResult(
-                policy="full", budget=None, positions="original", nll=full_nll,
-                kl=torch.zeros(steps), agree=torch.ones(steps, dtype=torch.bool),
-                max_kept=full_kept.most, seconds=full.seconds,
-            )
-        return results, full_row
+        return results, (full.result if full is not None else None)
 
 
 def streaming_ppl(
