@@ -38,3 +38,50 @@ def band_sink_nll(model, tokens: torch.Tensor, budget: int, sinks: int) -> torch
     with attn(model, "sdpa"), torch.inference_mode():
         logits = model(tokens[None], attention_mask=visible[None, None]).logits[0]
     return nll_from_logits(logits, tokens)
+
+
+# --- CLI scaffolding: one-line errors, runs through Typer's runner ------------------------------
+
+
+def one_line_error(code: int, text: str, *needles: str) -> None:
+    """The CLI's contract for a user mistake: exit code 2, one line `error: ...` naming the fix, no traceback."""
+    assert code == 2, text
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, text
+    assert lines[0].startswith("error: "), text
+    assert "Traceback" not in text
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def cli(*args: str, env: dict | None = None):
+    """Run `kvevict ARGS` in-process; the result has .exit_code, .stdout and .stderr (kept apart)."""
+    from typer.testing import CliRunner
+
+    from kvevict.cli import app
+
+    return CliRunner().invoke(app, list(args), env=env)
+
+
+def cli_error(*args: str, needles: tuple[str, ...] = ()) -> None:
+    """`kvevict ARGS` must fail as one line on stderr naming every needle."""
+    result = cli(*args)
+    one_line_error(result.exit_code, result.stderr, *needles)
+
+
+# --- figures: what is drawn, read off the matplotlib objects -----------------------------------
+
+
+def series(ax) -> dict[str, tuple[list, list]]:
+    """The named lines of an axis (legend label -> x data, y data); helper lines (`_child...`) left out."""
+    return {
+        line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
+        for line in ax.get_lines()
+        if not line.get_label().startswith("_")
+    }
+
+
+def close(fig) -> None:
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)

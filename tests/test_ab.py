@@ -14,10 +14,11 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from kvevict import sweep
+from kvevict.ab import SweepConfig, plan, prepare_folder, run_sweep
+from kvevict.ab import run as ab_run
 from kvevict.errors import KvevictError
 from kvevict.report.html import render
-from kvevict.sweep import SweepConfig, run_sweep
+from kvevict.report.records import PplRecord
 
 from conftest import make_tiny
 from helpers import attn, band_sink_nll
@@ -51,13 +52,14 @@ def test_sweep_numbers_match_independent_forwards(tmp_path, text_file):
     model = make_tiny(seed=21)
     cfg = config(tmp_path, text_file)
     _, records = run_sweep(cfg, model=model, tokenizer=CharTokenizer(), progress=False)
-    by_key = {r["key"]: r for r in records}
+    by_key = {r.key: r for r in records}
     tokens = CharTokenizer()(TEXT)["input_ids"][0][:260]
     with attn(model, "sdpa"), torch.inference_mode():
         full_logits = model(tokens[None]).logits[0].float()
     full_lp = torch.log_softmax(full_logits, -1)[:-1]
     full_nll = -full_lp.gather(-1, tokens[1:, None])[:, 0]
-    assert math.isclose(by_key["full|full|None"]["ppl"], math.exp(full_nll.double().mean()), rel_tol=1e-4)
+    assert all(isinstance(r, PplRecord) for r in records)
+    assert math.isclose(by_key["full|full|None"].ppl, math.exp(full_nll.double().mean()), rel_tol=1e-4)
     # window: KL and PPL against the band-mask forward (an independent computation of the same cache)
     for budget in (16, 32):
         with attn(model, "sdpa"), torch.inference_mode():
@@ -67,9 +69,9 @@ def test_sweep_numbers_match_independent_forwards(tmp_path, text_file):
             band = torch.log_softmax(model(tokens[None], attention_mask=visible[None, None]).logits[0].float(), -1)[:-1]
         kl = (full_lp.exp() * (full_lp - band)).sum(-1).double().mean()
         row = by_key[f"policy|window|{budget}"]
-        assert math.isclose(row["kl_to_full"], float(kl), rel_tol=1e-3, abs_tol=1e-5)
+        assert math.isclose(row.kl_to_full, float(kl), rel_tol=1e-3, abs_tol=1e-5)
         band_nll = band_sink_nll(model, tokens, budget, 0)
-        assert math.isclose(row["ppl"], math.exp(band_nll.double().mean()), rel_tol=1e-4)
+        assert math.isclose(row.ppl, math.exp(band_nll.double().mean()), rel_tol=1e-4)
         # oracle: a fresh forward over exactly the previous `budget` tokens, every 5th token
         scored = list(range(budget, n - 1, 5))
         with attn(model, "sdpa"), torch.inference_mode():
@@ -80,9 +82,9 @@ def test_sweep_numbers_match_independent_forwards(tmp_path, text_file):
         # stratified: the head (all scored) exactly, the strided tail's mean for the whole tail
         head, tail = full_nll[:budget].double(), torch.stack(direct).double()
         expected = (head.sum() + tail.mean() * (n - 1 - budget)) / (n - 1)
-        assert math.isclose(by_key[f"oracle|oracle|{budget}"]["ppl"], math.exp(expected), rel_tol=1e-4)
-    assert by_key["sinks|window|16"]["ppl"] == by_key["policy|window|16"]["ppl"]
-    assert by_key["sinks|sink2+window|32"]["sink_loss"] == 0.0
+        assert math.isclose(by_key[f"oracle|oracle|{budget}"].ppl, math.exp(expected), rel_tol=1e-4)
+    assert by_key["sinks|window|16"].ppl == by_key["policy|window|16"].ppl
+    assert by_key["sinks|sink2+window|32"].sink_loss == 0.0
 
 
 def test_rerun_skips_finished_cells_and_finishes_the_rest(tmp_path, text_file, monkeypatch):
@@ -94,46 +96,74 @@ def test_rerun_skips_finished_cells_and_finishes_the_rest(tmp_path, text_file, m
     def boom(*args, **kwargs):
         raise AssertionError("a finished cell was recomputed")
 
-    monkeypatch.setattr(sweep, "compare", boom)
-    monkeypatch.setattr(sweep, "recompute_oracle", boom)
+    monkeypatch.setattr(ab_run, "compare", boom)
+    monkeypatch.setattr(ab_run, "recompute_oracle", boom)
     _, again = run_sweep(cfg, model=model, tokenizer=CharTokenizer(), progress=False)
     assert store.path.read_text() == before
-    assert sorted(r["key"] for r in again) == sorted(r["key"] for r in first)
+    assert sorted(r.key for r in again) == sorted(r.key for r in first)
     monkeypatch.undo()
     # drop the budget-32 rows: only they are recomputed, and give the same numbers
     lines = [line for line in before.splitlines() if '"budget": 32' not in line]
     store.path.write_text("\n".join(lines) + "\n")
     calls = []
-    real = sweep.compare
-    monkeypatch.setattr(sweep, "compare", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    real = ab_run.compare
+    monkeypatch.setattr(ab_run, "compare", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
     _, third = run_sweep(cfg, model=model, tokenizer=CharTokenizer(), progress=False)
     assert calls == [32]
-    old = {r["key"]: r["ppl"] for r in first}
-    assert all(math.isclose(r["ppl"], old[r["key"]], rel_tol=1e-6) for r in third)
+    old = {r.key: r.ppl for r in first}
+    assert all(math.isclose(r.ppl, old[r.key], rel_tol=1e-6) for r in third)
 
 
 def test_plan_rejects_bad_sweeps(tmp_path, text_file):
     with pytest.raises(KvevictError, match="unknown policy"):
-        sweep.plan(config(tmp_path, text_file, policies=["window", "lru"]))
+        plan(config(tmp_path, text_file, policies=["window", "lru"]))
     with pytest.raises(KvevictError, match="empty"):
-        sweep.plan(config(tmp_path, text_file, budgets=[]))
+        plan(config(tmp_path, text_file, budgets=[]))
     with pytest.raises(KvevictError, match="not smaller than the 260 tokens"):
-        sweep.plan(config(tmp_path, text_file, budgets=[16, 400]))
+        plan(config(tmp_path, text_file, budgets=[16, 400]))
     with pytest.raises(KvevictError, match="pinned sinks"):
-        sweep.plan(config(tmp_path, text_file, policies=["window"], budgets=[4], sinks=[8]))
+        plan(config(tmp_path, text_file, policies=["window"], budgets=[4], sinks=[8]))
+    with pytest.raises(KvevictError, match="pinned sinks"):
+        plan(config(tmp_path, text_file, policies=["sink16+h2o"], budgets=[16, 32]))
+    with pytest.raises(KvevictError, match="budgets must be positive"):
+        plan(config(tmp_path, text_file, policies=["full"], budgets=[0]))
+    # `full` runs once, whatever the budgets: it is not a cell of any budget
+    assert [c.key for c in plan(config(tmp_path, text_file, policies=["full"], sinks=[], budgets=[16]))] == [
+        "full|full|None", "oracle|oracle|16"]
+
+
+@pytest.mark.parametrize("name", ["../../somewhere", "a/b", "..", ".", "", "x\\y", "/abs"])
+def test_run_name_is_one_folder_name(tmp_path, text_file, name):
+    out = tmp_path / "runs"
+    with pytest.raises(KvevictError, match="must be one folder name"):
+        plan(config(tmp_path, text_file, out=str(out), name=name))
+    with pytest.raises(KvevictError, match="must be one folder name"):
+        prepare_folder(config(tmp_path, text_file, out=str(out), name=name))
+    assert not out.exists() and not (tmp_path.parent / "somewhere").exists()
+
+
+def test_run_folder_that_resolves_outside_out_is_refused(tmp_path, text_file):
+    out, elsewhere = tmp_path / "runs", tmp_path / "elsewhere"
+    out.mkdir()
+    elsewhere.mkdir()
+    (out / "linked").symlink_to(elsewhere)
+    with pytest.raises(KvevictError, match="outside --out"):
+        prepare_folder(config(tmp_path, text_file, out=str(out), name="linked"))
+    assert list(elsewhere.iterdir()) == []
+    assert prepare_folder(config(tmp_path, text_file, out=str(out), name="fine")).path.parent == out / "fine"
 
 
 def test_unwritable_output_folder(tmp_path, text_file):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
     with pytest.raises(KvevictError, match="writable --out"):
-        sweep.prepare_folder(config(tmp_path, text_file, out=str(blocker)))
+        prepare_folder(config(tmp_path, text_file, out=str(blocker)))
 
 
 def test_other_experiment_in_same_folder_is_refused(tmp_path, text_file):
-    sweep.prepare_folder(config(tmp_path, text_file))
+    prepare_folder(config(tmp_path, text_file))
     with pytest.raises(KvevictError, match="another --name"):
-        sweep.prepare_folder(config(tmp_path, text_file, tokens=300))
+        prepare_folder(config(tmp_path, text_file, tokens=300))
 
 
 def test_report_has_every_table_and_plot(tmp_path, text_file):
@@ -186,19 +216,23 @@ def test_sigkill_mid_sweep_loses_nothing(tmp_path, tiny_dir):
 
 
 def _numbers(records):
-    return {r["key"]: (r["ppl"], r["kl_to_full"], r["seed"]) for r in records}
+    return {r.key: (r.ppl, r.kl_to_full, r.seed) for r in records}
 
 
 def test_same_seed_same_results_and_seed_recorded(tmp_path, text_file):
     model = make_tiny(seed=24)
     runs = []
     for name, seed in (("a", 3), ("b", 3), ("c", 4)):
-        cfg = config(tmp_path, text_file, policies=["random", "sink2+random"], sinks=[], budgets=[16], seed=seed,
-                     name=name)
+        cfg = config(tmp_path, text_file, policies=["random", "sink2+random", "random:seed=7"], sinks=[],
+                     budgets=[16], seed=seed, name=name)
         runs.append(_numbers(run_sweep(cfg, model=model, tokenizer=CharTokenizer(), progress=False)[1]))
     assert runs[0] == runs[1]
     assert all(seed == 3 for _, _, seed in runs[0].values())
     assert "policy|random:seed=3|16" in runs[0] and "policy|random:seed=4|16" in runs[2]
+    # the sweep's seed reaches a seeded policy inside a sink wrapper; a seed the user wrote is kept
+    assert "policy|sink2+random:seed=3|16" in runs[0] and "policy|sink2+random:seed=4|16" in runs[2]
+    assert "policy|random:seed=7|16" in runs[0] and "policy|random:seed=7|16" in runs[2]
+    assert runs[0]["policy|random:seed=7|16"][0] == runs[2]["policy|random:seed=7|16"][0]
     assert runs[0]["policy|random:seed=3|16"][0] != runs[2]["policy|random:seed=4|16"][0]
 
 
@@ -210,12 +244,13 @@ def test_ab_with_needle_generation_and_sink_map_sections(tmp_path, tiny_dir):
                       out=str(tmp_path / "runs"), name="extras", needle=[200], needle_depths=[0.5], needle_trials=1,
                       generation=True, generation_length=120, sink_map=True)
     store, records = run_sweep(cfg, model=model, tokenizer=tokenizer, progress=False)
-    kinds = [r["kind"] for r in records]
+    kinds = [r.kind for r in records]
     # full + streamingllm + h2o: one needle record each (one depth, one trial), four generation prompts each
     assert kinds.count("needle") == 3 and kinds.count("generation") == 3 * 4 and kinds.count("sinkmap") == 1
     for r in records:
-        if r["kind"] == "needle":
-            assert r["hit"] == (r["passkey"] in r["answer"]) and len(r["passkey"]) == 5
+        if r.kind == "needle":
+            assert r.fields["hit"] == (r.fields["passkey"] in r.fields["answer"]) and len(r.fields["passkey"]) == 5
+            assert r.key.startswith("needle|") and r.seed == 0
     page = render(records, asdict(cfg), tmp_path / "report.html").read_text()
     for table_id in ('id="summary"', 'id="needle"', 'id="generation"'):
         assert table_id in page

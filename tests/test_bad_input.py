@@ -16,6 +16,7 @@ from kvevict.eval.forward import body
 from kvevict.models import load_tokenizer
 
 from conftest import make_tiny, random_tokens
+from helpers import cli, cli_error, one_line_error
 
 runner = CliRunner()
 
@@ -32,17 +33,7 @@ def gpt2_dir(tmp_path_factory):
 
 def run(*args: str):
     result = runner.invoke(app, list(args))
-    return result.exit_code, result.stderr if hasattr(result, "stderr") else result.output
-
-
-def one_line_error(code: int, text: str, *needles: str) -> None:
-    assert code == 2, text
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    assert len(lines) == 1, text
-    assert lines[0].startswith("error: ")
-    assert "Traceback" not in text
-    for needle in needles:
-        assert needle in lines[0], lines[0]
+    return result.exit_code, result.stderr
 
 
 @pytest.mark.parametrize(
@@ -86,7 +77,113 @@ def test_cli_unsupported_model(gpt2_dir):
 
 def test_cli_missing_model():
     code, text = run("ppl", "--model", "/nonexistent/model", "--tokens", "50")
-    one_line_error(code, text, "cannot load")
+    one_line_error(code, text, "cannot load", "no such folder")
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Records (and refuses) every attempt to open a network connection."""
+    import socket
+
+    attempts = []
+
+    def refuse(self, address, *args, **kwargs):
+        attempts.append(address)
+        raise OSError("network disabled by the test")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
+    monkeypatch.setattr(socket, "create_connection", lambda address, *a, **k: refuse(None, address))
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *a, **k: refuse(None, host))
+    return attempts
+
+
+def test_model_name_not_in_the_local_cache_fails_offline_at_once(no_network):
+    import time
+
+    from kvevict.models import load_model
+
+    start = time.perf_counter()
+    with pytest.raises(KvevictError, match="not in the local Hugging Face cache") as caught:
+        load_model("no-such-org/no-such-model")
+    assert "--allow-download" in str(caught.value) and "allow_download=True" in str(caught.value)
+    code, text = run("ppl", "--model", "no-such-org/no-such-model", "--tokens", "50")
+    one_line_error(code, text, "cannot load model 'no-such-org/no-such-model'", "--allow-download")
+    assert no_network == [], f"tried the network: {no_network}"
+    assert time.perf_counter() - start < 20
+
+
+def test_local_model_folder_loads_without_the_network(no_network, tiny_dir):
+    from kvevict.models import load_model, load_tokenizer
+
+    load_tokenizer(str(tiny_dir))
+    model, _ = load_model(str(tiny_dir))
+    assert model.config.num_hidden_layers == 2
+    assert no_network == [], f"tried the network: {no_network}"
+
+
+def test_text_config_reads_the_decoder_of_nested_configs(tiny):
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig, LlavaConfig
+
+    from kvevict.eval.needle import max_positions
+    from kvevict.models import text_config
+
+    assert text_config(tiny) is tiny.config and text_config(tiny.config) is tiny.config
+    nested = LlavaConfig(text_config=LlamaConfig(num_hidden_layers=3, max_position_embeddings=1234))
+    assert text_config(nested).num_hidden_layers == 3 and text_config(nested) is not nested
+    assert max_positions(SimpleNamespace(config=nested)) == 1234
+    plain = SimpleNamespace(max_position_embeddings=77)  # a config object without get_text_config
+    assert text_config(plain) is plain
+
+
+def test_download_is_an_explicit_opt_in(monkeypatch):
+    from transformers import AutoTokenizer
+
+    from kvevict import models
+
+    seen = []
+
+    def record(source, **kwargs):
+        seen.append((source, kwargs.get("local_files_only")))
+        raise OSError("stop here")
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", record)
+    for allow in (False, True):
+        with pytest.raises(KvevictError, match="cannot load model 'org/model'"):
+            models.load_model("org/model", allow_download=allow)
+        with pytest.raises(KvevictError, match="cannot load model 'org/model'"):
+            models.load_tokenizer("org/model", allow_download=allow)
+    assert seen == [("org/model", True)] * 2 + [("org/model", False)] * 2
+
+
+@pytest.mark.parametrize("command", ["ppl", "compare", "ab", "needle", "generation", "sinks"])
+def test_every_model_command_takes_allow_download(command, tmp_path):
+    extra = ["--out", str(tmp_path)] if command == "ab" else []
+    cli_error(command, "--model", str(tmp_path / "absent"), "--allow-download", *extra,
+              needles=("cannot load model", "no such folder"))
+
+
+def test_run_name_outside_out_is_refused(tmp_path):
+    out = tmp_path / "deep" / "runs"
+    for name in ("../../somewhere", "a/b", ".."):
+        cli_error("ab", "--name", name, "--out", str(out), needles=(f"run name '{name}' must be one folder name",
+                                                                  "--name mine"))
+    assert not (tmp_path / "somewhere").exists() and not out.exists()
+
+
+def test_every_command_turns_errors_into_one_line():
+    """Every registered command wears `one_line_errors`: a new command cannot forget it."""
+    from kvevict.cli.common import one_line_errors
+
+    guarded = one_line_errors(lambda: None).__code__
+    commands = {c.callback.__name__: c.callback for c in app.registered_commands}
+    assert set(commands) == {"ppl", "compare", "ab", "report", "demo", "needle", "generation", "sinks"}
+    for name, callback in commands.items():
+        assert callback.__code__ is guarded, f"`kvevict {name}` is not wrapped in one_line_errors"
+    result = cli("report", "/nonexistent/run")
+    one_line_error(result.exit_code, result.stderr, "no results.jsonl in '/nonexistent/run'")
 
 
 def test_cli_json_last_line(tiny_dir):
@@ -101,6 +198,26 @@ def test_cli_json_last_line(tiny_dir):
                 "seconds", "sink_loss"):
         assert key in data
     assert data["n_predictions"] == 59 and data["max_kept"] == 16 and data["sink_evicted"] is False
+
+
+def test_ppl_table_fits_80_columns_without_cutting_numbers(tiny_dir):
+    import json
+
+    args = ["ppl", "--model", str(tiny_dir), "--tokens", "60", "--budget", "16", "--policy", "sink4+window"]
+    data = json.loads(cli(*args, "--json").stdout.strip().splitlines()[-1])
+    for env, dropped in (({"COLUMNS": "80"}, True), ({"COLUMNS": ""}, False)):  # a narrow terminal; a pipe
+        result = cli(*args, env=env)
+        assert result.exit_code == 0, result.output
+        rows = [[c.strip() for c in line.strip("│").split("│")] for line in result.stdout.splitlines()
+                if line.startswith("│")]
+        assert len(rows) == 1 and "…" not in result.stdout
+        assert rows[0][:2] == ["sink4+window", "16"] and f"{data['ppl']:.2f}" in rows[0]
+        assert f"{data['seconds']:.1f}" in rows[0] or dropped
+        if dropped:
+            assert all(len(line) <= 80 for line in result.stdout.splitlines())
+            assert "left out s, positions" in result.stderr
+        else:
+            assert len(rows[0]) == 9 and "left out" not in result.stderr
 
 
 def test_real_process_exit_code_and_no_traceback():

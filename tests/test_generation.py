@@ -11,6 +11,8 @@ from kvevict.cli import app
 from kvevict.eval.generation import GenPromptMaker, repetition_rate, run_generation
 from kvevict.models import load_model, load_tokenizer
 
+from helpers import cli_error
+
 runner = CliRunner()
 
 
@@ -77,10 +79,8 @@ def test_cli_json_and_bad_input(tiny_dir):
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout.strip().splitlines()[-1])["rows"]
     assert [r["policy"] for r in rows] == ["full", "streamingllm"]
-    bad = runner.invoke(app, ["generation", "--model", str(tiny_dir), "--trials", "0"])
-    assert bad.exit_code == 2 and bad.stderr.startswith("error: ") and "at least 1" in bad.stderr
-    bad = runner.invoke(app, ["generation", "--model", str(tiny_dir), "--length", "9000", "--trials", "1"])
-    assert bad.exit_code == 2 and "context of 8192" in bad.stderr
+    cli_error("generation", "--model", str(tiny_dir), "--trials", "0", needles=("at least 1",))
+    cli_error("generation", "--model", str(tiny_dir), "--length", "9000", "--trials", "1", needles=("context of 8192",))
 
 
 @pytest.mark.model
@@ -97,11 +97,22 @@ def test_embedded_model_recalls_the_start_only_with_the_full_cache():
 
 
 def test_figure_and_table():
-    from kvevict.report.task_plots import generation_figure, generation_table
+    from kvevict.report.plots import png
+    from kvevict.report.tables import generation_table
+    from kvevict.report.task_plots import generation_figure
 
     rows = [{"policy": "full", "budget": "full", "repetition": 0.0, "recall": 1.0, "output_tokens": 9.0, "trials": 4},
-            {"policy": "window", "budget": "25%", "repetition": 0.6, "recall": 0.0, "output_tokens": 48.0,
+            {"policy": "window", "budget": "25%", "repetition": 0.6, "recall": 0.25, "output_tokens": 48.0,
              "trials": 4}]
-    assert generation_figure(rows).startswith(b"\x89PNG")
+    fig = generation_figure(rows)
+    repetition, recall = fig.axes
+    assert [bar.get_height() for bar in repetition.patches] == [0.0, 0.6]
+    assert [bar.get_height() for bar in recall.patches] == [1.0, 0.25]
+    for ax in (repetition, recall):
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["full\nfull", "window\n25%"]
+        assert ax.get_ylim() == (0, 1)
+    assert "repeated 4-grams" in repetition.get_title() and "recall" in recall.get_title()
+    assert png(fig).startswith(b"\x89PNG")
     table = generation_table(rows)
-    assert table[0][:4] == ["policy", "budget", "repetition", "recall"] and table[2][2] == "0.600"
+    assert table.headers == ["policy", "budget", "repetition", "recall", "output tokens", "trials"]
+    assert table.rows[1] == ["window", "25%", "0.600", "0.25", "48.0", "4"]

@@ -13,6 +13,9 @@ from kvevict.cli import app
 from kvevict.eval.needle import NeedleResult, PromptMaker, check_grid, run_needle
 from kvevict.models import load_tokenizer
 
+from helpers import close
+from helpers import one_line_error as _one_line_error
+
 runner = CliRunner()
 
 
@@ -27,11 +30,7 @@ def maker(tokenizer):
 
 
 def one_line_error(result, *needles: str) -> None:
-    assert result.exit_code == 2, result.output
-    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
+    _one_line_error(result.exit_code, result.stderr, *needles)
 
 
 def test_prompt_holds_the_key_once_at_the_right_place(maker, tokenizer):
@@ -153,21 +152,37 @@ def test_embedded_model_finds_the_key_with_full_cache_and_loses_it_when_evicted(
     assert sum(hits["window"]) == 0, result.records
 
 
-def test_heatmaps_one_png_per_policy():
+def test_heatmaps_one_figure_per_policy_one_panel_per_budget():
+    import numpy as np
+
+    from kvevict.report.plots import png
     from kvevict.report.task_plots import needle_heatmaps
 
+    accuracy = {(1000, 0.1): 1.0, (2000, 0.1): 0.5, (1000, 0.9): 0.0, (2000, 0.9): 0.25}
     cells = [
-        {"policy": p, "budget": b, "length": n, "depth": d, "accuracy": 0.5, "trials": 2}
-        for p, budgets in (("full", ["full"]), ("h2o", ["50%", "10%"]))
+        {"policy": p, "budget": b, "length": n, "depth": d, "accuracy": accuracy[(n, d)] / (2 if b == "10%" else 1),
+         "trials": 2}
+        for p, budgets in (("full", ["full"]), ("h2o", ["10%", "50%"]))
         for b in budgets for n in (1000, 2000) for d in (0.1, 0.9)
     ]
     figures = needle_heatmaps(cells)
     assert [title for title, _ in figures] == ["needle: full", "needle: h2o"]
-    assert all(png.startswith(b"\x89PNG") for _, png in figures)
+    full, h2o = (fig for _, fig in figures)
+    # budgets from the largest share down; each panel a depth x length grid of accuracies
+    assert [ax.get_title() for ax in h2o.axes] == ["budget 50%", "budget 10%"]
+    for ax, scale in zip(h2o.axes, (1, 2)):
+        grid = np.asarray(ax.images[0].get_array())
+        assert grid.tolist() == [[1.0 / scale, 0.5 / scale], [0.0, 0.25 / scale]]  # rows: depth 0.1, 0.9
+        assert ax.get_xlabel() == "haystack tokens" and ax.get_ylabel() == "needle depth"
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["1000", "2000"]
+        assert [t.get_text() for t in ax.texts] == [f"{v:.2f}" for v in grid.flatten()]
+    assert len(full.axes) == 1 and full.axes[0].get_title() == "budget full"
+    assert png(full).startswith(b"\x89PNG")
+    close(h2o)
 
 
 def test_markdown_table_counts_hits():
-    from kvevict.report.task_plots import needle_markdown
+    from kvevict.report.tables import needle_markdown
 
     cells = [
         {"policy": "h2o", "budget": "10%", "length": 1000, "depth": 0.1, "accuracy": 1 / 3, "trials": 3},

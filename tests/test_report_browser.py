@@ -11,8 +11,8 @@ from dataclasses import asdict
 
 import pytest
 
+from kvevict.ab import run_sweep
 from kvevict.report.html import render
-from kvevict.sweep import run_sweep
 
 from conftest import make_tiny
 from test_ab import CharTokenizer, config

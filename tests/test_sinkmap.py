@@ -11,7 +11,7 @@ from kvevict.eval.sinkmap import sink_map
 from kvevict.policies.sinkauto import SinkAuto
 
 from conftest import make_tiny, random_tokens
-from helpers import attn
+from helpers import attn, cli_error
 
 
 def eager_attentions(model, tokens: torch.Tensor) -> list[torch.Tensor]:
@@ -126,10 +126,22 @@ def test_embedded_model_sinks_include_position_zero():
 
 
 def test_sink_map_figure(tiny):
+    import numpy as np
+
+    from kvevict.report.plots import png
     from kvevict.report.task_plots import sink_map_figure
 
     data = sink_map(tiny, None, random_tokens(80, seed=2), k=4).to_dict()
-    assert sink_map_figure(data).startswith(b"\x89PNG")
+    data["sinks"] = [{"position": 0, "token": "<s>", "mean_share": 0.5, "heads_over_threshold": 8}]
+    fig = sink_map_figure(data)
+    by_position, by_head, profile = fig.axes[:3]  # then two colorbars
+    share = np.array(data["share"])  # [layers, heads, k]
+    assert np.allclose(by_position.images[0].get_array(), share.mean(axis=1))  # layer x position
+    assert np.allclose(by_head.images[0].get_array(), share.sum(axis=2))  # layer x head
+    assert by_position.get_ylabel() == "layer" and by_head.get_xlabel() == "query head"
+    assert [bar.get_height() for bar in profile.patches] == pytest.approx(data["position_mean"][:128])
+    assert [t.get_text() for t in profile.texts] == ["0 '<s>'"]  # the named sink
+    assert png(fig).startswith(b"\x89PNG")
 
 
 def test_sinks_cli(tiny_dir, tmp_path):
@@ -149,5 +161,4 @@ def test_sinks_cli(tiny_dir, tmp_path):
     assert image.read_bytes().startswith(b"\x89PNG")
     for args, needle in ((["--tokens", "32"], "at least 64"), (["--tokens", "128", "--k", "40"], "--k must be"),
                          (["--threshold", "1.5"], "--threshold")):
-        bad = runner.invoke(app, ["sinks", "--model", "/nonexistent", *args])
-        assert bad.exit_code == 2 and bad.stderr.startswith("error: ") and needle in bad.stderr, bad.stderr
+        cli_error("sinks", "--model", "/nonexistent", *args, needles=(needle,))

@@ -5,8 +5,7 @@ a bounded cache keeps perplexity in the tens or sends it into the thousands; kve
 makes that measurable on your own model and text before you ship a policy.
 """
 
-from .cache import attach
-from .cache import EvictingCache
+from .cache import EvictingCache, attach
 from .data import load_text, load_tokens
 from .errors import KvevictError
 from .eval.streaming import compare, streaming_ppl

@@ -17,6 +17,8 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -89,6 +91,28 @@ _CHOICES = "use 'smollm2-135m', a local model directory, or an HF id already in 
 _DOWNLOAD = "or allow downloading it (--allow-download; load_model(..., allow_download=True))"
 
 
+@contextmanager
+def _offline(offline: bool = True) -> Iterator[None]:
+    """Keep huggingface_hub off the network while loading, unless downloading was allowed.
+
+    `local_files_only=True` alone is not enough: building request headers can still
+    fetch a registry from the Hub. `HF_HUB_OFFLINE` stops every request, but the hub
+    reads that variable once, at import; its module constant is what it checks at call
+    time, so that is what is switched here, and put back afterwards.
+    """
+    if not offline:
+        yield
+        return
+    from huggingface_hub import constants
+
+    before = constants.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE = before
+
+
 def _source(name: str, allow_download: bool) -> tuple[str, bool]:
     """What to hand `from_pretrained` for `name`, and whether it must stay offline.
 
@@ -127,12 +151,14 @@ def load_tokenizer(name: str = "smollm2-135m", allow_download: bool = False):
     if name in EMBEDDED:
         gguf = embedded_gguf(name)
         converted = _converted_dir(name, gguf)
-        if (converted / "tokenizer_config.json").exists():
-            return AutoTokenizer.from_pretrained(converted)
-        return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        with _offline():
+            if (converted / "tokenizer_config.json").exists():
+                return AutoTokenizer.from_pretrained(converted)
+            return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     source, offline = _source(name, allow_download)
     try:
-        return AutoTokenizer.from_pretrained(source, local_files_only=offline)
+        with _offline(offline):
+            return AutoTokenizer.from_pretrained(source, local_files_only=offline)
     except (OSError, ValueError) as exc:
         raise _load_error(name, exc, allow_download) from None
 
@@ -147,14 +173,16 @@ def load_model(name: str = "smollm2-135m", device: str = "cpu", allow_download: 
     from transformers.utils import logging as hf_logging
 
     if name in EMBEDDED:
-        model, tokenizer = _load_embedded(name)
+        with _offline():
+            model, tokenizer = _load_embedded(name)
     else:
         # Loading a local directory is instant: its progress bar would only clutter stderr.
         hf_logging.disable_progress_bar()
         source, offline = _source(name, allow_download)
         try:
-            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=offline)
-            model = AutoModelForCausalLM.from_pretrained(source, local_files_only=offline, dtype=torch.float32)
+            with _offline(offline):
+                tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=offline)
+                model = AutoModelForCausalLM.from_pretrained(source, local_files_only=offline, dtype=torch.float32)
         except (OSError, ValueError) as exc:
             raise _load_error(name, exc, allow_download) from None
     model.to(device).eval()

@@ -1,0 +1,99 @@
+"""Chunked exact streaming vs today's token-by-token path: same stream, same rows, one process.
+
+Arm "stepwise" is `compare(..., chunk=1)`: the policies as rows of one batch, one token
+per forward after the prefill (the full-cache reference prefilled in chunks, as before).
+Arm "chunked" reads the stream `--chunk` tokens per forward and replays token-by-token
+eviction inside each layer. Both give the same numbers (checked here: NLL within 1e-4
+relative, same sink loss); the ratio of their wall times is the speed-up. Peak resident
+memory is sampled during each arm. `--chunks` times the chunked arm at several sizes
+(how the default was chosen).
+
+    .venv/bin/python benchmarks/chunked_vs_stepwise.py --tokens 2000 --budget 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import threading
+import time
+
+import torch
+
+from kvevict import compare, load_model, load_tokens
+
+
+def rss_mb() -> float:
+    with open(f"/proc/{os.getpid()}/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+class PeakRss:
+    """Samples resident memory every 50 ms while the block runs."""
+
+    def __enter__(self) -> PeakRss:
+        self.peak, self._stop = rss_mb(), threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+        return self
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.05):
+            self.peak = max(self.peak, rss_mb())
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_mb())
+
+
+def timed(model, tokens, specs, budget, positions, chunk, reference=True):
+    with PeakRss() as memory:
+        t0 = time.perf_counter()
+        rows, full = compare(model, tokens, specs, budget, positions, reference=reference, progress=False, chunk=chunk)
+        seconds = time.perf_counter() - t0
+    return rows, full, seconds, memory.peak
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--tokens", type=int, default=2000)
+    parser.add_argument("--budget", type=int, default=256)
+    parser.add_argument("--policies", default="window,streamingllm,h2o,snapkv")
+    parser.add_argument("--positions", default="original")
+    parser.add_argument("--chunk", type=int, default=64)
+    parser.add_argument("--chunks", default="", help="also time the chunked arm at these sizes, e.g. 16,32,64,128")
+    parser.add_argument("--single", default="streamingllm", help="also time this policy alone (empty: skip)")
+    args = parser.parse_args()
+    model, tokenizer = load_model(args.model)
+    tokens, _ = load_tokens("pg-essays", tokenizer, args.tokens)
+    specs = [s for s in args.policies.split(",") if s]
+    with torch.inference_mode():  # warm-up, untimed: kernel selection and first allocations
+        compare(model, tokens[: args.budget + 64], specs, args.budget, args.positions, progress=False, chunk=32)
+    print(f"{args.model}, {args.tokens} tokens, budget {args.budget}, {args.positions} positions, "
+          f"rows {','.join(specs)} + the full-cache reference")
+    print(f"{'arm':<34}{'seconds':>9}{'peak RSS MB':>13}{'speed-up':>10}")
+    cases = [(specs, True, "comparison")]
+    if args.single:
+        cases.append(([args.single], False, f"{args.single} alone"))
+    for rows_specs, reference, name in cases:
+        step_rows, step_full, step_s, step_mb = timed(model, tokens, rows_specs, args.budget, args.positions, 1,
+                                                      reference)
+        chunk_rows, chunk_full, chunk_s, chunk_mb = timed(model, tokens, rows_specs, args.budget, args.positions,
+                                                          args.chunk, reference)
+        for a, b in zip(step_rows, chunk_rows):
+            assert torch.allclose(b.nll, a.nll, rtol=5e-5, atol=1e-4), f"{a.policy}: chunked and stepwise disagree"
+            assert a.sink_lost_at == b.sink_lost_at, f"{a.policy}: sink loss differs"
+        print(f"{name + ', stepwise (chunk 1)':<34}{step_s:>9.1f}{step_mb:>13.0f}{'1.00x':>10}")
+        print(f"{name + f', chunked (chunk {args.chunk})':<34}{chunk_s:>9.1f}{chunk_mb:>13.0f}"
+              f"{step_s / chunk_s:>9.2f}x")
+        print("  ppl " + ", ".join(f"{r.policy.split(':')[0]} {r.ppl:.2f}" for r in chunk_rows)
+              + (f", full {chunk_full.ppl:.2f}" if chunk_full is not None else ""))
+    for size in [int(c) for c in args.chunks.split(",") if c]:
+        _, _, seconds, peak = timed(model, tokens, specs, args.budget, args.positions, size)
+        print(f"{f'comparison, chunked (chunk {size})':<34}{seconds:>9.1f}{peak:>13.0f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""A sweep's settings and its cells, validated before any model work.
+
+A sweep is a set of cells (policy x budget, plus the full cache, the recompute oracle
+and the sink-count sweep). `plan` lists them and raises `KvevictError` for anything
+that cannot run, so a mistake costs a second, not a model load.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import KvevictError
+from ..policies import check_policy, parse_policy
+from ..report.records import cell_key
+
+
+@dataclass
+class SweepConfig:
+    model: str = "smollm2-135m"
+    text: str = "pg-essays"
+    tokens: int = 2000
+    budgets: list[int] = field(default_factory=lambda: [64, 128, 256])
+    policies: list[str] = field(default_factory=lambda: ["window", "streamingllm", "h2o", "snapkv"])
+    sinks: list[int] = field(default_factory=list)
+    oracle_stride: int = 8
+    positions: str = "original"
+    seed: int = 0
+    name: str = "ab"
+    out: str = "runs"
+    needle: list[int] = field(default_factory=list)  # haystack lengths; empty: no needle test
+    needle_depths: list[float] = field(default_factory=lambda: [0.1, 0.5, 0.9])
+    needle_trials: int = 2
+    generation: bool = False
+    generation_length: int = 1000
+    sink_map: bool = False
+
+    @property
+    def folder(self) -> Path:
+        """OUT/NAME, refused unless NAME is one folder name that stays inside OUT."""
+        return run_folder(self.out, self.name)
+
+    def identity(self) -> dict:
+        """What the results depend on: a rerun must match it to reuse finished cells."""
+        return {"model": self.model, "text": self.text, "tokens": self.tokens, "positions": self.positions}
+
+
+def run_folder(out: str, name: str) -> Path:
+    """The run folder OUT/NAME. A run name is one path component: `--name ../../x` would
+    write outside `--out`, and a name with separators scatters runs across folders."""
+    separators = {"/", "\\", os.sep, os.altsep} - {None}
+    if not name or name in (".", "..") or any(s in name for s in separators):
+        raise KvevictError(
+            f"run name '{name}' must be one folder name (no '/', '\\' or '..'): "
+            "pass e.g. --name mine, and choose where runs go with --out"
+        )
+    folder = Path(out) / name
+    root = Path(out).resolve()
+    if not folder.resolve().is_relative_to(root):  # a symlinked OUT/NAME may still point elsewhere
+        raise KvevictError(
+            f"run folder '{folder}' resolves to '{folder.resolve()}', outside --out '{out}': "
+            "remove the link or choose another --name"
+        )
+    return folder
+
+
+@dataclass
+class Cell:
+    kind: str  # full | oracle | policy | sinks
+    spec: str  # canonical policy spec
+    label: str  # what the user wrote
+    budget: int | None
+
+    @property
+    def key(self) -> str:
+        return cell_key(self.kind, self.spec, self.budget)
+
+
+def canonical(spec: str, seed: int) -> str:
+    """The spec a cell runs: the sweep's seed goes to a seeded policy unless the user wrote `seed=`."""
+    policy = parse_policy(spec)
+    if "seed=" not in spec:
+        policy = policy.with_seed(seed)
+    return policy.spec()
+
+
+def plan(config: SweepConfig) -> list[Cell]:
+    """All cells of the sweep, validated (raises KvevictError before any model work)."""
+    if not config.budgets:
+        raise KvevictError("--budgets is empty: give comma-separated budgets such as 64,128,256")
+    if not config.policies and not config.sinks:
+        raise KvevictError("--policies is empty: give comma-separated specs such as window,streamingllm,h2o")
+    if config.tokens < 2:
+        raise KvevictError(f"need at least 2 tokens to score a prediction, got --tokens {config.tokens}")
+    if config.oracle_stride < 1:
+        raise KvevictError(f"--oracle-stride must be >= 1, got {config.oracle_stride}")
+    run_folder(config.out, config.name)  # the run name is checked with the rest, before any work
+    cells = [Cell("full", "full", "full", None)]
+    for budget in config.budgets:
+        if budget < 1:  # the oracle runs at every budget, whatever the policies
+            raise KvevictError(f"budgets must be positive, got {budget}")
+        if budget >= config.tokens:
+            raise KvevictError(
+                f"budget {budget} is not smaller than the {config.tokens} tokens of the stream: nothing would be "
+                "evicted; lower the budget or raise --tokens"
+            )
+        cells.append(Cell("oracle", "oracle", "oracle", budget))
+        seen = set()
+        for label in config.policies:
+            if check_policy(label, budget).unbounded:
+                continue  # the full cache is always a row of the table
+            spec = canonical(label, config.seed)
+            if spec not in seen:
+                seen.add(spec)
+                cells.append(Cell("policy", spec, label, budget))
+        for count in config.sinks:
+            if count < 0:
+                raise KvevictError(f"--sinks takes counts >= 0, got {count}")
+            label = "window" if count == 0 else f"sink{count}+window"
+            check_policy(label, budget)
+            cells.append(Cell("sinks", canonical(label, config.seed), label, budget))
+    if config.needle:
+        from ..eval.needle import check_grid
+
+        check_grid(config.needle, config.needle_depths, config.needle_trials)
+        if max(config.budgets) >= min(config.needle):
+            raise KvevictError(
+                f"--needle length {min(config.needle)} must exceed every budget (largest {max(config.budgets)}): "
+                "a budget at least as long as the haystack compresses nothing"
+            )
+    if config.generation and max(config.budgets) >= config.generation_length:
+        raise KvevictError(
+            f"the generation prompt ({config.generation_length} tokens) must exceed every budget "
+            f"(largest {max(config.budgets)})"
+        )
+    return cells

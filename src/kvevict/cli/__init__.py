@@ -1,0 +1,36 @@
+"""The `kvevict` command. It only wires: parse, validate, call the library, print.
+
+* `common` — the stderr console, `one_line_errors` (a `KvevictError` becomes one line
+  on stderr and exit code 2), option parsing;
+* `tables` — result tables that fit the terminal without cutting a number;
+* `stream` — `ppl`, `compare`; `ab` — `ab`, `report`, `demo`; `tasks` — `needle`,
+  `generation`, `sinks`.
+
+The commands are plain functions; `COMMANDS` registers them on `app`, in the order
+`kvevict --help` lists them.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from . import ab, stream, tasks
+
+COMMANDS = [stream.ppl, stream.compare, ab.ab, ab.report, ab.demo, tasks.needle, tasks.generation, tasks.sinks]
+
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="KV-cache eviction policies: measure before you ship."
+)
+for _command in COMMANDS:
+    app.command()(_command)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the `kvevict` script."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # config warnings are not the user's business here
+    app(args=argv, standalone_mode=True)
+
+
+__all__ = ["COMMANDS", "app", "main"]

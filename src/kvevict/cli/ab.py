@@ -1,0 +1,116 @@
+"""`kvevict ab`, `kvevict demo` and `kvevict report`: run a sweep, or redraw its report from the results.
+
+The harness and the report are imported inside the commands: they pull in torch and
+matplotlib, which `kvevict --help` and a mistyped option should not wait for.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import typer
+
+from ..errors import KvevictError
+from .common import (
+    DOWNLOAD_HELP,
+    MODEL_HELP,
+    check_positions,
+    err,
+    one_line_errors,
+    parse_floats,
+    parse_ints,
+    split_specs,
+)
+from .tables import show
+
+#: The default A/B that `make demo` runs: sized to finish in under 10 minutes on 2 cores.
+DEMO = dict(tokens=800, budgets=[64, 128, 256], policies=["window", "streamingllm", "h2o", "snapkv"],
+            sinks=[0, 1, 2, 4, 8], oracle_stride=16, name="demo")
+
+
+def run_ab(config, allow_download: bool = False) -> None:
+    """Plan, validate, run and report one sweep (a `SweepConfig`); prints the summary and the report path."""
+    from ..ab import plan, prepare_folder, run_sweep
+    from ..report.html import render
+    from ..report.records import ppl_records
+    from ..report.tables import summary_table
+
+    check_positions(config.positions)
+    plan(config)  # every spec, budget and the run name are checked before the model is loaded
+    prepare_folder(config)
+    store, records = run_sweep(config, allow_download=allow_download)
+    if store.skipped_lines:
+        err.print(f"note: skipped {store.skipped_lines} unreadable line(s) in {store.path}")
+    report = render(records, asdict(config), config.folder / "report.html")
+    title = f"kvevict A/B: {config.model} on {config.text}, {config.tokens} tokens, {config.positions}"
+    show(summary_table(ppl_records(records)), title)
+    print(report.resolve())
+
+
+@one_line_errors
+def ab(
+    model: str = typer.Option("smollm2-135m", help=MODEL_HELP),
+    text: str = typer.Option("pg-essays", help="embedded name, .txt file, folder or .jsonl"),
+    tokens: int = typer.Option(2000, help="stream length"),
+    budgets: str = typer.Option("64,128,256", help="comma-separated budgets"),
+    policies: str = typer.Option("window,streamingllm,h2o,snapkv", help="comma-separated policy specs"),
+    sinks: str = typer.Option("", help="sink counts K: adds sinkK+window at each budget, e.g. 0,1,2,4,8"),
+    oracle_stride: int = typer.Option(8, help="the recompute oracle scores every K-th token"),
+    positions: str = typer.Option("original", help="original | cache"),
+    seed: int = typer.Option(0, help="seed of random policies (recorded in every result)"),
+    name: str = typer.Option("ab", help="run name, one folder name: results go to OUT/NAME"),
+    out_dir: str = typer.Option("runs", "--out", help="output folder"),
+    needle: str = typer.Option("", help="also run pass-key retrieval at these haystack lengths, e.g. 1000,2000"),
+    needle_depths: str = typer.Option("0.1,0.5,0.9", help="needle depths in [0, 1]"),
+    needle_trials: int = typer.Option(2, help="seeded needle trials per length and depth"),
+    generation: bool = typer.Option(False, help="also measure repetition and recall of greedy generation"),
+    sink_map: bool = typer.Option(False, "--sink-map", help="also draw the model's attention-sink map"),
+    allow_download: bool = typer.Option(False, "--allow-download", help=DOWNLOAD_HELP),
+) -> None:
+    """A/B test policies side by side: resumable results.jsonl, a summary table and an HTML report."""
+    from ..ab import SweepConfig
+
+    config = SweepConfig(
+        model=model, text=text, tokens=tokens, budgets=parse_ints(budgets, "--budgets"),
+        policies=split_specs(policies), sinks=parse_ints(sinks, "--sinks"),
+        oracle_stride=oracle_stride, positions=positions, seed=seed, name=name, out=out_dir,
+        needle=parse_ints(needle, "--needle"), needle_depths=parse_floats(needle_depths, "--needle-depths"),
+        needle_trials=needle_trials, generation=generation, sink_map=sink_map,
+    )
+    run_ab(config, allow_download)
+
+
+@one_line_errors
+def report(
+    run: str = typer.Argument(..., help="a run folder OUT/NAME written by `kvevict ab`"),
+    markdown: bool = typer.Option(False, "--markdown", help="print the tables as Markdown"),
+) -> None:
+    """Redraw a run's HTML report from its results.jsonl (no model needed)."""
+    from ..report.html import render
+    from ..report.records import load, ppl_records
+    from ..report.store import ResultStore
+    from ..report.tables import sinks_table, summary_table
+
+    folder = Path(run)
+    if not (folder / "results.jsonl").exists():
+        raise KvevictError(f"no results.jsonl in '{run}': give the OUT/NAME folder of a `kvevict ab` run")
+    records = load(ResultStore(folder / "results.jsonl").records())
+    config = json.loads((folder / "run.json").read_text())["config"] if (folder / "run.json").exists() else {}
+    path = render(records, config, folder / "report.html")
+    if markdown:
+        print(summary_table(ppl_records(records)).markdown())
+        sinks = sinks_table(ppl_records(records))
+        if sinks:
+            print()
+            print(sinks.markdown())
+    print(path.resolve())
+
+
+@one_line_errors
+def demo(out_dir: str = typer.Option("runs", "--out", help="where results go")) -> None:
+    """The main job: a default A/B on the embedded model and text."""
+    from ..ab import SweepConfig
+
+    run_ab(SweepConfig(out=out_dir, **DEMO))

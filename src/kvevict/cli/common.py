@@ -1,0 +1,94 @@
+"""What every command shares: the stderr console, the one error handler, option parsing.
+
+Every user mistake is caught before any model work where possible, and printed as one
+line naming the fix, with exit code 2 (`one_line_errors`). This module imports no
+command, and the commands never import the package that registers them: no cycle.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import NoReturn, ParamSpec, TypeVar
+
+import typer
+from rich.console import Console
+
+from ..errors import KvevictError
+
+err = Console(stderr=True)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+MODEL_HELP = "embedded name, local directory or HF id (resolved offline unless --allow-download)"
+DOWNLOAD_HELP = "let an HF id that is not in the local cache be downloaded (off: fail at once, no network)"
+
+
+def fail(message: str) -> NoReturn:
+    """Print `error: message` as one line on stderr and exit with code 2."""
+    err.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)
+    raise typer.Exit(2)
+
+
+def one_line_errors(command: Callable[P, R]) -> Callable[P, R]:
+    """Turn a `KvevictError` raised anywhere in `command` into one line on stderr and exit code 2.
+
+    Every command wears it, so nobody reads a traceback to learn that a budget was
+    smaller than a sink count, and no command repeats its own try/except.
+    """
+
+    @functools.wraps(command)
+    def guarded(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return command(*args, **kwargs)
+        except KvevictError as exc:
+            fail(str(exc))
+
+    return guarded
+
+
+def split_specs(text: str) -> list[str]:
+    """Comma-separated items, blanks dropped (`--policies "window, h2o,"`)."""
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def parse_numbers(text: str, option: str, kind: type, noun: str) -> list:
+    """Comma-separated numbers of one kind; a bad item is a one-line error naming the option."""
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise KvevictError(f"{option} takes comma-separated {noun}, got '{text}'") from None
+
+
+def parse_ints(text: str, option: str) -> list[int]:
+    return parse_numbers(text, option, int, "integers")
+
+
+def parse_floats(text: str, option: str) -> list[float]:
+    return parse_numbers(text, option, float, "numbers")
+
+
+def check_positions(positions: str) -> None:
+    from ..cache import POSITION_MODES
+
+    if positions not in POSITION_MODES:
+        raise KvevictError(f"--positions must be one of {', '.join(POSITION_MODES)}, got '{positions}'")
+
+
+def check_policies(specs: list[str], budget: int | None) -> None:
+    """Every spec parses and can run at `budget` (None: parse only)."""
+    from ..policies import check_policy
+
+    for spec in specs:
+        check_policy(spec, budget)
+
+
+def save_json(path: str | None, data: dict) -> None:
+    """Write `data` to `path` (a `--save` option) if one was given."""
+    if path:
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps(data, indent=1))

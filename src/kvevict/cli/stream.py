@@ -1,0 +1,96 @@
+"""`kvevict ppl` and `kvevict compare`: streaming perplexity of one policy, or several side by side."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+
+from ..errors import KvevictError
+from ..report.columns import Column, Table
+from .common import DOWNLOAD_HELP, MODEL_HELP, check_policies, check_positions, err, one_line_errors, split_specs
+from .tables import show
+
+#: the `ppl` / `compare` table over `RowResult.summary()` rows; narrow terminals drop s, positions, kept, top1,
+#: sink_loss, kl_to_full in that order
+PPL: list[Column[dict]] = [
+    Column("policy", lambda r: r["policy"], align="left"),
+    Column("budget", lambda r: str(r["budget"] if r["budget"] is not None else "-")),
+    Column("positions", lambda r: r["positions"], align="left", drop=2),
+    Column("ppl", lambda r: f"{r['ppl']:.2f}"),
+    Column("kl_to_full", lambda r: f"{r['kl_to_full']:.3f}" if "kl_to_full" in r else "-", drop=6),
+    Column("top1", lambda r: f"{r['top1_agreement']:.3f}" if "top1_agreement" in r else "-", drop=4),
+    Column("sink_loss", lambda r: f"{r.get('sink_loss', 0.0):.2f}", drop=5),
+    Column("kept", lambda r: str(r["max_kept"]), drop=3),
+    Column("s", lambda r: f"{r['seconds']:.1f}", drop=1),
+]
+
+
+@one_line_errors
+def ppl(
+    model: str = typer.Option("smollm2-135m", help=MODEL_HELP),
+    text: str = typer.Option("pg-essays", help="embedded name, .txt file, folder or .jsonl"),
+    tokens: int = typer.Option(2000, help="stream length N: tokens 2..N are scored"),
+    policy: str = typer.Option("streamingllm", help="policy spec, e.g. sink4+h2o:recent=0.5"),
+    budget: int = typer.Option(256, help="entries kept per layer and KV head"),
+    positions: str = typer.Option("original", help="original | cache (StreamingLLM position shift)"),
+    repeat: bool = typer.Option(False, help="cycle the text if it is shorter than --tokens"),
+    window: int = typer.Option(0, help="also report PPL per window of this many predictions"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object as the last line"),
+    allow_download: bool = typer.Option(False, "--allow-download", help=DOWNLOAD_HELP),
+) -> None:
+    """Streaming perplexity of one policy at one budget."""
+    from ..data import load_tokens
+    from ..eval.streaming import streaming_ppl
+    from ..models import load_model, load_tokenizer
+
+    check_positions(positions)
+    check_policies([policy], budget)
+    if tokens < 2:
+        raise KvevictError(f"need at least 2 tokens to score a prediction, got --tokens {tokens}")
+    ids, repeated = load_tokens(text, load_tokenizer(model, allow_download), tokens, repeat=repeat)
+    lm, _ = load_model(model, allow_download=allow_download)
+    if repeated:
+        err.print(f"note: '{text}' is shorter than {tokens} tokens; it was repeated to fill the stream")
+    result = streaming_ppl(lm, ids, policy=policy, budget=budget, positions=positions)
+    summary = result.summary()
+    summary.update(model=model, text=text, tokens=tokens, text_repeated=repeated, sink_lost_at=result.sink_lost_at)
+    if window:
+        summary["ppl_windows"] = result.ppl_windows(window)
+    if as_json:
+        print(json.dumps(summary))
+        return
+    show(Table.of(PPL, [summary]), f"streaming perplexity, {model} on {text}, {tokens} tokens")
+    for w in summary.get("ppl_windows", []):
+        print(f"  predictions {w['start']}-{w['end']}: ppl {w['ppl']:.2f}")
+
+
+@one_line_errors
+def compare(
+    model: str = typer.Option("smollm2-135m", help=MODEL_HELP),
+    text: str = typer.Option("pg-essays"),
+    tokens: int = typer.Option(2000),
+    policies: str = typer.Option("window,streamingllm", help="comma-separated specs, run as rows of one batch"),
+    budget: int = typer.Option(256),
+    positions: str = typer.Option("original"),
+    as_json: bool = typer.Option(False, "--json"),
+    allow_download: bool = typer.Option(False, "--allow-download", help=DOWNLOAD_HELP),
+) -> None:
+    """Streaming perplexity of several policies side by side, with the full cache as reference."""
+    from ..data import load_tokens
+    from ..eval.streaming import compare as run_compare
+    from ..models import load_model, load_tokenizer
+
+    specs = split_specs(policies)
+    check_positions(positions)
+    if not specs:
+        raise KvevictError("--policies is empty: give comma-separated specs such as window,streamingllm")
+    check_policies(specs, budget)
+    ids, _ = load_tokens(text, load_tokenizer(model, allow_download), tokens)
+    lm, _ = load_model(model, allow_download=allow_download)
+    rows, full = run_compare(lm, ids, specs, budget, positions)
+    summaries = [full.summary()] + [r.summary() for r in rows]
+    if as_json:
+        print(json.dumps({"rows": summaries}))
+        return
+    show(Table.of(PPL, summaries), f"streaming perplexity, {model} on {text}, {tokens} tokens, budget {budget}")

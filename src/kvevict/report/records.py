@@ -1,0 +1,183 @@
+"""Typed records of `results.jsonl`: one dataclass per kind of line, with the JSON keys unchanged.
+
+The store keeps plain JSON objects so that old run folders stay readable by any
+version; these classes are how the harness writes them and the report reads them. Each
+`from_dict` / `to_dict` pair round-trips a line exactly: keys a class does not declare
+are kept in `extra`, and optional keys absent from a line stay absent when it is
+written back. A cell's identity is its `key`, `"kind|spec|budget"`, built in one place
+(`cell_key`) so that resuming a sweep and redrawing its report agree on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+#: kinds of perplexity rows: the full cache, the recompute oracle, a policy, a sink-count sweep row
+PPL_KINDS = ("full", "oracle", "policy", "sinks")
+#: kinds of per-trial records of the protocols beyond perplexity
+TASK_KINDS = ("needle", "generation")
+
+
+def cell_key(kind: str, spec: str, budget: int | None) -> str:
+    """The key of one perplexity cell: what `results.jsonl` is resumed by."""
+    return f"{kind}|{spec}|{budget}"
+
+
+def _split(cls, data: dict) -> tuple[dict, dict]:
+    """(declared fields, everything else) of a JSON object, for `cls.from_dict`."""
+    names = {f.name for f in fields(cls) if f.name != "extra"}
+    return {k: v for k, v in data.items() if k in names}, {k: v for k, v in data.items() if k not in names}
+
+
+def _join(record, optional: tuple[str, ...]) -> dict:
+    """The JSON object of `record`: declared fields (optional ones only when set), then `extra`."""
+    data = {f.name: getattr(record, f.name) for f in fields(record) if f.name != "extra"}
+    for name in optional:
+        if data[name] is None:
+            del data[name]
+    return {**data, **record.extra}
+
+
+@dataclass
+class PplRecord:
+    """One perplexity cell of a sweep: the full cache, the oracle, or a policy at a budget.
+
+    `policy` is the canonical spec (what the cell ran), `label` what the user wrote
+    (what the tables show). `curve` is the PPL per window along the stream
+    (`[{"start", "end", "ppl"}]`); `sink_lost_at` is `[layers][kv_heads]` of the token
+    count at which token 0 was evicted (-1: never).
+    """
+
+    key: str
+    kind: str
+    policy: str
+    budget: int | None
+    ppl: float
+    label: str | None = None
+    positions: str = "original"
+    n_predictions: int = 0
+    nll_mean: float | None = None
+    max_kept: int | None = None
+    sink_evicted: bool | None = None
+    first_token_evicted: bool | None = None
+    sink_loss: float | None = None
+    seconds: float | None = None
+    seed: int | None = None
+    curve: list[dict] = field(default_factory=list)
+    sink_lost_at: list | None = None
+    model: str | None = None
+    text: str | None = None
+    tokens: int | None = None
+    #: the full cache's PPL on exactly the tokens this row scored (the oracle scores a sample)
+    full_ppl_same_tokens: float | None = None
+    kl_to_full: float | None = None
+    top1_agreement: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    #: keys written only when they hold a value (older lines, and the full row, lack them)
+    OPTIONAL: ClassVar[tuple[str, ...]] = (
+        "label", "nll_mean", "max_kept", "sink_evicted", "first_token_evicted", "sink_loss", "seconds", "seed",
+        "sink_lost_at", "model", "text", "tokens", "full_ppl_same_tokens", "kl_to_full", "top1_agreement",
+    )
+
+    @classmethod
+    def from_dict(cls, data: dict) -> PplRecord:
+        known, extra = _split(cls, data)
+        return cls(**known, extra=extra)
+
+    def to_dict(self) -> dict:
+        return _join(self, self.OPTIONAL)
+
+    @property
+    def name(self) -> str:
+        """What a table or a legend calls this row: the user's spelling when there is one."""
+        return self.label or self.policy
+
+
+@dataclass
+class TaskRecord:
+    """One trial of a protocol beyond perplexity inside a sweep (kind `needle` or `generation`).
+
+    `fields` is the trial's record as the protocol in `eval/` returned it (policy,
+    budget, length, hit, output, ...); `key` names the trial, `seed` the sweep's seed.
+    """
+
+    key: str
+    kind: str
+    seed: int | None = None
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> TaskRecord:
+        rest = {k: v for k, v in data.items() if k not in ("key", "kind", "seed")}
+        return cls(data["key"], data.get("kind", ""), data.get("seed"), rest)
+
+    def to_dict(self) -> dict:
+        data = {**self.fields, "key": self.key, "kind": self.kind}
+        if self.seed is not None:
+            data["seed"] = self.seed
+        return data
+
+
+@dataclass
+class SinkMapRecord:
+    """The model's attention-sink map measured inside a sweep (`SinkMap.to_dict()` in `map`)."""
+
+    key: str
+    map: dict[str, Any]
+    model: str = ""
+    kind: str = "sinkmap"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> SinkMapRecord:
+        known, extra = _split(cls, data)
+        return cls(**known, extra=extra)
+
+    def to_dict(self) -> dict:
+        return _join(self, ())
+
+
+@dataclass
+class DoneMarker:
+    """Closes a finished protocol (kind `needle-done`, ...): its key says which settings it ran with."""
+
+    key: str
+    kind: str
+
+    @classmethod
+    def from_dict(cls, data: dict) -> DoneMarker:
+        return cls(data["key"], data["kind"])
+
+    def to_dict(self) -> dict:
+        return {"key": self.key, "kind": self.kind}
+
+
+Record = PplRecord | TaskRecord | SinkMapRecord | DoneMarker
+
+
+def from_dict(data: dict) -> Record:
+    """The typed record of one line of `results.jsonl` (a line of unknown kind stays a `TaskRecord`)."""
+    kind = data.get("kind")
+    if kind in PPL_KINDS:
+        return PplRecord.from_dict(data)
+    if kind == "sinkmap":
+        return SinkMapRecord.from_dict(data)
+    if isinstance(kind, str) and kind.endswith("-done"):
+        return DoneMarker.from_dict(data)
+    return TaskRecord.from_dict(data)
+
+
+def load(lines: Iterable[dict]) -> list[Record]:
+    """Typed records of the JSON objects a `ResultStore` read."""
+    return [from_dict(line) for line in lines]
+
+
+def ppl_records(records: Iterable[Record]) -> list[PplRecord]:
+    return [r for r in records if isinstance(r, PplRecord)]
+
+
+def task_records(records: Iterable[Record], kind: str) -> list[TaskRecord]:
+    return [r for r in records if isinstance(r, TaskRecord) and r.kind == kind]

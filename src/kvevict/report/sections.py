@@ -1,0 +1,97 @@
+"""The sections of the HTML report, in page order: `SECTIONS` is the whole list.
+
+A section takes every record of the run and returns `(title, html body)`, or None
+when the run holds nothing for it (no sink sweep, no needle test, ...). Sections only
+render records; they never run anything, so a report is redrawn from `results.jsonl`
+alone. A new protocol adds its section function here and one entry to `SECTIONS`.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Callable, Sequence
+
+from ..eval.generation import GenerationResult
+from ..eval.needle import NeedleResult
+from . import plots, task_plots
+from .markup import image_html, table_html
+from .records import Record, SinkMapRecord, ppl_records, task_records
+from .tables import generation_table, needle_table, sinks_table, summary_table
+
+Section = Callable[[Sequence[Record]], tuple[str, str] | None]
+
+PPL_INTRO = (
+    "<p>Each policy keeps at most <em>budget</em> entries per layer and KV head. KL is "
+    "KL(full ‖ policy) of the next-token distributions on the same tokens; sink loss is the share "
+    "of (layer, KV head) pairs that no longer hold token 0 at the end. The oracle re-computes each "
+    "scored token from its previous <em>budget</em> tokens; with a stride it scores every K-th token, so its "
+    "PPL is a sampled estimate and its <em>ppl / full</em> compares it with the full cache on the very same "
+    "tokens. <em>seconds</em> is the wall time of the batch a row ran in.</p>"
+)
+
+
+def perplexity(records: Sequence[Record]) -> tuple[str, str]:
+    """Always present: a sweep always holds at least the full cache."""
+    table = table_html(summary_table(ppl_records(records)), "summary")
+    return "Streaming perplexity and fidelity to the full cache", PPL_INTRO + table
+
+
+def sinks(records: Sequence[Record]) -> tuple[str, str] | None:
+    table = sinks_table(ppl_records(records))
+    if table is None:
+        return None
+    return "Attention sinks: perplexity vs pinned sink tokens", table_html(table, "sinks")
+
+
+def _figure(title: str, draw: Callable) -> Section:
+    """A section holding one figure of the perplexity records (absent when `draw` has nothing to draw)."""
+
+    def section(records: Sequence[Record]) -> tuple[str, str] | None:
+        fig = draw(ppl_records(records))
+        return None if fig is None else (title, image_html(plots.png(fig), title))
+
+    section.__name__ = draw.__name__
+    return section
+
+
+def needle(records: Sequence[Record]) -> tuple[str, str] | None:
+    trials = [r.fields for r in task_records(records, "needle")]
+    if not trials:
+        return None
+    cells = NeedleResult(records=trials).cells()
+    parts = [table_html(needle_table(cells), "needle")]
+    parts += [image_html(plots.png(fig), title) for title, fig in task_plots.needle_heatmaps(cells)]
+    return "Pass-key retrieval (needle in the essays)", "".join(parts)
+
+
+def generation(records: Sequence[Record]) -> tuple[str, str] | None:
+    trials = [r.fields for r in task_records(records, "generation")]
+    if not trials:
+        return None
+    rows = GenerationResult(records=trials).summary()
+    body = table_html(generation_table(rows), "generation")
+    body += image_html(plots.png(task_plots.generation_figure(rows)), "generation")
+    return "Generation failure modes: repetition and recall", body
+
+
+def sink_map(records: Sequence[Record]) -> tuple[str, str] | None:
+    found = next((r for r in records if isinstance(r, SinkMapRecord)), None)
+    if found is None:
+        return None
+    data = dict(found.map, model=found.model)
+    names = ", ".join(f"{html.escape(s['token'])}@{s['position']}" for s in data.get("sinks", [])) or "none"
+    figure = image_html(plots.png(task_plots.sink_map_figure(data)), "sink map")
+    return "Attention-sink map", f"<p>positions acting as sinks: {names}</p>" + figure
+
+
+SECTIONS: list[Section] = [
+    perplexity,
+    sinks,
+    _figure("Perplexity along the stream", plots.ppl_vs_position),
+    _figure("Perplexity vs budget", plots.ppl_vs_budget),
+    _figure("Perplexity vs number of sinks", plots.ppl_vs_sinks),
+    _figure("Sink loss per layer and KV head", plots.sink_loss_heatmaps),
+    needle,
+    generation,
+    sink_map,
+]

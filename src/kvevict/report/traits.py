@@ -1,0 +1,36 @@
+"""What a recorded policy declares about itself, read from its spec string.
+
+The report groups and sorts rows by what a policy is (does it steer by attention? how
+many leading tokens does it pin?), never by substrings of its name: `parse_policy`
+rebuilds the policy from the canonical spec stored in each record and the answer is
+whatever that policy declares. A spec this process cannot parse (a policy registered
+by another program with `kvevict.register`) gets the plain answers: not attention
+driven, nothing pinned, so a foreign run folder still redraws.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from ..errors import KvevictError
+from ..policies import Policy, parse_policy
+
+
+@lru_cache(maxsize=256)
+def _policy(spec: str) -> Policy | None:
+    try:
+        return parse_policy(spec)
+    except KvevictError:
+        return None
+
+
+def needs_attention(spec: str) -> bool:
+    """The policy chooses by the attention its slots received (h2o, snapkv, sinkauto, their sink wrappers)."""
+    policy = _policy(spec)
+    return bool(policy is not None and policy.needs_attention)
+
+
+def pinned(spec: str) -> int:
+    """Leading tokens the policy always keeps (`sinkK+window`: K; `window`: 0)."""
+    policy = _policy(spec)
+    return 0 if policy is None else int(policy.pinned)

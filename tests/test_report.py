@@ -1,0 +1,311 @@
+"""The report: typed records that round-trip results.jsonl, one column spec, figures checked by what they draw,
+sections registered in report/, and a report package that never imports the harness."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvevict.report import plots
+from kvevict.report.columns import Table
+from kvevict.report.html import render
+from kvevict.report.records import DoneMarker, PplRecord, SinkMapRecord, TaskRecord, cell_key, from_dict, load
+from kvevict.report.sections import SECTIONS
+from kvevict.report.store import ResultStore
+from kvevict.report.tables import SUMMARY, sinks_table, summary_table
+
+from helpers import close, series
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "docs" / "results"
+
+
+def lines(name: str) -> list[dict]:
+    return ResultStore(RESULTS / f"{name}-results.jsonl").records()
+
+
+@pytest.fixture(scope="module")
+def demo() -> list[PplRecord]:
+    records = load(lines("demo"))
+    assert all(isinstance(r, PplRecord) for r in records) and len(records) == 31
+    return records
+
+
+# --- records ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["demo", "issue3"])
+def test_old_results_round_trip_exactly(name):
+    for line in lines(name):
+        record = from_dict(line)
+        assert isinstance(record, PplRecord)
+        assert record.to_dict() == line  # same keys, same values: an old run folder resumes and redraws
+        assert json.dumps(record.to_dict(), sort_keys=True) == json.dumps(line, sort_keys=True)
+
+
+def test_every_kind_of_line_round_trips():
+    full = {"key": "full|full|None", "kind": "full", "policy": "full", "label": "full", "budget": None, "ppl": 24.6,
+            "positions": "original", "n_predictions": 799, "curve": [], "a_future_key": [1, 2]}
+    needle = {"key": "needle|h2o|32|200|0.5|0", "kind": "needle", "seed": 3, "policy": "h2o", "budget": 32,
+              "passkey": "12345", "hit": True, "answer": "12345"}
+    generation = {"key": "generation|full|full|120|None|1", "kind": "generation", "seed": 0, "policy": "full",
+                  "budget": "full", "recalled": False}
+    sinkmap = {"key": "sinkmap-done|300", "kind": "sinkmap", "map": {"k": 8, "sinks": []}, "model": "m"}
+    done = {"key": "needle-done|[200]|[0.5]|1|[32]", "kind": "needle-done"}
+    kinds = [PplRecord, TaskRecord, TaskRecord, SinkMapRecord, DoneMarker]
+    for line, kind in zip([full, needle, generation, sinkmap, done], kinds):
+        record = from_dict(line)
+        assert type(record) is kind and record.to_dict() == line
+    assert from_dict(full).extra == {"a_future_key": [1, 2]}
+    assert "kl_to_full" not in from_dict(full).to_dict()  # absent optional keys stay absent
+    assert from_dict(needle).fields["passkey"] == "12345" and from_dict(needle).seed == 3
+
+
+def test_cell_key_is_what_the_store_holds(demo):
+    assert {r.key for r in demo} == {cell_key(r.kind, r.policy, r.budget) for r in demo}
+
+
+# --- tables: one column spec, three renderings ------------------------------------------------
+
+
+def test_old_run_folder_redraws_the_readme_demo_table(tmp_path, demo):
+    """`kvevict report --markdown` on the committed demo results prints the rows the README quotes."""
+    from helpers import cli
+
+    run = tmp_path / "demo"
+    run.mkdir()
+    (run / "results.jsonl").write_text((RESULTS / "demo-results.jsonl").read_text())
+    result = cli("report", str(run), "--markdown")
+    assert result.exit_code == 0, result.output
+    printed = result.stdout.splitlines()
+    readme = (ROOT / "README.md").read_text().splitlines()
+    start = readme.index("| " + " | ".join(c.header for c in SUMMARY) + " |")
+    quoted = [line for line in readme[start + 2 :] if line.startswith("| ")][:9]
+    assert len(quoted) == 9 and all(line in printed for line in quoted), quoted
+    assert printed[-1] == str((run / "report.html").resolve())
+    assert "| sink8+window | 31.42 | 27.57 | 25.73 |" in printed  # the sinks table
+
+
+def test_one_column_spec_feeds_markdown_html_and_terminal(demo):
+    from kvevict.cli.tables import layout
+    from kvevict.report.markup import table_html
+
+    table = summary_table(demo)
+    assert table.headers == [c.header for c in SUMMARY] and table.aligns[0] == "left"
+    markdown = table.markdown().splitlines()
+    assert markdown[0] == "| " + " | ".join(c.header for c in SUMMARY) + " |"
+    assert markdown[2] == "| full | - | 24.60 | 1.00 | 0.000 | 1.000 | 0.00 | 800 | 2.3 |"
+    page = table_html(table, "summary")
+    assert page.count("<tr>") == 1 + len(table.rows) and '<th class="left">policy</th>' in page
+    assert "<td>126.96</td>" in page  # a number, right aligned (no class)
+    assert layout(table, None).shown == list(range(len(SUMMARY)))
+
+
+def test_sinks_table_orders_rows_by_declared_pins(demo):
+    table = sinks_table(demo)
+    assert [row[0] for row in table.rows] == ["window", "sink1+window", "sink2+window", "sink4+window", "sink8+window"]
+    assert table.headers == ["policy", "budget 64", "budget 128", "budget 256"]
+    assert table.rows[0][1:] == ["126.96", "59.40", "46.42"]
+
+
+# --- the terminal table: never a truncated number ----------------------------------------------
+
+
+def _printed_rows(text: str) -> list[list[str]]:
+    return [[cell.strip() for cell in line.strip("│").split("│")] for line in text.splitlines() if line.startswith("│")]
+
+
+def test_result_table_never_truncates_numbers_at_80_columns(demo, monkeypatch, capsys):
+    from kvevict.cli.tables import show
+
+    monkeypatch.setenv("COLUMNS", "80")
+    table = summary_table(demo)
+    show(table, "kvevict A/B: smollm2-135m on pg-essays, 800 tokens, original")
+    out, err = capsys.readouterr()
+    assert "…" not in out and all(len(line) <= 80 for line in out.splitlines())
+    header = " ".join(line for line in out.splitlines() if line.startswith("┃"))
+    for word in ("policy", "budget", "ppl", "KL", "top-1", "agree", "sink", "kept"):
+        assert word in header
+    shown = [h for h in table.headers if h != "seconds"]
+    printed = _printed_rows(out)
+    assert printed == [[row[table.headers.index(h)] for h in shown] for row in table.rows]
+    assert "126.96" in out and "left out seconds" in err and len(err.strip().splitlines()) == 1
+
+
+def test_narrow_terminal_drops_columns_in_the_documented_order(demo, monkeypatch, capsys):
+    from kvevict.cli.tables import layout, show
+
+    table = summary_table(demo)
+    order = [layout(table, width).dropped for width in (100, 80, 70, 60, 50, 40, 20)]
+    assert order[0] == [] and order[1] == ["seconds"]
+    documented = ["seconds", "kept", "top-1 agree", "sink loss", "KL to full", "ppl / full"]
+    for dropped in order:
+        assert dropped == documented[: len(dropped)]
+    assert order[-1] == documented  # policy, budget and ppl are never dropped ...
+    monkeypatch.setenv("COLUMNS", "20")
+    show(table, "narrow")
+    printed = _printed_rows(capsys.readouterr().out)
+    # ... and keep their numbers whole even when that is wider than the terminal
+    assert printed == [row[:3] for row in table.rows]
+
+
+def test_piped_result_table_keeps_every_column(demo, monkeypatch, capsys):
+    from kvevict.cli.tables import show
+
+    monkeypatch.delenv("COLUMNS", raising=False)  # capsys is not a terminal: a pipe or a file
+    table = summary_table(demo)
+    show(table, "piped")
+    out, err = capsys.readouterr()
+    assert _printed_rows(out) == table.rows and err == ""
+    head = [line for line in out.splitlines() if line.startswith("┃")]
+    assert len(head) == 1 and all(h in head[0] for h in table.headers)  # every header on one line
+
+
+def test_names_fold_rather_than_lose_characters(monkeypatch, capsys):
+    from kvevict.cli.tables import show
+
+    monkeypatch.setenv("COLUMNS", "40")
+    name = "sink4+snapkv:window=32,kernel=7,pooling=max"
+    show(Table(["policy", "ppl"], [[name, "1234.56"]]), "t")
+    out = capsys.readouterr().out
+    assert all(len(line) <= 40 for line in out.splitlines())
+    assert "".join(row[0] for row in _printed_rows(out)) == name and "1234.56" in out
+
+
+# --- figures: what is drawn ----------------------------------------------------------------------
+
+
+def test_ppl_vs_position_draws_one_panel_per_budget_with_every_policy(demo):
+    fig = plots.ppl_vs_position(demo)
+    axes = fig.axes
+    assert [ax.get_title() for ax in axes] == ["budget 64", "budget 128", "budget 256"]
+    full = next(r for r in demo if r.kind == "full")
+    for ax, budget in zip(axes, (64, 128, 256)):
+        drawn = series(ax)
+        policies = [r for r in demo if r.kind == "policy" and r.budget == budget]
+        assert set(drawn) == {"full"} | {r.name for r in policies}  # no oracle, no sink-sweep rows
+        for r in [full, *policies]:
+            assert drawn[r.name] == ([p["end"] for p in r.curve], [p["ppl"] for p in r.curve])
+        assert ax.get_yscale() == "log" and ax.get_xlabel() == "token position"
+    close(fig)
+
+
+def test_ppl_vs_budget_draws_each_policy_over_the_budgets(demo):
+    fig = plots.ppl_vs_budget(demo)
+    (ax,) = fig.axes
+    drawn = series(ax)
+    assert set(drawn) == {"oracle", "h2o", "snapkv", "streamingllm", "window", "full cache"}
+    window = sorted((r.budget, r.ppl) for r in demo if r.kind == "policy" and r.name == "window")
+    assert drawn["window"] == ([b for b, _ in window], [p for _, p in window])
+    full = next(r.ppl for r in demo if r.kind == "full")
+    assert drawn["full cache"][1] == [full, full]
+    assert ax.get_xlabel() == "budget (entries per layer and KV head)" and ax.get_ylabel() == "streaming perplexity"
+    close(fig)
+
+
+def test_ppl_vs_sinks_places_rows_by_their_declared_sink_count(demo):
+    fig = plots.ppl_vs_sinks(demo)
+    (ax,) = fig.axes
+    drawn = series(ax)
+    assert set(drawn) == {"budget 64", "budget 128", "budget 256"}
+    xs, ys = drawn["budget 64"]
+    assert xs == [0, 1, 2, 4, 8]
+    by_label = {r.name: r.ppl for r in demo if r.kind == "sinks" and r.budget == 64}
+    assert ys == [by_label[k] for k in ("window", "sink1+window", "sink2+window", "sink4+window", "sink8+window")]
+    close(fig)
+    assert plots.ppl_vs_sinks([r for r in demo if r.kind != "sinks"]) is None
+
+
+def test_sink_loss_maps_follow_what_the_policy_declares(demo, monkeypatch):
+    """Panels for policies that declare `needs_attention`, whatever their names say."""
+    from kvevict.policies import registry
+    from kvevict.policies.window import Window
+
+    class NotH2O(Window):  # a name with "h2o" in it that does not steer by attention
+        def spec(self) -> str:
+            return "noth2o"
+
+    monkeypatch.setitem(registry.REGISTRY, "noth2o", NotH2O)
+    h2o = next(r for r in demo if r.kind == "policy" and r.name == "h2o" and r.budget == 64)
+    extra = [
+        PplRecord.from_dict({**h2o.to_dict(), "key": "policy|noth2o|64", "policy": "noth2o", "label": "noth2o"}),
+        PplRecord.from_dict({**h2o.to_dict(), "key": "policy|sinkauto4+window|64", "policy": "sinkauto4+window",
+                             "label": "sinkauto+window"}),
+    ]
+    fig = plots.sink_loss_heatmaps(demo + extra)
+    titles = [ax.get_title().split("\n")[0] for ax in fig.axes if ax.get_title()]
+    expected = sorted(
+        [(r.name, r.budget) for r in demo if r.kind == "policy" and r.name in ("h2o", "snapkv")]
+        + [("sinkauto+window", 64)]
+    )
+    assert titles == [name for name, _ in expected]
+    panel = fig.axes[titles.index("h2o")]
+    lost = panel.images[0].get_array()
+    assert lost.shape == (len(h2o.sink_lost_at), len(h2o.sink_lost_at[0]))
+    close(fig)
+
+
+# --- sections and layering --------------------------------------------------------------------------
+
+
+def test_sections_are_registered_in_report_and_render_task_records(tmp_path, demo):
+    names = [s.__name__ for s in SECTIONS]
+    assert names[:2] == ["perplexity", "sinks"] and names[-3:] == ["needle", "generation", "sink_map"]
+    trials = [
+        TaskRecord(f"needle|{p}|{b}|200|0.5|{t}", "needle", 0,
+                   {"policy": p, "budget": b, "length": 200, "depth": 0.5, "trial": t, "hit": t == 0,
+                    "budget_tokens": None if b == "full" else 32})
+        for p, b in (("full", "full"), ("h2o", 32)) for t in (0, 1)
+    ] + [
+        TaskRecord(f"generation|{p}|{b}|120|None|0", "generation", 0,
+                   {"policy": p, "budget": b, "repetition": 0.25, "recalled": True, "output_tokens": 9})
+        for p, b in (("full", "full"), ("window", 32))
+    ]
+    share = [[[0.5, 0.1], [0.4, 0.2]]] * 3
+    measured = {"share": share, "position_mean": [0.4, 0.1, 0.01], "tokens": ["a", "b"],
+                "sinks": [{"position": 0, "token": "<s>", "mean_share": 0.4}]}
+    sinkmap = SinkMapRecord("sinkmap-done|800", measured, "m")
+    page = render(demo + trials + [sinkmap], {"name": "t"}, tmp_path / "report.html").read_text()
+    for heading in ("Streaming perplexity", "Attention sinks: perplexity", "Pass-key retrieval",
+                    "Generation failure modes", "Attention-sink map"):
+        assert f"<h2>{heading}" in page
+    assert '<td class="left">h2o</td><td>32</td><td>200</td><td>0.5</td><td>0.50</td><td>2</td>' in page
+    assert "positions acting as sinks: &lt;s&gt;@0" in page
+    assert page.count("data:image/png;base64,") == 4 + 2 + 1 + 1  # ppl figures, needle per policy, generation, map
+    bare = render(demo, {"name": "t"}, tmp_path / "bare.html").read_text()
+    assert "Pass-key retrieval" not in bare and "Attention-sink map" not in bare
+
+
+HARNESS = ("kvevict.ab", "kvevict.cli", "kvevict.sweep", "kvevict.extras")
+
+
+def _imports(path: Path) -> set[str]:
+    """Absolute names of the kvevict modules a report module imports (relative imports resolved)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = "kvevict.report" if node.level == 1 else "kvevict" if node.level == 2 else ""
+            module = ".".join(filter(None, [base, node.module or ""]))
+            names.add(module)
+            names |= {f"{module}.{alias.name}" for alias in node.names}
+    return names
+
+
+def test_report_never_imports_the_harness():
+    files = sorted((ROOT / "src" / "kvevict" / "report").glob("*.py"))
+    assert len(files) >= 8
+    for path in files:
+        bad = {name for name in _imports(path) if name.startswith(HARNESS) or name in ("kvevict.ab", "kvevict.cli")}
+        assert not bad, f"{path.name} imports the harness: {sorted(bad)}"
+    probe = "import sys, kvevict.report.html, kvevict.report.sections; print(sorted(m for m in sys.modules if " \
+            f"m.startswith({HARNESS!r})))"
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.strip() == "[]"
