@@ -342,3 +342,35 @@ def test_beam_search_is_refused(tiny):
         with torch.inference_mode():
             tiny.generate(random_tokens(5)[None], past_key_values=cache, num_beams=2, max_new_tokens=12,
                           do_sample=False)
+
+
+@pytest.mark.parametrize("command", ["ppl", "compare", "ab"])
+@pytest.mark.parametrize("value,needle", [("0", "got 0"), ("-3", "got -3"), ("abc", "got 'abc'"), ("2.5", "got '2.5'")])
+def test_cli_bad_chunk(command, value, needle):
+    cli_error(command, "--chunk", value, needles=("chunk", ">= 1", needle))
+
+
+def test_library_bad_chunk(tiny):
+    from kvevict import compare
+
+    for chunk in (0, -1, 2.5, "8"):
+        with pytest.raises(KvevictError, match="chunk must be a whole number"):
+            compare(tiny, random_tokens(20), ["window"], 8, reference=False, progress=False, chunk=chunk)
+
+
+def test_chunk_larger_than_the_stream_is_fine(tiny):
+    from kvevict import compare
+
+    tokens = random_tokens(30)
+    big, _ = compare(tiny, tokens, ["h2o"], 8, reference=False, progress=False, chunk=1000)
+    step, _ = compare(tiny, tokens, ["h2o"], 8, reference=False, progress=False, chunk=1)
+    assert (big[0].nll - step[0].nll).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("spec", ["sink4+sink4+window", "sinkauto+sink2+h2o", "sink1+sinkauto2+window"])
+def test_nested_sink_wrappers_are_refused(spec):
+    from kvevict import parse_policy
+
+    with pytest.raises(KvevictError, match="nests sink wrappers: pin sinks once"):
+        parse_policy(spec)
+    cli_error("ppl", "--policy", spec, needles=("nests sink wrappers", "pin sinks once"))

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..defaults import DEFAULT_CHUNK
 from ..errors import KvevictError
 from ..policies import check_policy, parse_policy
 from ..report.records import cell_key
@@ -26,6 +27,7 @@ class SweepConfig:
     sinks: list[int] = field(default_factory=list)
     oracle_stride: int = 8
     positions: str = "original"
+    chunk: int = DEFAULT_CHUNK  # tokens per forward; results do not depend on it (exact replay)
     seed: int = 0
     name: str = "ab"
     out: str = "runs"

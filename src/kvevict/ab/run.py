@@ -101,6 +101,7 @@ def run_sweep(
                     specs = list(dict.fromkeys(c.spec for c in rows))
                     results, _ = compare(
                         model, tokens, specs, budget, config.positions, reference=reference, progress=bar,
+                        chunk=config.chunk,
                         label=f"budget {budget}: {len(specs)} policies",
                     )
                     by_spec = {r.policy: r for r in results}

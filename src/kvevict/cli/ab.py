@@ -12,13 +12,16 @@ from pathlib import Path
 
 import typer
 
+from ..defaults import DEFAULT_CHUNK
 from ..errors import KvevictError
 from .common import (
+    CHUNK_HELP,
     DOWNLOAD_HELP,
     MODEL_HELP,
     check_positions,
     err,
     one_line_errors,
+    parse_chunk,
     parse_floats,
     parse_ints,
     split_specs,
@@ -59,6 +62,7 @@ def ab(
     sinks: str = typer.Option("", help="sink counts K: adds sinkK+window at each budget, e.g. 0,1,2,4,8"),
     oracle_stride: int = typer.Option(8, help="the recompute oracle scores every K-th token"),
     positions: str = typer.Option("original", help="original | cache"),
+    chunk: str = typer.Option(str(DEFAULT_CHUNK), help=CHUNK_HELP),
     seed: int = typer.Option(0, help="seed of random policies (recorded in every result)"),
     name: str = typer.Option("ab", help="run name, one folder name: results go to OUT/NAME"),
     out_dir: str = typer.Option("runs", "--out", help="output folder"),
@@ -75,7 +79,8 @@ def ab(
     config = SweepConfig(
         model=model, text=text, tokens=tokens, budgets=parse_ints(budgets, "--budgets"),
         policies=split_specs(policies), sinks=parse_ints(sinks, "--sinks"),
-        oracle_stride=oracle_stride, positions=positions, seed=seed, name=name, out=out_dir,
+        oracle_stride=oracle_stride, positions=positions, chunk=parse_chunk(chunk), seed=seed, name=name,
+        out=out_dir,
         needle=parse_ints(needle, "--needle"), needle_depths=parse_floats(needle_depths, "--needle-depths"),
         needle_trials=needle_trials, generation=generation, sink_map=sink_map,
     )

@@ -71,6 +71,20 @@ def parse_floats(text: str, option: str) -> list[float]:
     return parse_numbers(text, option, float, "numbers")
 
 
+CHUNK_HELP = "tokens per forward after the prefill, evicting token by token inside it (1: one token per forward)"
+
+
+def parse_chunk(text: str) -> int:
+    """`--chunk` as a whole number >= 1 (parsed here, not by typer, so a bad value is one line)."""
+    from ..eval.streaming import check_chunk
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise KvevictError(f"--chunk takes a whole number of tokens >= 1 (1 = token by token), got '{text}'") from None
+    return check_chunk(value)
+
+
 def check_positions(positions: str) -> None:
     from ..cache import POSITION_MODES
 

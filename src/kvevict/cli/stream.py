@@ -6,9 +6,20 @@ import json
 
 import typer
 
+from ..defaults import DEFAULT_CHUNK
 from ..errors import KvevictError
 from ..report.columns import Column, Table
-from .common import DOWNLOAD_HELP, MODEL_HELP, check_policies, check_positions, err, one_line_errors, split_specs
+from .common import (
+    CHUNK_HELP,
+    DOWNLOAD_HELP,
+    MODEL_HELP,
+    check_policies,
+    check_positions,
+    err,
+    one_line_errors,
+    parse_chunk,
+    split_specs,
+)
 from .tables import show
 
 #: the `ppl` / `compare` table over `RowResult.summary()` rows; narrow terminals drop s, positions, kept, top1,
@@ -36,6 +47,7 @@ def ppl(
     positions: str = typer.Option("original", help="original | cache (StreamingLLM position shift)"),
     repeat: bool = typer.Option(False, help="cycle the text if it is shorter than --tokens"),
     window: int = typer.Option(0, help="also report PPL per window of this many predictions"),
+    chunk: str = typer.Option(str(DEFAULT_CHUNK), help=CHUNK_HELP),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object as the last line"),
     allow_download: bool = typer.Option(False, "--allow-download", help=DOWNLOAD_HELP),
 ) -> None:
@@ -46,13 +58,14 @@ def ppl(
 
     check_positions(positions)
     check_policies([policy], budget)
+    chunk_size = parse_chunk(chunk)
     if tokens < 2:
         raise KvevictError(f"need at least 2 tokens to score a prediction, got --tokens {tokens}")
     ids, repeated = load_tokens(text, load_tokenizer(model, allow_download), tokens, repeat=repeat)
     lm, _ = load_model(model, allow_download=allow_download)
     if repeated:
         err.print(f"note: '{text}' is shorter than {tokens} tokens; it was repeated to fill the stream")
-    result = streaming_ppl(lm, ids, policy=policy, budget=budget, positions=positions)
+    result = streaming_ppl(lm, ids, policy=policy, budget=budget, positions=positions, chunk=chunk_size)
     summary = result.summary()
     summary.update(model=model, text=text, tokens=tokens, text_repeated=repeated, sink_lost_at=result.sink_lost_at)
     if window:
@@ -73,6 +86,7 @@ def compare(
     policies: str = typer.Option("window,streamingllm", help="comma-separated specs, run as rows of one batch"),
     budget: int = typer.Option(256),
     positions: str = typer.Option("original"),
+    chunk: str = typer.Option(str(DEFAULT_CHUNK), help=CHUNK_HELP),
     as_json: bool = typer.Option(False, "--json"),
     allow_download: bool = typer.Option(False, "--allow-download", help=DOWNLOAD_HELP),
 ) -> None:
@@ -86,9 +100,10 @@ def compare(
     if not specs:
         raise KvevictError("--policies is empty: give comma-separated specs such as window,streamingllm")
     check_policies(specs, budget)
+    chunk_size = parse_chunk(chunk)
     ids, _ = load_tokens(text, load_tokenizer(model, allow_download), tokens)
     lm, _ = load_model(model, allow_download=allow_download)
-    rows, full = run_compare(lm, ids, specs, budget, positions)
+    rows, full = run_compare(lm, ids, specs, budget, positions, chunk=chunk_size)
     summaries = [full.summary()] + [r.summary() for r in rows]
     if as_json:
         print(json.dumps({"rows": summaries}))

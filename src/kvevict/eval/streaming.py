@@ -25,12 +25,11 @@ import torch
 
 from ..cache import EvictingCache, KeptTracker, SinkTracker
 from ..cache.observers import held_pinned_lost, held_sink_loss
+from ..defaults import DEFAULT_CHUNK
 from ..errors import KvevictError
 from ..progress import bars
 from .forward import body, log_probs
 
-# Tokens per forward after the prefill; chosen by benchmarks/chunked_vs_stepwise.py.
-DEFAULT_CHUNK = 64
 # Elements of `[rows, tokens, vocab]` log-probabilities held at once: NLL and KL are
 # computed in sub-blocks of predictions so a long chunk never holds more.
 LOGIT_ELEMENTS = 1 << 25
