@@ -1,7 +1,9 @@
 """Throughput of N policies batched as rows of one forward vs run one after another.
 
 On a CPU, decoding is bound by reading the weights; rows of one batch share that read.
-Both arms run here, in one process, on the same tokens, and the ratio is printed.
+Both arms run here, in one process, on the same tokens, and the ratio is printed. Both
+decode token by token (`chunk=1`): this measures the batching of rows, not chunking
+(that is benchmarks/chunked_vs_stepwise.py).
 
     .venv/bin/python benchmarks/batched_vs_sequential.py --tokens 400 --budget 128
 """
@@ -32,15 +34,17 @@ def main() -> None:
     # Warm-up, untimed: the first forwards of a process pay for kernel selection and
     # allocations, which would otherwise be charged to whichever arm runs first.
     warm = tokens[: args.budget + 32]
-    compare(model, warm, POLICIES, args.budget, reference=False, progress=False)
-    compare(model, warm, POLICIES[:1], args.budget, reference=False, progress=False)
+    compare(model, warm, POLICIES, args.budget, reference=False, progress=False, chunk=1)
+    compare(model, warm, POLICIES[:1], args.budget, reference=False, progress=False, chunk=1)
 
     t0 = time.perf_counter()
-    batched, _ = compare(model, tokens, POLICIES, args.budget, reference=False, progress=False)
+    batched, _ = compare(model, tokens, POLICIES, args.budget, reference=False, progress=False, chunk=1)
     batched_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    sequential = [compare(model, tokens, [p], args.budget, reference=False, progress=False)[0][0] for p in POLICIES]
+    sequential = [
+        compare(model, tokens, [p], args.budget, reference=False, progress=False, chunk=1)[0][0] for p in POLICIES
+    ]
     sequential_s = time.perf_counter() - t0
 
     for a, b in zip(batched, sequential):

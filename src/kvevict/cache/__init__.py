@@ -13,6 +13,8 @@
 | `rows.py` | which policy runs in which batch row |
 | `rotary.py` | RoPE at any position, from the model's rotary module |
 | `observers.py` | metrics attached from outside: largest size, sink loss |
+| `inputs.py` | positions the model used; errors for inputs the cache refuses |
+| `replay.py` | token-by-token eviction inside a forward of many tokens (chunked evaluation) |
 | `attention.py` | the registered attention function and mask hook |
 """
 

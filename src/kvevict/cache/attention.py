@@ -24,7 +24,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from ..errors import KvevictError
-from .layer import LAYER_KEY, NAME, padded_batch_error
+from .inputs import padded_batch_error
+from .layer import LAYER_KEY, NAME
 from .probabilities import decode_attention
 
 

@@ -171,6 +171,13 @@ def replay_steps(layer: EvictingLayer, query: torch.Tensor, used: torch.Tensor, 
             "bhgqd,bhnd->bhgqn", query.reshape(b, hkv, group, q, d), storage.keys[:, :, :total_all]
         ).float() * scaling
         alive = torch.zeros(b, hkv, q, total_all, dtype=torch.bool, device=layer.device)
+    # Rows of static policies need no statistics and no calls per step: their scores
+    # over every slot of the chunk are computed once and read through the virtual slots.
+    stepping = [g for g in groups if not g.policy.static_scores]
+    fixed = None
+    if len(stepping) < len(groups):
+        fixed = _scores(layer, storage.pos[:, :, : n0 + q], first_seen + q, n0 + q, static_only=True)
+    wants_probs = any(g.policy.needs_attention for g in stepping)
     evicted = False
     for i in range(q):
         vslot[:, :, k] = n0 + i
@@ -190,15 +197,17 @@ def replay_steps(layer: EvictingLayer, query: torch.Tensor, used: torch.Tensor, 
             outs.append(out.view(b, hq, 1, d))
         else:
             alive[:, :, i].scatter_(-1, slots, True)
-            logit = logits[:, :, :, i].gather(-1, slots[:, :, None, :].expand(-1, -1, group, -1))
-            probs = torch.softmax(logit, dim=-1)  # [B, H_kv, g, total]
+            probs = None
+            if wants_probs:
+                logit = logits[:, :, :, i].gather(-1, slots[:, :, None, :].expand(-1, -1, group, -1))
+                probs = torch.softmax(logit, dim=-1)  # [B, H_kv, g, total]
             q_i, q_used = query[:, :, i : i + 1], used[i : i + 1]
             keys = None
         layer.statistics.remember(q_i, q_used, seen)
         will_evict = total > budget
-        views = [_view(layer, g, positions, slots, seen, budget, storage, keys) for g in groups]
-        requests = [g.policy.request(v, will_evict) for g, v in zip(groups, views)]
-        for g, view, request in zip(groups, views, requests):
+        views = [_view(layer, g, positions, slots, seen, budget, storage, keys) for g in stepping]
+        requests = [g.policy.request(v, will_evict) for g, v in zip(stepping, views)]
+        for g, view, request in zip(stepping, views, requests):
             if request is None:
                 continue
             if request.kind == "new":
@@ -214,7 +223,12 @@ def replay_steps(layer: EvictingLayer, query: torch.Tensor, used: torch.Tensor, 
             k += 1
             continue
         evicted = True
-        scores = _merge(layer, [g.policy.scores(v) for g, v in zip(groups, views)], total)
+        if fixed is None:
+            scores = _merge(layer, [g.policy.scores(v) for g, v in zip(stepping, views)], total)
+        else:
+            scores = fixed.gather(-1, slots)
+            for g, v in zip(stepping, views):
+                g.put(scores, g.policy.scores(v))
         victim = selection.victim(scores, positions, ordered=False)
         _report(layer, seen, positions.gather(-1, victim[..., None])[..., 0])
         if shifted:  # compaction keeps positional order
@@ -264,22 +278,28 @@ def _view(
         seen=seen,
         budget=budget,
         layer=layer.index,
-        stats={name: group.take(stat).gather(-1, group.take(slots)) for name, stat in storage.stats.items()},
+        stats={name: group.take(storage.stats[name]).gather(-1, group.take(slots)) for name in group.policy.stats},
         keys=keys_now,
     )
 
 
-def _scores(layer: EvictingLayer, pos: torch.Tensor, seen: int, total: int) -> torch.Tensor:
-    """Every group's scores over all `total` slots (static policies: position decides)."""
-    storage = layer.storage
-    parts = []
-    for group in layer.settings.layout.groups:
-        view = SlotView(
-            positions=group.take(pos), seen=seen, budget=layer.budget, layer=layer.index,
-            stats={name: group.take(stat[:, :, :total]) for name, stat in storage.stats.items()},
-        )
-        parts.append(group.policy.scores(view))
-    return _merge(layer, parts, total)
+def _scores(layer: EvictingLayer, pos: torch.Tensor, seen: int, total: int, static_only: bool = False) -> torch.Tensor:
+    """Scores of every group's slots over all `total` slots (static policies: position decides).
+
+    `static_only`: score the static groups only (the other rows hold zeros), as float64.
+    """
+    groups = layer.settings.layout.groups
+    if static_only or len(groups) > 1:
+        scores = torch.zeros(layer.batch_size, layer.heads, total, dtype=torch.float64, device=layer.device)
+    for group in groups:
+        if static_only and not group.policy.static_scores:
+            continue
+        view = SlotView(positions=group.take(pos), seen=seen, budget=layer.budget, layer=layer.index)
+        part = group.policy.scores(view)
+        if not static_only and len(groups) == 1:
+            return part
+        group.put(scores, part)
+    return scores
 
 
 def _merge(layer: EvictingLayer, parts: list[torch.Tensor], total: int) -> torch.Tensor:

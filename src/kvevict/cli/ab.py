@@ -29,8 +29,8 @@ from .common import (
 from .tables import show
 
 #: The default A/B that `make demo` runs: sized to finish in under 10 minutes on 2 cores.
-DEMO = dict(tokens=800, budgets=[64, 128, 256], policies=["window", "streamingllm", "h2o", "snapkv"],
-            sinks=[0, 1, 2, 4, 8], oracle_stride=16, name="demo")
+DEMO = dict(tokens=2000, budgets=[64, 128, 256], policies=["window", "streamingllm", "h2o", "snapkv"],
+            sinks=[0, 1, 2, 4, 8], oracle_stride=64, name="demo")
 
 
 def run_ab(config, allow_download: bool = False) -> None:
