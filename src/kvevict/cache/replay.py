@@ -137,8 +137,14 @@ def _shifted_static_attention(
     grouped = raw_query.reshape(b, hkv, group, q, d)
     logits = torch.einsum("bhgqd,bhnd->bhgqn", mode.rotary.rotate(grouped, *mode.rotary.at(seen_before + evictions)),
                           keys)
-    at_pinned = torch.einsum("bhgqd,bhnd->bhgqn", mode.rotary.rotate(grouped, *mode.rotary.at(seen_before)), keys)
-    logits = torch.where(pinned[:, :, None, None, :], at_pinned, logits).float() * scaling
+    # S is a few of the oldest held slots (the sinks): their logits need the other query rotation
+    width = int(pinned.any(dim=(0, 1)).nonzero().max()) + 1 if bool(pinned.any()) else 0
+    if width:
+        at_pinned = torch.einsum(
+            "bhgqd,bhnd->bhgqn", mode.rotary.rotate(grouped, *mode.rotary.at(seen_before)), keys[:, :, :width]
+        )
+        logits[..., :width] = torch.where(pinned[:, :, None, None, :width], at_pinned, logits[..., :width])
+    logits = logits.float() * scaling
     logits.masked_fill_(~alive[:, :, None], float("-inf"))
     probs = torch.softmax(logits, dim=-1).to(storage.values.dtype)
     return torch.einsum("bhgqn,bhnd->bhgqd", probs, storage.values[:, :, : n0 + q]).reshape(b, hq, q, d)
