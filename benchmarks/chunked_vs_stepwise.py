@@ -83,7 +83,7 @@ def main() -> None:
         chunk_rows, chunk_full, chunk_s, chunk_mb = timed(model, tokens, rows_specs, args.budget, args.positions,
                                                           args.chunk, reference)
         for a, b in zip(step_rows, chunk_rows):
-            assert torch.allclose(b.nll, a.nll, rtol=5e-5, atol=1e-4), f"{a.policy}: chunked and stepwise disagree"
+            assert torch.allclose(b.nll, a.nll, rtol=1e-4, atol=1e-4), f"{a.policy}: chunked and stepwise disagree"
             assert a.sink_lost_at == b.sink_lost_at, f"{a.policy}: sink loss differs"
         print(f"{name + ', stepwise (chunk 1)':<34}{step_s:>9.1f}{step_mb:>13.0f}{'1.00x':>10}")
         print(f"{name + f', chunked (chunk {args.chunk})':<34}{chunk_s:>9.1f}{chunk_mb:>13.0f}"

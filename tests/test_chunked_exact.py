@@ -92,8 +92,10 @@ def test_chunked_equals_token_by_token_on_the_embedded_model():
         got, _ = compare(model, tokens, specs, 64, positions, reference=False, progress=False, chunk=48)
         for a, b in zip(ref, got):
             # 30 float32 layers: a row that lost its sink (window, NLL ~8) amplifies the
-            # rounding of a 48-token matmul vs a 1-token one to ~2e-4; relative 5e-5 covers it
-            assert torch.allclose(b.nll, a.nll, rtol=5e-5, atol=1e-4), f"{a.policy} ({positions})"
+            # rounding of a 48-token matmul vs a 1-token one to 3e-4 (original) and 6e-4
+            # (cache) on single tokens; the rows that keep their sink stay within 3e-5.
+            # The tiny models above hold the strict 1e-4 absolute.
+            assert torch.allclose(b.nll, a.nll, rtol=1e-4, atol=1e-4), f"{a.policy} ({positions})"
             assert f"{a.ppl:.2f}" == f"{b.ppl:.2f}"
             assert a.sink_lost_at == b.sink_lost_at
 
