@@ -14,18 +14,14 @@ memory is sampled during each arm. `--chunks` times the chunked arm at several s
 from __future__ import annotations
 
 import argparse
-import os
 import threading
 import time
 
 import torch
+from long_stream import rss_mb  # benchmarks/ is on the path when a script there runs
 
 from kvevict import compare, load_model, load_tokens
-
-
-def rss_mb() -> float:
-    with open(f"/proc/{os.getpid()}/statm") as handle:
-        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+from kvevict.defaults import DEFAULT_CHUNK
 
 
 class PeakRss:
@@ -62,7 +58,7 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=256)
     parser.add_argument("--policies", default="window,streamingllm,h2o,snapkv")
     parser.add_argument("--positions", default="original")
-    parser.add_argument("--chunk", type=int, default=64)
+    parser.add_argument("--chunk", type=int, default=DEFAULT_CHUNK)
     parser.add_argument("--chunks", default="", help="also time the chunked arm at these sizes, e.g. 16,32,64,128")
     parser.add_argument("--single", default="streamingllm", help="also time this policy alone (empty: skip)")
     args = parser.parse_args()

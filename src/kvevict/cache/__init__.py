@@ -4,6 +4,7 @@
 |---|---|
 | `cache.py` | `EvictingCache`: dispatches to layers; policies, rows, position mode, budgets |
 | `layer.py` | `EvictingLayer`: coordinates one layer's update, statistics and eviction |
+| `layer_settings.py` | `LayerSettings`: what every layer of one cache shares |
 | `storage.py` | slot buffers: in-place writes, gather, hole filling |
 | `positions.py` | the two position modes (original, shifted) as strategy objects |
 | `statistics.py` | what policies asked for, measured once, handed back |

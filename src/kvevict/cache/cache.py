@@ -20,7 +20,8 @@ from transformers.cache_utils import Cache
 from ..errors import KvevictError
 from ..policies import Policy, check_policy
 from .attention import attach
-from .layer import EvictingLayer, LayerSettings
+from .layer import EvictingLayer
+from .layer_settings import LayerSettings
 from .observers import KeptTracker, Observer, SinkTracker, held_pinned_lost, held_sink_loss
 from .positions import MODES, POSITION_MODES
 from .rotary import Rotary
@@ -127,10 +128,6 @@ class EvictingCache(Cache):
     def shares_rows(self) -> bool:
         """Whether every row still holds the same tokens, so one row may stand for all."""
         return all(layer.identical for layer in self.layers)
-
-    @property
-    def groups(self):
-        return self.layout.groups
 
     def row_policies(self) -> list[Policy]:
         """The policy of each batch row (after the first forward)."""

@@ -20,8 +20,6 @@ queries see the kept entries plus the tokens of that forward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -29,10 +27,10 @@ from ..errors import KvevictError
 from ..policies import SlotView
 from . import selection
 from .inputs import attach_error, model_positions
-from .observers import Eviction, Observer
-from .positions import PositionMode
+from .layer_settings import LayerSettings
+from .observers import Eviction
 from .replay import replay_static, replay_steps
-from .rows import RowGroup, RowLayout
+from .rows import RowGroup
 from .statistics import Statistics
 from .storage import SlotStorage
 
@@ -40,22 +38,6 @@ from .storage import SlotStorage
 NAME = "kvevict"
 #: where `update` leaves the layer in the model's attention kwargs for the attention function
 LAYER_KEY = "kvevict_layer"
-
-
-@dataclass
-class LayerSettings:
-    """What every layer of one cache shares; set by the cache, read by its layers."""
-
-    mode: PositionMode
-    layout: RowLayout
-    stat_names: tuple[str, ...]
-    query_window: int
-    slack: int
-    last_layer: int
-    budgets: list[int | None]  # per layer; None never evicts
-    per_token: bool  # a forward of many tokens evicts as that many one-token forwards would
-    config: object  # the model's config: its attention implementation must be kvevict's
-    observers: list[Observer] = field(default_factory=list)
 
 
 class EvictingLayer(CacheLayerMixin):
@@ -197,9 +179,12 @@ class EvictingLayer(CacheLayerMixin):
         mode = self.settings.mode
         if not (mode.raw_keys or self.settings.query_window):
             return query, None
-        start = mode.seq_length(self.n, self.seen - self.new)
-        used = model_positions(kwargs, query.shape[2], start, query.device, check_rows=False)
-        return mode.align_query(query, used, self.n)
+        return mode.align_query(query, self._query_positions(query, kwargs), self.n)
+
+    def _query_positions(self, query: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        """`[q]` positions the model rotated this forward's queries at."""
+        start = self.settings.mode.seq_length(self.n, self.seen - self.new)
+        return model_positions(kwargs, query.shape[2], start, query.device, check_rows=False)
 
     def replays(self, q: int) -> bool:
         """Whether a forward of `q` tokens must replay token-by-token eviction inside itself."""
@@ -216,8 +201,7 @@ class EvictingLayer(CacheLayerMixin):
                 f"a chunk that evicts token by token must be fed for all {self.batch_size} rows: "
                 f"its rows diverge inside it (input_ids.expand({self.batch_size}, -1))"
             )
-        start = self.settings.mode.seq_length(self.n, self.seen - self.new)
-        used = model_positions(kwargs, query.shape[2], start, query.device, check_rows=False)
+        used = self._query_positions(query, kwargs)
         out = None
         if all(g.policy.static_scores for g in self.settings.layout.groups):
             out = replay_static(self, query, used, scaling)
@@ -288,14 +272,10 @@ class EvictingLayer(CacheLayerMixin):
         )
 
     def _evict(self, views: list[SlotView], total: int, budget: int) -> None:
-        groups = self.settings.layout.groups
+        layout = self.settings.layout
         storage = self.storage
-        if len(groups) == 1:
-            scores = groups[0].policy.scores(views[0])
-        else:
-            scores = torch.empty(self.batch_size, self.heads, total, dtype=torch.float64, device=self.device)
-            for group, view in zip(groups, views):
-                group.put(scores, group.policy.scores(view))
+        parts = [group.policy.scores(view) for group, view in zip(layout.groups, views)]
+        scores = layout.merge(parts, self.batch_size, self.heads, total)
         pos = storage.pos[:, :, :total]
         observers = self.settings.observers
         victims = None
@@ -311,8 +291,13 @@ class EvictingLayer(CacheLayerMixin):
             self.settings.mode.after_compaction(storage, budget)
             self.ordered = True
         self.n = budget
+        self.report_eviction(self.seen, storage.pos[:, :, :budget], victims)
+
+    def report_eviction(self, seen: int, kept: torch.Tensor | None, victims: torch.Tensor | None) -> None:
+        """Tell the observers what this layer evicted when it had seen `seen` tokens (see `Eviction`)."""
+        observers = self.settings.observers
         if observers:
-            event = Eviction(self.index, self.seen, storage.pos[:, :, :budget], victims)
+            event = Eviction(self.index, seen, kept, victims)
             for observer in observers:
                 observer.on_evict(event)
 

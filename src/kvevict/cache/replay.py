@@ -26,22 +26,42 @@ token-by-token feeding would have.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from ..policies import SlotView
 from . import selection
-from .observers import Eviction
+from .layer_settings import LayerSettings
 from .probabilities import attention_mass
+from .rows import RowGroup
+from .statistics import Statistics
+from .storage import SlotStorage
 
-if TYPE_CHECKING:
-    from .layer import EvictingLayer
-    from .rows import RowGroup
+
+class ReplayingLayer(Protocol):
+    """What a replay reads and sets on the layer it runs in (an `EvictingLayer`)."""
+
+    index: int
+    n: int
+    seen: int
+    new: int
+    ordered: bool
+    batch_size: int
+    heads: int
+    device: torch.device
+    budget: int | None
+    storage: SlotStorage
+    settings: LayerSettings
+    statistics: Statistics
+
+    def report_eviction(self, seen: int, kept: torch.Tensor | None, victims: torch.Tensor | None) -> None: ...
 
 
-def replay_static(layer: EvictingLayer, query: torch.Tensor, used: torch.Tensor, scaling: float) -> torch.Tensor | None:
+def replay_static(
+    layer: ReplayingLayer, query: torch.Tensor, used: torch.Tensor, scaling: float
+) -> torch.Tensor | None:
     """Closed-form replay for static scores. Returns the output `[B, H_q, q, D]`, or None
     (nothing changed) when position-shift mode's shortcut does not apply.
 
@@ -71,7 +91,9 @@ def replay_static(layer: EvictingLayer, query: torch.Tensor, used: torch.Tensor,
     alive = before.clone()
     alive[:, :, steps, n0 + steps] = True  # each query sees itself
     evicting = steps >= max(0, budget - n0)  # [q] steps that overflow the budget
-    victims = pos.gather(-1, (alive & ~after).float().argmax(dim=-1))  # [B, H, q] what each step evicted
+    victims = None  # [B, H, q] what each step evicted: only observers and the position shift need it
+    if layer.settings.observers or layer.settings.mode.raw_keys:
+        victims = pos.gather(-1, (alive & ~after).float().argmax(dim=-1))
     if layer.settings.mode.raw_keys:
         out = _shifted_static_attention(layer, query, used, scaling, pos, step_of, alive, victims, evicting)
         if out is None:
@@ -83,9 +105,10 @@ def replay_static(layer: EvictingLayer, query: torch.Tensor, used: torch.Tensor,
             query, storage.keys[:, :, :total], storage.values[:, :, :total], attn_mask=mask, scale=scaling,
             enable_gqa=group > 1,
         )
-    for i in range(q):
-        if evicting[i]:
-            _report(layer, first_seen + i + 1, victims[:, :, i])
+    if victims is not None:
+        for i in range(q):
+            if evicting[i]:
+                layer.report_eviction(first_seen + i + 1, None, victims[:, :, i])
     keep = pos.masked_fill(~after[:, :, -1], selection.LATEST_LAST).argsort(dim=-1)[..., :budget]
     storage.gather(keep, keys=not layer.settings.mode.raw_keys)
     layer.settings.mode.after_compaction(storage, budget)
@@ -95,7 +118,7 @@ def replay_static(layer: EvictingLayer, query: torch.Tensor, used: torch.Tensor,
 
 
 def _shifted_static_attention(
-    layer: EvictingLayer,
+    layer: ReplayingLayer,
     query: torch.Tensor,
     used: torch.Tensor,
     scaling: float,
@@ -150,7 +173,7 @@ def _shifted_static_attention(
     return torch.einsum("bhgqn,bhnd->bhgqd", probs, storage.values[:, :, : n0 + q]).reshape(b, hq, q, d)
 
 
-def replay_steps(layer: EvictingLayer, query: torch.Tensor, used: torch.Tensor, scaling: float) -> torch.Tensor:
+def replay_steps(layer: ReplayingLayer, query: torch.Tensor, used: torch.Tensor, scaling: float) -> torch.Tensor:
     """Step through the chunk's queries: attention, statistics and one eviction per step.
 
     query `[B, H_q, q, D]` as the model rotated it, at positions `used` `[q]`. Returns
@@ -230,13 +253,13 @@ def replay_steps(layer: EvictingLayer, query: torch.Tensor, used: torch.Tensor, 
             continue
         evicted = True
         if fixed is None:
-            scores = _merge(layer, [g.policy.scores(v) for g, v in zip(stepping, views)], total)
+            scores = s.layout.merge([g.policy.scores(v) for g, v in zip(stepping, views)], b, hkv, total)
         else:
             scores = fixed.gather(-1, slots)
             for g, v in zip(stepping, views):
                 g.put(scores, g.policy.scores(v))
         victim = selection.victim(scores, positions, ordered=False)
-        _report(layer, seen, positions.gather(-1, victim[..., None])[..., 0])
+        layer.report_eviction(seen, None, positions.gather(-1, victim[..., None])[..., 0])
         if shifted:  # compaction keeps positional order
             keep = torch.arange(budget, device=layer.device)
             vslot[:, :, :budget] = slots.gather(-1, keep + (keep >= victim[..., None]).long())
@@ -263,7 +286,7 @@ def _take_slots(buffer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 
 def _view(
-    layer: EvictingLayer,
+    layer: ReplayingLayer,
     group: RowGroup,
     positions: torch.Tensor,
     slots: torch.Tensor,
@@ -289,39 +312,17 @@ def _view(
     )
 
 
-def _scores(layer: EvictingLayer, pos: torch.Tensor, seen: int, total: int, static_only: bool = False) -> torch.Tensor:
-    """Scores of every group's slots over all `total` slots (static policies: position decides).
+def _scores(
+    layer: ReplayingLayer, pos: torch.Tensor, seen: int, total: int, static_only: bool = False
+) -> torch.Tensor:
+    """Scores of every group's rows over all `total` slots (static policies: position decides).
 
-    `static_only`: score the static groups only (the other rows hold zeros), as float64.
+    `static_only`: score the static groups only; the other rows hold zeros.
     """
-    groups = layer.settings.layout.groups
-    if static_only or len(groups) > 1:
-        scores = torch.zeros(layer.batch_size, layer.heads, total, dtype=torch.float64, device=layer.device)
-    for group in groups:
-        if static_only and not group.policy.static_scores:
-            continue
-        view = SlotView(positions=group.take(pos), seen=seen, budget=layer.budget, layer=layer.index)
-        part = group.policy.scores(view)
-        if not static_only and len(groups) == 1:
-            return part
-        group.put(scores, part)
-    return scores
-
-
-def _merge(layer: EvictingLayer, parts: list[torch.Tensor], total: int) -> torch.Tensor:
-    groups = layer.settings.layout.groups
-    if len(groups) == 1:
-        return parts[0]
-    scores = torch.empty(layer.batch_size, layer.heads, total, dtype=torch.float64, device=layer.device)
-    for group, part in zip(groups, parts):
-        group.put(scores, part)
-    return scores
-
-
-def _report(layer: EvictingLayer, seen: int, victims: torch.Tensor) -> None:
-    """Tell the observers which positions `[B, H]` one step evicted."""
-    observers = layer.settings.observers
-    if observers:
-        event = Eviction(layer.index, seen, None, victims)
-        for observer in observers:
-            observer.on_evict(event)
+    layout = layer.settings.layout
+    parts = [
+        None if static_only and not group.policy.static_scores
+        else group.policy.scores(SlotView(positions=group.take(pos), seen=seen, budget=layer.budget, layer=layer.index))
+        for group in layout.groups
+    ]
+    return layout.merge(parts, layer.batch_size, layer.heads, total)

@@ -86,6 +86,22 @@ class RowLayout:
             rows.update({row: group.policy for row in group.rows})
         return [rows[i] for i in sorted(rows)]
 
+    def merge(self, parts: list[torch.Tensor | None], batch: int, heads: int, total: int) -> torch.Tensor:
+        """One `[B, H, n]` score tensor from each group's scores (`parts[i]` for `groups[i]`).
+
+        One group's scores are used as they are; several are written into a float64
+        buffer (policies may score in different dtypes). A group whose part is None
+        keeps zeros.
+        """
+        if len(self.groups) == 1 and parts[0] is not None:
+            return parts[0]
+        device = next(p.device for p in parts if p is not None)
+        scores = torch.zeros(batch, heads, total, dtype=torch.float64, device=device)
+        for group, part in zip(self.groups, parts):
+            if part is not None:
+                group.put(scores, part)
+        return scores
+
     def shared_rows(self, asking: tuple[int, ...]) -> tuple[Rows, list[Rows]]:
         """The rows of the groups `asking`, and where each group sits among them (memoized)."""
         if asking not in self._shared:

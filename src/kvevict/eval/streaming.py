@@ -158,9 +158,10 @@ def boundaries(length: int, prefill: int, chunk: int) -> list[tuple[int, int]]:
     return [(0, prefill)] + [(t, min(t + chunk, length)) for t in range(prefill, length, chunk)]
 
 
-def blocks(q: int, rows: int, vocab: int) -> range:
-    """Starts of sub-blocks of predictions whose `[rows, block, vocab]` stays under the cap."""
-    return range(0, q, max(1, LOGIT_ELEMENTS // max(1, rows * vocab)))
+def blocks(q: int, rows: int, vocab: int) -> list[tuple[int, int]]:
+    """`(lo, hi)` sub-blocks of `q` predictions whose `[rows, hi - lo, vocab]` stays under the cap."""
+    width = max(1, LOGIT_ELEMENTS // max(1, rows * vocab))
+    return [(lo, min(q, lo + width)) for lo in range(0, q, width)]
 
 
 @dataclass
@@ -207,8 +208,7 @@ def full_reference(model, tokens: torch.Tensor, progress=True, label: str = "str
         bar.remove_task(task)
         reference = Reference(None, torch.cat(hidden)[:steps], model)
         nll = torch.zeros(steps)
-        for lo in blocks(steps, 1, vocab):
-            hi = min(steps, lo + max(1, LOGIT_ELEMENTS // vocab))
+        for lo, hi in blocks(steps, 1, vocab):
             nll[lo:hi] = -reference.log_probs(lo, hi).gather(-1, targets[lo:hi, None])[:, 0]
     reference.result = RowResult(
         policy="full", budget=None, positions="original", nll=nll,
@@ -266,8 +266,7 @@ def compare(
                 hidden = lane.forward(tokens[start:stop])
                 t0 = time.perf_counter()
                 n_targets = max(0, min(stop, steps) - start)
-                for lo in blocks(n_targets, rows + 1, vocab):
-                    hi = min(n_targets, lo + max(1, LOGIT_ELEMENTS // ((rows + 1) * vocab)))
+                for lo, hi in blocks(n_targets, rows + 1, vocab):
                     at = slice(start + lo, start + hi)
                     tgt = targets[at]
                     lp = log_probs(model, hidden[:, lo:hi]).expand(rows, -1, -1)
