@@ -197,29 +197,52 @@ def check_model(model):
         raise KvevictError("not a transformers model: pass a model from AutoModelForCausalLM / kvevict.load_model")
     if getattr(config, "is_encoder_decoder", False):
         raise KvevictError(
-            f"{type(model).__name__} is an encoder-decoder: kvevict supports decoder-only causal LMs "
-            "with rotary positions (Llama, Mistral, Qwen2, ...)"
-        )
-    inner = getattr(model, "model", None)
-    if inner is None or not hasattr(inner, "rotary_emb"):
-        raise KvevictError(
-            f"{type(model).__name__} has no rotary position embedding (model.model.rotary_emb): kvevict supports "
-            "decoder-only causal LMs with RoPE (Llama, Mistral, Qwen2, ...)"
+            f"{type(model).__name__} is an encoder-decoder (its cross-attention cache is not a stream): {_SUPPORTED}"
         )
     if not getattr(model, "_supports_attention_backend", False):
         raise KvevictError(
             f"{type(model).__name__} does not route attention through transformers' AttentionInterface, "
-            "so kvevict cannot attach to it: use a Llama-family model"
+            f"so kvevict cannot attach to it: {_SUPPORTED}"
         )
     text = text_config(config)
-    if getattr(text, "sliding_window", None) or getattr(text, "layer_types", None) and any(
-        t != "full_attention" for t in text.layer_types
-    ):
+    layer_kinds(text, type(model).__name__)
+    if getattr(text, "attn_logit_softcapping", None) is not None:
         raise KvevictError(
-            f"{type(model).__name__} mixes sliding-window or linear layers: kvevict supports models whose "
-            "layers all use full attention"
+            f"{type(model).__name__} soft-caps its attention logits (attn_logit_softcapping="
+            f"{text.attn_logit_softcapping}), which kvevict's attention does not implement: {_SUPPORTED}"
         )
     return config
+
+
+#: the architectures the test matrix covers (tests/test_architectures.py), named in refusals
+_SUPPORTED = (
+    "kvevict supports decoder-only causal LMs whose attention goes through AttentionInterface "
+    "(Llama, Mistral, Qwen2/3, Gemma 3, Phi-3, GPT-NeoX, GPT-2, OPT)"
+)
+#: kinds of layers kvevict has a layer class for (cache.LAYER_KINDS); the rest hold no KV cache to bound
+ATTENTION_KINDS = ("full_attention", "sliding_attention")
+
+
+def layer_kinds(text, name: str = "this model") -> list[str]:
+    """The kind of each layer (`config.layer_types`; a model-wide `sliding_window` makes
+    every layer sliding), or a KvevictError for kinds no budget can bound."""
+    layers = text.num_hidden_layers
+    kinds = getattr(text, "layer_types", None)
+    if not kinds:
+        kinds = ["sliding_attention" if getattr(text, "sliding_window", None) else "full_attention"] * layers
+    other = sorted(set(kinds) - set(ATTENTION_KINDS))
+    if other:
+        raise KvevictError(
+            f"{name} has {', '.join(other)} layers (state-space or linear attention keep a fixed-size state, "
+            f"not a KV cache), so no budget can bound them: {_SUPPORTED}"
+        )
+    if "full_attention" not in kinds:
+        raise KvevictError(
+            f"every layer of {name} is sliding-window (window {text.sliding_window}), so a budget would bound "
+            "nothing: set config.sliding_window=None to run it with full attention, or use a model with "
+            "full-attention layers"
+        )
+    return list(kinds)
 
 
 def text_config(model_or_config):

@@ -84,11 +84,16 @@ class EvictingLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         model_kwargs = kwargs.get("kwargs")
-        if not isinstance(model_kwargs, dict):
-            raise KvevictError(
-                "this model does not hand its attention arguments to the cache (cache.update(..., kwargs=...)), "
-                "so kvevict's attention cannot find its cache layer: use a Llama-family model"
-            )
+        handoff = None
+        if not isinstance(model_kwargs, dict):  # GPT-NeoX: the layer goes through its attention module instead
+            handoff = self.settings.handoffs.get(self.index)
+            if handoff is None:
+                raise KvevictError(
+                    "this model does not hand its attention arguments to the cache (cache.update(..., kwargs=...)) "
+                    "and kvevict found no attention module with this layer's index: use a model from the "
+                    "architecture matrix (Llama, Mistral, Qwen2/3, Gemma 3, Phi-3, GPT-NeoX, GPT-2, OPT)"
+                )
+            model_kwargs = {}
         if self.pending or (self.index == 0 and getattr(self.settings.config, "_attn_implementation", None) != NAME):
             self.pending = False
             raise attach_error()
@@ -116,6 +121,8 @@ class EvictingLayer(CacheLayerMixin):
         storage.open(self.n, value_states, self.seen)
         mode.store_keys(storage, key_states, used, self.n)
         model_kwargs[LAYER_KEY] = self
+        if handoff is not None:
+            handoff.layer = self
         self.new = q
         self.seen += q
         self.pending = True
@@ -185,6 +192,10 @@ class EvictingLayer(CacheLayerMixin):
         """`[q]` positions the model rotated this forward's queries at."""
         start = self.settings.mode.seq_length(self.n, self.seen - self.new)
         return model_positions(kwargs, query.shape[2], start, query.device, check_rows=False)
+
+    def window_mask(self, q: int) -> torch.Tensor | None:
+        """A mask narrower than "every kept entry and the causal new tokens", or None (a full-attention layer)."""
+        return None
 
     def replays(self, q: int) -> bool:
         """Whether a forward of `q` tokens must replay token-by-token eviction inside itself."""

@@ -23,3 +23,6 @@ class LayerSettings:
     per_token: bool  # a forward of many tokens evicts as that many one-token forwards would
     config: object  # the model's config: its attention implementation must be kvevict's
     observers: list[Observer] = field(default_factory=list)
+    # per layer, where `update` leaves the layer for models that hand the cache no attention
+    # kwargs (GPT-NeoX): a thread-local slot on that layer's attention module (see attention.handoffs)
+    handoffs: dict[int, object] = field(default_factory=dict)

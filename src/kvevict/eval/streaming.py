@@ -138,7 +138,7 @@ class _Lane:
         # Until the first eviction every row holds the same tokens: feed one row for all
         # (not for a chunk that will evict inside itself: its rows diverge there).
         budget = self.cache.budget
-        fits = budget is None or self.cache.layers[0].n + chunk.numel() <= budget
+        fits = budget is None or self.cache.fits(chunk.numel())
         shared = self.rows > 1 and self.cache.shares_rows and fits
         ids = chunk.unsqueeze(0).expand(1 if shared else self.rows, -1)
         hidden = body(self.model, ids, self.cache)
