@@ -45,7 +45,8 @@ def _mistral():
 
 
 def _qwen2():
-    return tf.Qwen2ForCausalLM(tf.Qwen2Config(**COMMON, num_hidden_layers=2, num_key_value_heads=2, rope_parameters=ROPE))
+    config = tf.Qwen2Config(**COMMON, num_hidden_layers=2, num_key_value_heads=2, rope_parameters=ROPE)
+    return tf.Qwen2ForCausalLM(config)
 
 
 def _qwen3():
