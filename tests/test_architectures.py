@@ -251,3 +251,21 @@ def test_hybrid_memory_per_layer_kind():
     assert memory.kv_bytes == cell * 2 * (GEMMA_WINDOW - 1 + BUDGET)
     assert memory.full_kv_bytes == cell * 4 * TOKENS.numel()
     assert [k.shape[-1] for k in cache.kept_positions()] == [BUDGET, BUDGET]  # the policy's layers only
+
+
+def test_final_logit_softcap_is_applied():
+    """Gemma's `final_logit_softcapping` is part of the model's logits: kvevict's LM head must apply it too."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, sliding_window=GEMMA_WINDOW, final_logit_softcapping=2.0,
+        layer_types=["sliding_attention", "full_attention"], initializer_range=0.3,
+    )
+    model = tf.Gemma3ForCausalLM(config).eval()
+    rows, _ = compare(model, TOKENS, ["full"], None, reference=False, progress=False)
+    with torch.inference_mode():
+        logits = model(TOKENS[None]).logits[0, :-1]
+    expected = -torch.log_softmax(logits.float(), -1).gather(-1, TOKENS[1:, None])[:, 0]
+    assert (rows[0].nll - expected).abs().max() < 1e-4
