@@ -19,10 +19,10 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 
 from architectures import ARCHS, GEMMA_WINDOW, VOCAB
-from kvevict import EvictingCache, compare
+from kvevict import EvictingCache, attach, compare
 from kvevict.errors import KvevictError
 
-from helpers import attn
+from helpers import attn, nll_from_logits, plain_nll
 
 BUDGET = 12
 
@@ -182,7 +182,7 @@ REFUSED = {
     "state-space": (
         lambda: _tiny("MambaForCausalLM", "MambaConfig", vocab_size=50, hidden_size=32, num_hidden_layers=1,
                       state_size=4),
-        "does not route attention through transformers' AttentionInterface",
+        "linear_attention layers",  # transformers declares Mamba's blocks as linear attention
     ),
     "linear-attention": (
         lambda: _tiny("Qwen3NextForCausalLM", "Qwen3NextConfig", vocab_size=50, hidden_size=32,
@@ -265,7 +265,14 @@ def test_final_logit_softcap_is_applied():
     )
     model = tf.Gemma3ForCausalLM(config).eval()
     rows, _ = compare(model, TOKENS, ["full"], None, reference=False, progress=False)
+    assert (rows[0].nll - plain_nll(model, TOKENS)).abs().max() < 1e-4
+
+
+def test_attached_model_without_kvevict_cache_keeps_its_sliding_window():
+    """After attach, a plain forward (no EvictingCache) must still honour the sliding window it is handed."""
+    model = next(a for a in ARCHS if a.name == "gemma3").build()
+    expected = plain_nll(model, TOKENS)
+    attach(model)
     with torch.inference_mode():
-        logits = model(TOKENS[None]).logits[0, :-1]
-    expected = -torch.log_softmax(logits.float(), -1).gather(-1, TOKENS[1:, None])[:, 0]
-    assert (rows[0].nll - expected).abs().max() < 1e-4
+        logits = model(TOKENS[None]).logits[0]
+    assert (nll_from_logits(logits, TOKENS) - expected).abs().max() < 1e-4

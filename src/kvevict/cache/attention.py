@@ -29,6 +29,7 @@ from ..errors import KvevictError
 from .inputs import padded_batch_error
 from .layer import LAYER_KEY, NAME
 from .probabilities import decode_attention
+from .sliding import band
 
 
 def kvevict_attention(
@@ -72,6 +73,8 @@ def kvevict_attention(
             rows = torch.arange(q_len, device=query.device) + (kv_len - q_len)
             mask = cols[None, :] <= rows[:, None]
     window = layer.window_mask(q_len) if layer is not None else None
+    if layer is None and attention_mask is None and kwargs.get("sliding_window"):
+        window = band(q_len, kv_len, kwargs["sliding_window"], query.device)  # no EvictingCache: contiguous keys
     if window is not None:  # a sliding-window layer: each query sees its own window only
         mask, is_causal = window, False
     probs = None

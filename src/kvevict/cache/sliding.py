@@ -6,7 +6,7 @@ the last `W - 1` entries between forwards and the policy does not run in it. The
 cache's budget bounds the full-attention layers, which are the ones that grow.
 
 Within a forward of many tokens (a prefill, a chunk) each query sees only its own
-window: `window_mask` gives the band from the slots' stream positions, so a chunk is
+window: `window_mask` gives the band (the held entries are the latest tokens), so a chunk is
 exact without the token-by-token replay (the band is what one-token forwards would
 have seen). In position-shift mode the kept entries are contiguous stream tokens, so
 renumbering them `0..L-1` changes no relative distance: RoPE logits are the same.
@@ -42,13 +42,9 @@ class SlidingLayer(EvictingLayer):
         return False  # no policy runs here: nothing to measure
 
     def window_mask(self, q: int) -> torch.Tensor:
-        """`[q, n + q]` bool: new query `i` (stream position `seen - q + i`) sees slot `s`
-        iff `0 <= i_pos - pos[s] < window`. Positions are the same in every row and head."""
-        total = self.n + q
-        keys = self.storage.pos[0, 0, :total]
-        queries = torch.arange(self.seen - q, self.seen, device=keys.device)
-        distance = queries[:, None] - keys[None, :]
-        return (distance >= 0) & (distance < self.window)
+        """`[q, n + q]` bool: the held entries are always the latest stream tokens (contiguous), so
+        the band of the new queries is the model's own `i - window < j <= i`."""
+        return band(q, self.n + q, self.window, self.device)
 
     def finish(self, query, query_positions, scaling, probs=None) -> None:
         """Drop what fell out of the window: the oldest slots (kept in positional order)."""
@@ -61,3 +57,9 @@ class SlidingLayer(EvictingLayer):
             self.storage.gather(slots.expand(self.batch_size, self.heads, -1), keys=not self.settings.mode.raw_keys)
             self.settings.mode.after_compaction(self.storage, keep)
         self.n = keep
+
+
+def band(q: int, kv: int, window: int, device: torch.device) -> torch.Tensor:
+    """`[q, kv]` bool: the last `q` of `kv` contiguous positions each see themselves and the `window - 1` before."""
+    distance = torch.arange(kv - q, kv, device=device)[:, None] - torch.arange(kv, device=device)[None, :]
+    return (distance >= 0) & (distance < window)

@@ -20,6 +20,13 @@ def _cache_kwarg(cls: type) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def cache_argument(model, cache) -> dict:
+    """`{name: cache}` for the installed transformers: `cache=` from 5.24 on (where
+    `past_key_values=` is deprecated), `past_key_values=` before. Use it as
+    `model.generate(ids, **kvevict.cache_argument(model, cache))`."""
+    return {_cache_kwarg(type(model)): cache}
+
+
 def body(model, input_ids: torch.Tensor, cache) -> torch.Tensor:
     """Final hidden states `[B, q, H]` after feeding `input_ids` through `cache`.
 
