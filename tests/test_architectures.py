@@ -276,3 +276,13 @@ def test_attached_model_without_kvevict_cache_keeps_its_sliding_window():
     with torch.inference_mode():
         logits = model(TOKENS[None]).logits[0]
     assert (nll_from_logits(logits, TOKENS) - expected).abs().max() < 1e-4
+
+
+def test_summary_json_reports_memory_per_layer_kind():
+    model = next(a for a in ARCHS if a.name == "gemma3").build()
+    rows, _ = compare(model, TOKENS, ["window", "h2o"], BUDGET, reference=False, progress=False)
+    summary = rows[1].summary()
+    assert summary["held_per_layer_kind"] == {"sliding_attention": GEMMA_WINDOW - 1, "full_attention": BUDGET}
+    row_cell = 2 * 2 * 16 * 4  # keys+values x KV heads x head_dim x float32, one row
+    assert summary["kv_bytes"] == row_cell * 2 * (GEMMA_WINDOW - 1 + BUDGET)
+    assert summary["full_kv_bytes"] == row_cell * 4 * TOKENS.numel()
