@@ -105,7 +105,9 @@ class EvictingLayer(CacheLayerMixin):
         if self.index == 0 or mode.keys_need_positions(self.index):
             # Positions are the same for every layer of a forward: check them once, at layer 0.
             start = mode.seq_length(self.n, self.seen)
-            used = model_positions(model_kwargs, q, start, self.device, check_rows=self.index == 0)
+            used = self._positions(model_kwargs, q, start, check_rows=self.index == 0)
+            if self.index == 0:
+                self.settings.positions = used
             if self.index == 0 and self.seen and not mode.continues(int(used[0]), self.n, self.seen):
                 raise KvevictError(
                     f"this cache already holds {self.seen} tokens of a sequence, but the new tokens start at position "
@@ -191,7 +193,15 @@ class EvictingLayer(CacheLayerMixin):
     def _query_positions(self, query: torch.Tensor, kwargs: dict) -> torch.Tensor:
         """`[q]` positions the model rotated this forward's queries at."""
         start = self.settings.mode.seq_length(self.n, self.seen - self.new)
-        return model_positions(kwargs, query.shape[2], start, query.device, check_rows=False)
+        return self._positions(kwargs, query.shape[2], start, check_rows=False)
+
+    def _positions(self, kwargs: dict, q: int, start: int, check_rows: bool) -> torch.Tensor:
+        """`[q]` positions the model used: its `position_ids`, or else layer 0's (every layer of
+        a forward shares them; a layer's own count can differ from layer 0's in position-shift mode)."""
+        shared = self.settings.positions
+        if "position_ids" not in kwargs and self.index and shared is not None and shared.numel() == q:
+            return shared
+        return model_positions(kwargs, q, start, self.device, check_rows=check_rows)
 
     def window_mask(self, q: int) -> torch.Tensor | None:
         """A mask narrower than "every kept entry and the causal new tokens", or None (a full-attention layer)."""
