@@ -286,3 +286,24 @@ def test_summary_json_reports_memory_per_layer_kind():
     row_cell = 2 * 2 * 16 * 4  # keys+values x KV heads x head_dim x float32, one row
     assert summary["kv_bytes"] == row_cell * 2 * (GEMMA_WINDOW - 1 + BUDGET)
     assert summary["full_kv_bytes"] == row_cell * 4 * TOKENS.numel()
+
+
+@pytest.mark.model
+def test_gemma3_embedded_starts_with_bos_and_chunks_exactly():
+    """The second embedded model: its stream starts with BOS (SmolLM2's does not), and the
+    hybrid cache's chunked path equals token-by-token feeding in both position modes."""
+    from kvevict import load_model, load_tokens
+    from kvevict.data import stream_start
+    from kvevict.models import load_tokenizer
+
+    assert stream_start(load_tokenizer("smollm2-135m")) == []
+    model, tokenizer = load_model("gemma3-270m")
+    assert type(model).__name__ == "Gemma3ForCausalLM"
+    tokens, _ = load_tokens("pg-essays", tokenizer, 200)
+    assert stream_start(tokenizer) == [tokenizer.bos_token_id] and int(tokens[0]) == tokenizer.bos_token_id
+    for positions in ("original", "cache"):
+        ref, _ = compare(model, tokens, ["sink4+window", "h2o"], 64, positions, reference=False, progress=False, chunk=1)
+        got, _ = compare(model, tokens, ["sink4+window", "h2o"], 64, positions, reference=False, progress=False, chunk=48)
+        for a, b in zip(ref, got):
+            assert torch.allclose(b.nll, a.nll, rtol=1e-4, atol=1e-4), f"{a.policy} ({positions})"
+            assert a.summary()["held_per_layer_kind"] == {"sliding_attention": 511, "full_attention": 64}
