@@ -302,8 +302,9 @@ def test_gemma3_embedded_starts_with_bos_and_chunks_exactly():
     tokens, _ = load_tokens("pg-essays", tokenizer, 200)
     assert stream_start(tokenizer) == [tokenizer.bos_token_id] and int(tokens[0]) == tokenizer.bos_token_id
     for positions in ("original", "cache"):
-        ref, _ = compare(model, tokens, ["sink4+window", "h2o"], 64, positions, reference=False, progress=False, chunk=1)
-        got, _ = compare(model, tokens, ["sink4+window", "h2o"], 64, positions, reference=False, progress=False, chunk=48)
+        specs = ["sink4+window", "h2o"]
+        ref, _ = compare(model, tokens, specs, 64, positions, reference=False, progress=False, chunk=1)
+        got, _ = compare(model, tokens, specs, 64, positions, reference=False, progress=False, chunk=48)
         for a, b in zip(ref, got):
             assert torch.allclose(b.nll, a.nll, rtol=1e-4, atol=1e-4), f"{a.policy} ({positions})"
             assert a.summary()["held_per_layer_kind"] == {"sliding_attention": 511, "full_attention": 64}
