@@ -107,7 +107,7 @@ class EvictingLayer(CacheLayerMixin):
             start = mode.seq_length(self.n, self.seen)
             used = self._positions(model_kwargs, q, start, check_rows=self.index == 0)
             if self.index == 0:
-                self.settings.positions = used
+                self.settings.forward["positions"] = used
             if self.index == 0 and self.seen and not mode.continues(int(used[0]), self.n, self.seen):
                 raise KvevictError(
                     f"this cache already holds {self.seen} tokens of a sequence, but the new tokens start at position "
@@ -198,7 +198,7 @@ class EvictingLayer(CacheLayerMixin):
     def _positions(self, kwargs: dict, q: int, start: int, check_rows: bool) -> torch.Tensor:
         """`[q]` positions the model used: its `position_ids`, or else layer 0's (every layer of
         a forward shares them; a layer's own count can differ from layer 0's in position-shift mode)."""
-        shared = self.settings.positions
+        shared = self.settings.forward.get("positions")
         if "position_ids" not in kwargs and self.index and shared is not None and shared.numel() == q:
             return shared
         return model_positions(kwargs, q, start, self.device, check_rows=check_rows)

@@ -26,6 +26,7 @@ class LayerSettings:
     # per layer, where `update` leaves the layer for models that hand the cache no attention
     # kwargs (GPT-NeoX): a thread-local slot on that layer's attention module (see attention.handoffs)
     handoffs: dict[int, object] = field(default_factory=dict)
-    # `[q]` positions of the forward in flight, as layer 0 found them: the other layers' answer
-    # when the model hands them no `position_ids` (Gemma 3 before transformers 5.24, GPT-NeoX)
-    positions: object = None
+    # the forward in flight, shared by every layer (one dict even across per-kind copies of these
+    # settings): "positions", `[q]` as layer 0 found them, the other layers' answer when the model
+    # hands them no `position_ids` (Gemma 3 before transformers 5.24, GPT-NeoX)
+    forward: dict = field(default_factory=dict)
