@@ -307,4 +307,5 @@ def test_gemma3_embedded_starts_with_bos_and_chunks_exactly():
         got, _ = compare(model, tokens, specs, 64, positions, reference=False, progress=False, chunk=48)
         for a, b in zip(ref, got):
             assert torch.allclose(b.nll, a.nll, rtol=1e-4, atol=1e-4), f"{a.policy} ({positions})"
-            assert a.summary()["held_per_layer_kind"] == {"sliding_attention": 511, "full_attention": 64}
+            # 200 tokens have not filled a 512-token window: the sliding layers hold them all
+            assert a.summary()["held_per_layer_kind"] == {"sliding_attention": 200, "full_attention": 64}
