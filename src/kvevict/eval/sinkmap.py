@@ -162,7 +162,7 @@ def sink_map(
     probe_from, scan = t // 2, t // 4
     collector = _Collector(text.num_hidden_layers, probe_from, scan)
     with _measuring(model), torch.inference_mode():
-        model.model(input_ids=ids[None].long(), use_cache=False, **{COLLECTOR_KEY: collector})
+        model.base_model(input_ids=ids[None].long(), use_cache=False, **{COLLECTOR_KEY: collector})
     probes = t - probe_from
     per_layer = [(s / probes).tolist() for s in collector.sums]  # [layers][heads][scan]
     share = [[head[:k] for head in layer] for layer in per_layer]

@@ -54,6 +54,9 @@ class RowResult:
     scored: torch.Tensor | None = None  # [T-1] which predictions were scored (None: all)
     head: int = 0  # with `scored`: the first `head` predictions are all scored, the rest sampled
     baseline_nll: float | None = None  # the full cache's NLL on the same (sampled) predictions
+    # at the end of the stream, per row: {"held": {layer kind: entries per layer and KV head},
+    # "kv_bytes": keys+values held, "full_kv_bytes": what a full cache holds for the same tokens}
+    memory: dict | None = None
 
     def _mean(self, values: torch.Tensor) -> float:
         """Mean over all predictions; for a strided sample, a stratified estimate.
@@ -109,6 +112,10 @@ class RowResult:
             "sink_loss": self.sink_loss,
             "seconds": self.seconds,
         }
+        if self.memory is not None:
+            data["held_per_layer_kind"] = self.memory["held"]
+            data["kv_bytes"] = self.memory["kv_bytes"]
+            data["full_kv_bytes"] = self.memory["full_kv_bytes"]
         if self.baseline_nll is not None:
             data["full_ppl_same_tokens"] = math.exp(self.baseline_nll)
         if self.kl is not None:
@@ -138,7 +145,7 @@ class _Lane:
         # Until the first eviction every row holds the same tokens: feed one row for all
         # (not for a chunk that will evict inside itself: its rows diverge there).
         budget = self.cache.budget
-        fits = budget is None or self.cache.layers[0].n + chunk.numel() <= budget
+        fits = budget is None or self.cache.fits(chunk.numel())
         shared = self.rows > 1 and self.cache.shares_rows and fits
         ids = chunk.unsqueeze(0).expand(1 if shared else self.rows, -1)
         hidden = body(self.model, ids, self.cache)
@@ -283,6 +290,10 @@ def compare(
         lost_at = sinks.lost_at(len(cache.layers), cache.layers[0].heads)  # [layers, rows, heads]
         loss = held_sink_loss(cache.kept_positions())
         pinned_lost = held_pinned_lost(cache.kept_positions(), [p.pinned for p in cache.row_policies()])
+        memory = cache.memory()
+        per_row = {
+            "held": memory.held, "kv_bytes": memory.kv_bytes // rows, "full_kv_bytes": memory.full_kv_bytes // rows
+        }
         results = [
             RowResult(
                 policy=policy.spec(),
@@ -297,6 +308,7 @@ def compare(
                 sink_loss=float(loss[row]),
                 sink_lost_at=lost_at[:, row].tolist(),
                 seconds=lane.seconds,
+                memory=per_row,
             )
             for row, policy in enumerate(cache.row_policies())
         ]

@@ -1,0 +1,65 @@
+"""`SlidingLayer`: a sliding-window attention layer (Gemma 3's local layers, Qwen2's upper ones).
+
+The model itself lets query `i` see keys `j` with `i - W < j <= i` (transformers'
+`sliding_window_overlay`), so such a layer never needs more than its window: it keeps
+the last `W - 1` entries between forwards and the policy does not run in it. The
+cache's budget bounds the full-attention layers, which are the ones that grow.
+
+Within a forward of many tokens (a prefill, a chunk) each query sees only its own
+window: `window_mask` gives the band (the held entries are the latest tokens), so a chunk is
+exact without the token-by-token replay (the band is what one-token forwards would
+have seen). In position-shift mode the kept entries are contiguous stream tokens, so
+renumbering them `0..L-1` changes no relative distance: RoPE logits are the same.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layer import EvictingLayer
+from .layer_settings import LayerSettings
+
+
+class SlidingLayer(EvictingLayer):
+    """Keeps the last `window - 1` entries (the model's own window); no policy, no statistics."""
+
+    is_sliding = True
+
+    def __init__(self, index: int, settings: LayerSettings) -> None:
+        super().__init__(index, settings)
+        from ..models import text_config
+
+        self.window = int(text_config(settings.config).sliding_window)
+
+    @property
+    def budget(self) -> int:
+        return self.window - 1
+
+    def replays(self, q: int) -> bool:
+        return False  # the band mask already shows each query its own window
+
+    def plan(self) -> bool:
+        return False  # no policy runs here: nothing to measure
+
+    def window_mask(self, q: int) -> torch.Tensor:
+        """`[q, n + q]` bool: the held entries are always the latest stream tokens (contiguous), so
+        the band of the new queries is the model's own `i - window < j <= i`."""
+        return band(q, self.n + q, self.window, self.device)
+
+    def finish(self, query, query_positions, scaling, probs=None) -> None:
+        """Drop what fell out of the window: the oldest slots (kept in positional order)."""
+        self.pending = False
+        total = self.n + self.new
+        self.new = 0
+        keep = min(total, self.budget)
+        if keep < total:
+            slots = torch.arange(total - keep, total, device=self.device)
+            self.storage.gather(slots.expand(self.batch_size, self.heads, -1), keys=not self.settings.mode.raw_keys)
+            self.settings.mode.after_compaction(self.storage, keep)
+        self.n = keep
+
+
+def band(q: int, kv: int, window: int, device: torch.device) -> torch.Tensor:
+    """`[q, kv]` bool: the last `q` of `kv` contiguous positions each see themselves and the `window - 1` before."""
+    distance = torch.arange(kv - q, kv, device=device)[:, None] - torch.arange(kv, device=device)[None, :]
+    return (distance >= 0) & (distance < window)
