@@ -54,6 +54,7 @@ class RowResult:
     scored: torch.Tensor | None = None  # [T-1] which predictions were scored (None: all)
     head: int = 0  # with `scored`: the first `head` predictions are all scored, the rest sampled
     baseline_nll: float | None = None  # the full cache's NLL on the same (sampled) predictions
+    layer_budgets: list[int] | None = None  # entries each layer kept when they differ by layer (pyramidkv)
 
     def _mean(self, values: torch.Tensor) -> float:
         """Mean over all predictions; for a strided sample, a stratified estimate.
@@ -297,6 +298,7 @@ def compare(
                 sink_loss=float(loss[row]),
                 sink_lost_at=lost_at[:, row].tolist(),
                 seconds=lane.seconds,
+                layer_budgets=cache.layer_budgets() if policy.varies_by_layer else None,
             )
             for row, policy in enumerate(cache.row_policies())
         ]

@@ -50,6 +50,15 @@ class SinkWrapper(Policy):
     def static_scores(self) -> bool:
         return self.inner.static_scores
 
+    @property
+    def varies_by_layer(self) -> bool:
+        return self.inner.varies_by_layer
+
+    def layer_budgets(self, budget: int, layers: int) -> list[int] | None:
+        """The inner policy's per-layer budgets on the unpinned part, plus the sinks in every layer."""
+        inner = self.inner.layer_budgets(budget - self.n_sinks, layers)
+        return None if inner is None else [self.n_sinks + b for b in inner]
+
     def prefix(self) -> str:
         """The wrapper's part of the spec, e.g. `sink4`."""
         raise NotImplementedError
