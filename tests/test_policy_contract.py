@@ -80,7 +80,8 @@ def test_runs_are_deterministic_and_rows_independent(spec):
 @pytest.mark.parametrize("spec", bounded_specs())
 def test_declared_flags_are_honest(spec):
     """What a policy declares is what it does: a policy that says it needs no attention
-    never asks for it and carries no statistic."""
+    never asks for it and carries no statistic; one that says it reads no keys scores
+    without them, and one that says it does reads them."""
     policy = parse_policy(spec)
     view = SlotView(positions=torch.arange(12).view(1, 1, 12), seen=12, budget=BUDGET, layer=0)
     if not policy.needs_attention:
@@ -88,3 +89,11 @@ def test_declared_flags_are_honest(spec):
         assert policy.request(view, will_evict=True) is None
     else:
         assert policy.request(view, will_evict=True) is not None
+    read = []
+    keyed = SlotView(
+        positions=torch.arange(12).view(1, 1, 12), seen=12, budget=BUDGET, layer=0,
+        stats={name: torch.rand(1, 1, 12) for name in policy.stats},
+        keys=lambda: read.append(True) or torch.randn(1, 1, 12, 4),
+    )
+    policy.scores(keyed)
+    assert bool(read) == policy.reads_keys, f"{spec}: reads_keys={policy.reads_keys} but keys read: {bool(read)}"

@@ -106,6 +106,9 @@ class Policy:
     #: randomness is drawn, so the kept set after any step is the top-budget of all
     #: tokens seen: chunked evaluation computes it in closed form instead of stepping
     static_scores: ClassVar[bool] = False
+    #: scores slots by their keys (`view.keys()`: knorm, keydiff), so like an attention-driven
+    #: policy it can keep token 0 on some heads and lose it on others
+    reads_keys: ClassVar[bool] = False
     #: gives each layer its own budget (`layer_budgets`, PyramidKV). The storage of a layer
     #: is one budget for all rows, so such a policy runs in a batch of its own
     varies_by_layer: ClassVar[bool] = False

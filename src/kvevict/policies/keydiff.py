@@ -18,6 +18,8 @@ from .base import Policy, SlotView
 
 @dataclass(eq=False)
 class KeyDiff(Policy):
+    reads_keys = True
+
     def spec(self) -> str:
         return "keydiff"
 

@@ -26,6 +26,7 @@ from .base import Policy, SlotView
 @dataclass(eq=False)
 class KNorm(Policy):
     static_scores = True  # its key's norm, fixed on arrival
+    reads_keys = True
 
     def spec(self) -> str:
         return "knorm"

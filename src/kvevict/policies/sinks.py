@@ -51,6 +51,10 @@ class SinkWrapper(Policy):
         return self.inner.static_scores
 
     @property
+    def reads_keys(self) -> bool:
+        return self.inner.reads_keys
+
+    @property
     def varies_by_layer(self) -> bool:
         return self.inner.varies_by_layer
 
@@ -80,7 +84,13 @@ class SinkWrapper(Policy):
                 f"budget {budget} must be larger than the {self.n_sinks} pinned sinks of "
                 f"'{self.spec()}': raise --budget above {self.n_sinks} or pin fewer sinks"
             )
-        self.inner.check_budget(budget - self.n_sinks)
+        try:
+            self.inner.check_budget(budget - self.n_sinks)
+        except KvevictError as exc:
+            raise KvevictError(
+                f"'{self.spec()}' at budget {budget} runs its inner policy on the {budget - self.n_sinks} entries "
+                f"beside its {self.n_sinks} sinks: {exc}"
+            ) from None
 
     def with_seed(self, seed: int) -> SinkWrapper:
         return dataclasses.replace(self, inner=self.inner.with_seed(seed))

@@ -98,8 +98,8 @@ def sink_map(records: Sequence[Record]) -> tuple[str, str] | None:
 
 SECTIONS: list[Section] = [
     perplexity,
-    layer_budgets,
     sinks,
+    layer_budgets,
     _figure("Perplexity along the stream", plots.ppl_vs_position),
     _figure("Perplexity vs budget", plots.ppl_vs_budget),
     _figure("Perplexity vs number of sinks", plots.ppl_vs_sinks),
