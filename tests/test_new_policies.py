@@ -21,26 +21,25 @@ from conftest import make_tiny, random_tokens
 from helpers import attn
 
 
-def tova_victim(probs, keys, alive, head, group, per_group):
+def tova_victim(probs, keys, alive, candidates, head, group, per_group):
     """probs `[H_q, total]` of the newest query; drop the lowest attention averaged over heads."""
     heads = probs[head * group : (head + 1) * group] if per_group else probs
     score = heads.mean(dim=0)
-    return min(alive, key=lambda p: (float(score[p]), p))
+    return min(candidates, key=lambda p: (float(score[p]), p))
 
 
-def knorm_victim(probs, keys, alive, head, group, per_group):
+def knorm_victim(probs, keys, alive, candidates, head, group, per_group):
     """Drop the largest key norm (compared at half precision; the earlier of equal norms goes)."""
     norm = keys[head].float().norm(dim=-1).half().float()
-    return max(alive, key=lambda p: (float(norm[p]), -p))
+    return max(candidates, key=lambda p: (float(norm[p]), -p))
 
 
-def keydiff_victim(probs, keys, alive, head, group, per_group):
-    """Drop the key most similar (cosine) to the mean of the alive unit keys."""
-    k = keys[head, alive].double()
-    unit = k / k.norm(dim=-1, keepdim=True)
-    anchor = unit.mean(dim=0)
-    cos = unit @ anchor / anchor.norm()
-    return alive[int(cos.argmax())]
+def keydiff_victim(probs, keys, alive, candidates, head, group, per_group):
+    """Drop the key most similar (cosine) to the mean of the unit keys the cache holds (sinks included)."""
+    unit = keys[head].double() / keys[head].double().norm(dim=-1, keepdim=True)
+    anchor = unit[alive].mean(dim=0)
+    cos = unit[candidates] @ anchor / anchor.norm()
+    return candidates[int(cos.argmax())]
 
 
 class Reference:
@@ -67,7 +66,7 @@ class Reference:
                 if len(alive) > self.budget:
                     assert q == 1, "the reference evicts on decode steps only"
                     candidates = [p for p in alive if p >= self.sinks]
-                    victim = self.rule(probs[row, :, -1], key[row], candidates, head, group, self.per_group)
+                    victim = self.rule(probs[row, :, -1], key[row], alive, candidates, head, group, self.per_group)
                     evicted[row, head, victim] = True
         self.evicted[module.layer_idx] = evicted
         return out.transpose(1, 2).contiguous(), probs

@@ -24,9 +24,10 @@ class KeyDiff(Policy):
         return "keydiff"
 
     def scores(self, view: SlotView) -> torch.Tensor:
-        """`[b, H_kv, n]`: minus the cosine of each key `[b, H_kv, n, D]` to the mean unit key."""
+        """`[b, H_kv, n]`: minus each key's `[b, H_kv, n, D]` cosine to the mean unit key, scaled
+        by n times that mean's length (one positive number per head, so the order within a head
+        is the cosine's, and a decode step pays a few small ops per layer)."""
         keys = view.keys().float()
-        unit = keys / torch.linalg.vector_norm(keys, dim=-1, keepdim=True).clamp(min=1e-12)
-        anchor = unit.mean(dim=2, keepdim=True)  # [b, H_kv, 1, D]
-        anchor = anchor / torch.linalg.vector_norm(anchor, dim=-1, keepdim=True).clamp(min=1e-12)
-        return -(unit * anchor).sum(dim=-1)
+        unit = keys * torch.rsqrt((keys * keys).sum(dim=-1, keepdim=True).clamp(min=1e-24))
+        anchor = unit.sum(dim=2, keepdim=True)  # [b, H_kv, 1, D]: n times the mean unit key
+        return -(unit @ anchor.transpose(-1, -2))[..., 0]
