@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AttentionInterface, DynamicCache
 
 from kvevict import EvictingCache
 from kvevict.errors import KvevictError
@@ -18,7 +17,7 @@ from kvevict.eval.forward import body
 from kvevict.policies import check_policy, parse_policy
 
 from conftest import make_tiny, random_tokens
-from helpers import attn
+from helpers import attn, logits_through
 
 
 def tova_victim(probs, keys, alive, candidates, head, group, per_group):
@@ -81,13 +80,7 @@ def stream_both(spec, rule, tokens, budget, sinks=0, per_group=False, layers=2):
         for chunk in chunks:
             ours.append(model.get_output_embeddings()(body(model, chunk[None], cache))[0])
     reference = Reference(rule, budget, sinks, per_group)
-    AttentionInterface.register("new_policy_reference", reference)
-    theirs = []
-    with attn(model, "new_policy_reference"), torch.inference_mode():
-        full = DynamicCache(config=model.config)
-        for chunk in chunks:
-            theirs.append(model(chunk[None], past_key_values=full, use_cache=True).logits[0])
-    return torch.cat(ours), torch.cat(theirs), cache, reference
+    return torch.cat(ours), logits_through(model, "new_policy_reference", reference, chunks), cache, reference
 
 
 CASES = [
