@@ -19,8 +19,8 @@ from transformers import DynamicCache
 from kvevict import EvictingCache, load_model, load_tokens
 from kvevict.eval.forward import body
 
-ARMS = ["dynamic", "window", "streamingllm", "h2o", "snapkv"]
-TARGETS = {"window": 1.05, "streamingllm": 1.05, "h2o": 1.15}
+ARMS = ["dynamic", "window", "streamingllm", "h2o", "snapkv", "tova", "knorm", "keydiff"]
+TARGETS = {"window": 1.05, "streamingllm": 1.05, "h2o": 1.15, "tova": 1.15, "knorm": 1.05, "keydiff": 1.05}
 
 
 def make(model, arm: str, budget: int, steps: int, tokens: torch.Tensor):

@@ -18,6 +18,20 @@ def attn(model, implementation: str):
         model.set_attn_implementation(before)
 
 
+def logits_through(model, name: str, attention, chunks: list[torch.Tensor]) -> torch.Tensor:
+    """Logits `[T, vocab]` of `chunks` fed in turn through a full `DynamicCache`, with
+    `attention` (a reference attention function) registered as `name` and in use."""
+    from transformers import AttentionInterface, DynamicCache
+
+    AttentionInterface.register(name, attention)
+    out = []
+    with attn(model, name), torch.inference_mode():
+        full = DynamicCache(config=model.config)
+        for chunk in chunks:
+            out.append(model(chunk[None], past_key_values=full, use_cache=True).logits[0])
+    return torch.cat(out)
+
+
 def nll_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """NLL of tokens[1:] from logits[:-1] (one sequence)."""
     lp = torch.log_softmax(logits.float(), dim=-1)[:-1]

@@ -258,3 +258,25 @@ def test_ab_with_needle_generation_and_sink_map_sections(tmp_path, tiny_dir):
     before = store.path.read_text()
     run_sweep(cfg, model=model, tokenizer=tokenizer, progress=False)  # finished protocols are not rerun
     assert store.path.read_text() == before
+
+
+def test_per_layer_policy_runs_in_its_own_batch_and_reports_its_layer_budgets(tmp_path, text_file):
+    """pyramidkv beside uniform policies: each row equals the same policy streamed alone,
+    and the report shows the pyramid's budget per layer."""
+    from kvevict.eval.streaming import compare
+    from kvevict.report.sections import layer_budgets
+
+    model = make_tiny(seed=21)
+    spec = "pyramidkv:window=4,beta=2"
+    cfg = config(tmp_path, text_file, budgets=[16], policies=["window", spec, "tova"], sinks=[])
+    _, records = run_sweep(cfg, model=model, tokenizer=CharTokenizer(), progress=False)
+    tokens = CharTokenizer()(TEXT)["input_ids"][0][:260]
+    by_name = {r.name: r for r in records if r.kind == "policy"}
+    for name in ("window", spec, "tova"):
+        alone, _ = compare(model, tokens, [name], 16, reference=False, progress=False)
+        assert math.isclose(by_name[name].ppl, alone[0].ppl, rel_tol=1e-5), name
+    # window 4, 12 selectable on average: 12/2 = 6 at the top, 18 at the bottom (2 layers)
+    assert by_name[spec].layer_budgets == [22, 10]
+    assert by_name["window"].layer_budgets is None
+    title, body = layer_budgets(records)
+    assert title == "Budget per layer" and ">22</td>" in body and ">10</td>" in body and ">L1</th>" in body

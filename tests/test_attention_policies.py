@@ -13,7 +13,7 @@ from kvevict.cache.probabilities import attention_mass
 from kvevict.eval.forward import body
 
 from conftest import make_tiny, random_tokens
-from helpers import attn
+from helpers import attn, logits_through
 
 
 class H2OReference:
@@ -283,13 +283,8 @@ def test_snapkv_streaming_matches_reference_with_masked_evictions(budget, window
     our_nll = -torch.log_softmax(torch.cat(ours)[:-1].float(), -1).gather(-1, tokens[1:, None])[:, 0]
 
     reference = SnapKVReference(budget, window, kernel, pooling, interval)
-    AttentionInterface.register("snapkv_reference", reference)
-    ref = []
-    with attn(model, "snapkv_reference"), torch.inference_mode():
-        full = DynamicCache(config=model.config)
-        for chunk in chunks:
-            ref.append(model(chunk[None], past_key_values=full, use_cache=True).logits[0])
-    ref_nll = -torch.log_softmax(torch.cat(ref)[:-1].float(), -1).gather(-1, tokens[1:, None])[:, 0]
+    ref = logits_through(model, "snapkv_reference", reference, chunks)
+    ref_nll = -torch.log_softmax(ref[:-1].float(), -1).gather(-1, tokens[1:, None])[:, 0]
     assert ((our_nll - ref_nll).abs() / ref_nll.abs()).max() < 1e-4
     for idx, layer in enumerate(cache.layers):
         kept = layer.kept_positions()[0]

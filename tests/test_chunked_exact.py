@@ -21,7 +21,7 @@ from kvevict.eval.streaming import boundaries
 from kvevict.policies import REGISTRY, Policy, SlotView, register
 
 from conftest import make_tiny, random_tokens
-from policy_matrix import bounded_specs
+from policy_matrix import bounded_specs, neighbours
 
 MODEL = make_tiny(seed=31, layers=2)
 TOKENS = random_tokens(90, seed=32)
@@ -48,7 +48,7 @@ def stream(specs: list[str], positions: str, chunk: int) -> tuple[torch.Tensor, 
 @pytest.mark.parametrize("positions", ["original", "cache"])
 @pytest.mark.parametrize("spec", bounded_specs())
 def test_chunked_equals_token_by_token(spec, positions):
-    specs = [spec, "window"]  # a neighbour row: chunks replay rows of mixed policies together
+    specs = [spec, *neighbours(spec, ["window"])]  # a neighbour row: chunks replay rows of mixed policies together
     ref_nll, ref_kept, ref_lost = stream(specs, positions, 1)
     for chunk in (5, 16, 40):  # 5 and 16 do not divide the 78 streamed tokens; 16 and 40 exceed the budget
         nll, kept, lost = stream(specs, positions, chunk)

@@ -18,7 +18,7 @@ from kvevict.policies import SlotView
 from kvevict.policies.sinkauto import SinkAuto
 
 from conftest import make_tiny, random_tokens
-from policy_matrix import bounded_specs
+from policy_matrix import bounded_specs, neighbours
 
 MODEL = make_tiny(seed=11, layers=2)
 TOKENS = random_tokens(64, seed=12)
@@ -48,7 +48,8 @@ def test_budget_and_pinned_tokens_hold(spec, positions):
     for q, layers in zip(CHUNKS, kept):
         seen += q
         for index, pos in enumerate(layers):  # [1, H, n], ascending
-            assert pos.shape[-1] == min(seen, BUDGET), f"{spec}: holds {pos.shape[-1]} after {seen} tokens"
+            budget = cache.layers[index].budget  # BUDGET, or the layer's share of it (pyramidkv)
+            assert pos.shape[-1] == min(seen, budget), f"{spec}: holds {pos.shape[-1]} after {seen} tokens"
             assert bool((pos.diff(dim=-1) > 0).all()) and bool((pos < seen).all())
             held = [set(head.tolist()) for head in pos[0]]
             assert all(set(range(min(policy.pinned, seen))) <= h for h in held), f"{spec}: pinned token evicted"
@@ -67,7 +68,8 @@ def test_runs_are_deterministic_and_rows_independent(spec):
     for a, b in zip(alone_kept, again_kept):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
     # the same policy as the middle row of a batch, between two others
-    mixed_hidden, mixed_kept, _ = run(["window", spec, "h2o:recent=0.5"], "original")
+    first, last = neighbours(spec, ["window", "h2o:recent=0.5"])
+    mixed_hidden, mixed_kept, _ = run([first, spec, last], "original")
     for a, b in zip(alone_hidden, mixed_hidden):
         # rounding only (SDPA beside other rows vs attention by hand alone): the kept sets must be equal
         assert torch.allclose(a[0], b[1], atol=5e-5, rtol=1e-4), f"{spec}: result depends on its neighbours"
@@ -78,7 +80,8 @@ def test_runs_are_deterministic_and_rows_independent(spec):
 @pytest.mark.parametrize("spec", bounded_specs())
 def test_declared_flags_are_honest(spec):
     """What a policy declares is what it does: a policy that says it needs no attention
-    never asks for it and carries no statistic."""
+    never asks for it and carries no statistic; one that says it reads no keys scores
+    without them, and one that says it does reads them."""
     policy = parse_policy(spec)
     view = SlotView(positions=torch.arange(12).view(1, 1, 12), seen=12, budget=BUDGET, layer=0)
     if not policy.needs_attention:
@@ -86,3 +89,11 @@ def test_declared_flags_are_honest(spec):
         assert policy.request(view, will_evict=True) is None
     else:
         assert policy.request(view, will_evict=True) is not None
+    read = []
+    keyed = SlotView(
+        positions=torch.arange(12).view(1, 1, 12), seen=12, budget=BUDGET, layer=0,
+        stats={name: torch.rand(1, 1, 12) for name in policy.stats},
+        keys=lambda: read.append(True) or torch.randn(1, 1, 12, 4),
+    )
+    policy.scores(keyed)
+    assert bool(read) == policy.reads_keys, f"{spec}: reads_keys={policy.reads_keys} but keys read: {bool(read)}"

@@ -222,7 +222,7 @@ def test_ppl_vs_sinks_places_rows_by_their_declared_sink_count(demo):
 
 
 def test_sink_loss_maps_follow_what_the_policy_declares(demo, monkeypatch):
-    """Panels for policies that declare `needs_attention`, whatever their names say."""
+    """Panels for policies that declare `needs_attention` or `reads_keys`, whatever their names say."""
     from kvevict.policies import registry
     from kvevict.policies.window import Window
 
@@ -236,12 +236,13 @@ def test_sink_loss_maps_follow_what_the_policy_declares(demo, monkeypatch):
         PplRecord.from_dict({**h2o.to_dict(), "key": "policy|noth2o|64", "policy": "noth2o", "label": "noth2o"}),
         PplRecord.from_dict({**h2o.to_dict(), "key": "policy|sinkauto4+window|64", "policy": "sinkauto4+window",
                              "label": "sinkauto+window"}),
+        PplRecord.from_dict({**h2o.to_dict(), "key": "policy|knorm|64", "policy": "knorm", "label": "knorm"}),
     ]
     fig = plots.sink_loss_heatmaps(demo + extra)
     titles = [ax.get_title().split("\n")[0] for ax in fig.axes if ax.get_title()]
     expected = sorted(
         [(r.name, r.budget) for r in demo if r.kind == "policy" and r.name in ("h2o", "snapkv")]
-        + [("sinkauto+window", 64)]
+        + [("sinkauto+window", 64), ("knorm", 64)]
     )
     assert titles == [name for name, _ in expected]
     panel = fig.axes[titles.index("h2o")]

@@ -1,7 +1,9 @@
 """Running a sweep: the run folder, one batch per budget, results appended as they finish, resume.
 
 Cells that share a budget run as rows of one batch through one `EvictingCache`, so the
-weights are read once per decode step for all of them. Each finished batch is appended
+weights are read once per decode step for all of them. The exception is a policy that
+gives each layer its own budget (`pyramidkv`): a layer stores one budget for all rows,
+so it runs in a batch of its own (`policies.shared_batches`). Each finished batch is appended
 to `results.jsonl` atomically (see `report.store`); rerunning the same command skips
 finished cells. `run.json` pins what the cells were measured on, so a rerun with
 another model, text or length cannot mix results.
@@ -19,6 +21,7 @@ from ..errors import KvevictError
 from ..eval.oracle import recompute_oracle
 from ..eval.streaming import RowResult, compare, full_reference
 from ..models import load_model
+from ..policies import shared_batches
 from ..progress import bars
 from ..report.records import PplRecord, Record, load
 from ..report.store import ResultStore
@@ -65,6 +68,7 @@ def ppl_record(cell: Cell, result: RowResult, config: SweepConfig) -> PplRecord:
         positions=config.positions if cell.kind in ("policy", "sinks") else "original",
         curve=result.ppl_windows(width),
         sink_lost_at=result.sink_lost_at,
+        layer_budgets=result.layer_budgets,
         **{k: v for k, v in config.identity().items() if k != "positions"},
     )
     return PplRecord.from_dict(data)
@@ -97,16 +101,17 @@ def run_sweep(
                 bar.advance(sweep_task)
             for budget in config.budgets:
                 rows = [c for c in todo if c.budget == budget and c.kind in ("policy", "sinks")]
-                if rows:
-                    specs = list(dict.fromkeys(c.spec for c in rows))
+                # one batch per budget; a per-layer-budget policy (pyramidkv) runs in its own
+                for specs in shared_batches(list(dict.fromkeys(c.spec for c in rows))):
                     results, _ = compare(
                         model, tokens, specs, budget, config.positions, reference=reference, progress=bar,
                         chunk=config.chunk,
                         label=f"budget {budget}: {len(specs)} policies",
                     )
                     by_spec = {r.policy: r for r in results}
-                    store.append([ppl_record(c, by_spec[c.spec], config).to_dict() for c in rows])
-                    bar.advance(sweep_task, len(rows))
+                    batch = [c for c in rows if c.spec in by_spec]
+                    store.append([ppl_record(c, by_spec[c.spec], config).to_dict() for c in batch])
+                    bar.advance(sweep_task, len(batch))
                 oracle = next((c for c in todo if c.budget == budget and c.kind == "oracle"), None)
                 if oracle is not None:
                     result = recompute_oracle(model, tokens, budget, config.oracle_stride, reference, bar)

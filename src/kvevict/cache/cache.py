@@ -139,17 +139,30 @@ class EvictingCache(Cache):
         """Change the budget mid-run: lowering it evicts at the next forward; it is validated like a new cache."""
         for p in self.policies:
             check_policy(p, value)
+        layers = len(self.settings.budgets)
+        profiles = {p.spec(): p.layer_budgets(value, layers) if value is not None else None for p in self.policies}
+        if len({None if b is None else tuple(b) for b in profiles.values()}) > 1:
+            raise KvevictError(
+                f"policies with different per-layer budgets cannot share a batch ({', '.join(profiles)}): "
+                "a layer stores one budget for all rows; run each per-layer policy (pyramidkv) in its own batch"
+            )
         self._budget = value
-        self.settings.budgets[:] = [self.layer_budget(i, value) for i in range(len(self.settings.budgets))]
+        self._profile = next(iter(profiles.values()))
+        self.settings.budgets[:] = [self.layer_budget(i, value) for i in range(layers)]
 
     def layer_budget(self, layer: int, budget: int | None) -> int | None:
         """Entries layer `layer` keeps when the cache's budget is `budget` (None: never evict).
 
-        The seam for per-layer budgets (PyramidKV): a subclass or a later policy
-        declaration returns a different number per layer. Today every layer keeps
-        `budget`.
+        The seam for per-layer budgets: every layer keeps `budget` unless the policies
+        declare a profile (`Policy.layer_budgets`, PyramidKV), which all rows share.
         """
-        return budget
+        if budget is None or self._profile is None:
+            return budget
+        return self._profile[layer]
+
+    def layer_budgets(self) -> list[int | None]:
+        """The budget of each layer (what the report shows for per-layer policies)."""
+        return list(self.settings.budgets)
 
     def freeze(self) -> None:
         """Stop evicting: later tokens are all kept (context-compression protocol)."""

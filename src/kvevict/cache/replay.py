@@ -287,7 +287,7 @@ def replay_steps(layer: ReplayingLayer, query: torch.Tensor, used: torch.Tensor,
         for g, view, request in zip(stepping, views, requests):
             if request is None:
                 continue
-            if request.kind == "new":
+            if request.kind in ("new", "last"):  # one query per step: its attention is both
                 mass = g.take(probs.sum(dim=2))
             else:  # "window": the last queries, rotated to where their tokens sit now
                 queries, q_pos = layer.statistics.window_queries(mode, request.size, seen, total)
@@ -363,14 +363,20 @@ def _view(
 def _scores(
     layer: ReplayingLayer, pos: torch.Tensor, seen: int, total: int, static_only: bool = False
 ) -> torch.Tensor:
-    """Scores of every group's rows over all `total` slots (static policies: position decides).
+    """Scores of every group's rows over all `total` slots (static policies: the position or
+    the key of a token decides its score).
 
     `static_only`: score the static groups only; the other rows hold zeros.
     """
     layout = layer.settings.layout
     parts = [
         None if static_only and not group.policy.static_scores
-        else group.policy.scores(SlotView(positions=group.take(pos), seen=seen, budget=layer.budget, layer=layer.index))
+        else group.policy.scores(
+            SlotView(
+                positions=group.take(pos), seen=seen, budget=layer.budget, layer=layer.index,
+                keys=lambda group=group: group.take(layer.storage.keys[:, :, :total]),  # `knorm`: fixed per key
+            )
+        )
         for group in layout.groups
     ]
     return layout.merge(parts, layer.batch_size, layer.heads, total)

@@ -1,8 +1,9 @@
 """Attention statistics: what a layer's policies asked for, measured once, handed back.
 
 Before attention runs, each policy says what it needs (`AttentionRequest`): the
-attention of this forward's queries ("new", H2O) or of the last `size` queries even
-from earlier forwards ("window", SnapKV). After attention, `feed` measures it and lets
+attention of this forward's queries ("new", H2O), of its last query only ("last",
+TOVA: on a decode step the same measurement as "new") or of the last `size` queries
+even from earlier forwards ("window", SnapKV). After attention, `feed` measures it and lets
 each policy fold it into its per-slot statistic. The attention of the new queries is
 measured once for every row that wants it, not once per policy: H2O and sink4+H2O in
 one batch share it. A decode step whose policies all want it gets the probabilities
@@ -38,7 +39,7 @@ class Statistics:
         """Ask each row group's policy what it needs; True if every row wants this forward's attention."""
         self.views = views
         self.requests = [group.policy.request(view, will_evict) for group, view in zip(layout.groups, views)]
-        return all(r is not None and r.kind == "new" for r in self.requests)
+        return all(r is not None and r.kind in ("new", "last") for r in self.requests)
 
     def remember(self, query: torch.Tensor, used: torch.Tensor, seen: int) -> None:
         if self.window_size:
@@ -65,7 +66,9 @@ class Statistics:
         self.views = self.requests = None
         if all(r is None for r in requests):
             return views
-        asking = [i for i, r in enumerate(requests) if r is not None and r.kind == "new"]
+        # one query in flight: its attention is both "new" and "last", measured once
+        shared_kinds = ("new", "last") if new == 1 else ("new",)
+        asking = [i for i, r in enumerate(requests) if r is not None and r.kind in shared_kinds]
         shared: dict[int, torch.Tensor] = {}
         if asking:
             subset, parts = layout.shared_rows(tuple(asking))
@@ -84,8 +87,12 @@ class Statistics:
         for i, (group, view, request) in enumerate(zip(layout.groups, views, requests)):
             if request is None:
                 continue
-            if request.kind == "new":
+            if i in shared:
                 mass = shared[i]
+            elif request.kind == "last":  # the last of many queries (a prefill) over every key
+                keys = group.take(storage.keys[:, :, :total])
+                last = torch.tensor([seen - 1], device=query.device)
+                mass = attention_mass(group.take(query[:, :, -1:]), last, keys, view.positions, scaling)
             elif request.kind == "window":
                 queries, q_pos = self.window_queries(mode, request.size, seen, total)
                 keys = group.take(storage.keys[:, :, :total])

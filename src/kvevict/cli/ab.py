@@ -96,7 +96,7 @@ def report(
     from ..report.html import render
     from ..report.records import load, ppl_records
     from ..report.store import ResultStore
-    from ..report.tables import sinks_table, summary_table
+    from ..report.tables import layer_budget_table, sinks_table, summary_table
 
     folder = Path(run)
     if not (folder / "results.jsonl").exists():
@@ -106,10 +106,10 @@ def report(
     path = render(records, config, folder / "report.html")
     if markdown:
         print(summary_table(ppl_records(records)).markdown())
-        sinks = sinks_table(ppl_records(records))
-        if sinks:
-            print()
-            print(sinks.markdown())
+        for extra in (sinks_table(ppl_records(records)), layer_budget_table(ppl_records(records))):
+            if extra:
+                print()
+                print(extra.markdown())
     print(path.resolve())
 
 

@@ -26,7 +26,7 @@ import torch
 from ..data import load_text, tokenize
 from ..errors import KvevictError
 from ..models import text_config
-from ..policies import check_policy
+from ..policies import check_policy, shared_batches
 from ..progress import bars
 from .compress import Budget, budget_label, compress_prompt, greedy, parse_budget, resolve_budget
 from .prompts import Frame, essay_span, frame, question_ids, sentence_start, stop_ids
@@ -146,14 +146,15 @@ class NeedleResult:
 
 
 def _batches(policies: Sequence[str], budgets: Sequence[Budget]) -> list[tuple[list[str], Budget]]:
-    """The full cache alone (once, whatever the budgets), then the bounded policies per budget."""
+    """The full cache alone (once, whatever the budgets), then the bounded policies per budget
+    (one batch, plus one for each per-layer-budget policy: a layer stores one budget for all rows)."""
     full = [p for p in policies if p.strip().lower() == "full"]
     bounded = [p for p in policies if p.strip().lower() != "full"]
     plan: list[tuple[list[str], Budget]] = [([p], None) for p in full]
     if bounded:
         if not budgets:
             raise KvevictError("bounded policies need at least one budget: pass e.g. --budgets 50%,25%")
-        plan += [(bounded, budget) for budget in budgets]
+        plan += [(batch, budget) for budget in budgets for batch in shared_batches(bounded)]
     return plan
 
 

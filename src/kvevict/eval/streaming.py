@@ -57,6 +57,7 @@ class RowResult:
     # at the end of the stream, per row: {"held": {layer kind: entries per layer and KV head},
     # "kv_bytes": keys+values held, "full_kv_bytes": what a full cache holds for the same tokens}
     memory: dict | None = None
+    layer_budgets: list[int] | None = None  # entries each layer kept when they differ by layer (pyramidkv)
 
     def _mean(self, values: torch.Tensor) -> float:
         """Mean over all predictions; for a strided sample, a stratified estimate.
@@ -309,6 +310,7 @@ def compare(
                 sink_lost_at=lost_at[:, row].tolist(),
                 seconds=lane.seconds,
                 memory=per_row,
+                layer_budgets=cache.layer_budgets() if policy.varies_by_layer else None,
             )
             for row, policy in enumerate(cache.row_policies())
         ]

@@ -1,7 +1,7 @@
 """Eviction policies: pure scoring over small tensors, one file each."""
 
 from .base import AttentionRequest, Policy, SlotView
-from .registry import REGISTRY, check_policy, known_specs, parse_policy, register
+from .registry import REGISTRY, check_policy, known_specs, parse_policy, register, shared_batches
 from .sinks import SinkWrapper
 
 __all__ = [
@@ -14,4 +14,5 @@ __all__ = [
     "known_specs",
     "parse_policy",
     "register",
+    "shared_batches",
 ]

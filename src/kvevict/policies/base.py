@@ -32,6 +32,7 @@ class AttentionRequest:
     """Which queries' attention over the cache a policy needs at this step.
 
     `kind="new"` asks for every query of the current forward (H2O's cumulative score);
+    `kind="last"` for the last query of the current forward only (TOVA);
     `kind="window"` asks for the last `size` queries seen so far, even if they arrived in
     earlier forwards (SnapKV's observation window). `stat` names the per-slot
     accumulator that receives the attention mass; `accumulate=False` overwrites it.
@@ -99,18 +100,29 @@ class Policy:
     #: never evicts: the cache treats the budget as unbounded (`full`)
     unbounded: ClassVar[bool] = False
     #: what it keeps depends on attention (so it asks for it); otherwise the kept set
-    #: follows from positions alone and can be computed ahead of attention
+    #: follows from positions and keys alone and can be computed ahead of attention
     needs_attention: ClassVar[bool] = False
-    #: a token's score is fixed when it arrives (its position alone decides it) and no
+    #: a token's score is fixed when it arrives (its position or its key decides it) and no
     #: randomness is drawn, so the kept set after any step is the top-budget of all
     #: tokens seen: chunked evaluation computes it in closed form instead of stepping
     static_scores: ClassVar[bool] = False
+    #: scores slots by their keys (`view.keys()`: knorm, keydiff), so like an attention-driven
+    #: policy it can keep token 0 on some heads and lose it on others
+    reads_keys: ClassVar[bool] = False
+    #: gives each layer its own budget (`layer_budgets`, PyramidKV). The storage of a layer
+    #: is one budget for all rows, so such a policy runs in a batch of its own
+    varies_by_layer: ClassVar[bool] = False
 
     def spec(self) -> str:
         raise NotImplementedError
 
     def check_budget(self, budget: int) -> None:
         """Raise `KvevictError` if this policy cannot run at `budget`."""
+
+    def layer_budgets(self, budget: int, layers: int) -> list[int] | None:
+        """Entries each of `layers` layers keeps under a cache budget of `budget` (their sum
+        is `layers * budget`), or None when every layer keeps `budget`."""
+        return None
 
     def with_seed(self, seed: int) -> Policy:
         """This policy with its random seed set to `seed` (itself when it draws nothing)."""

@@ -16,10 +16,14 @@ from ..errors import KvevictError
 from .base import Policy
 from .full import Full
 from .h2o import H2O
+from .keydiff import KeyDiff
+from .knorm import KNorm
+from .pyramidkv import PyramidKV
 from .random_subset import Random
 from .sinkauto import SinkAuto
 from .sinks import SinkPinned
 from .snapkv import SnapKV
+from .tova import TOVA
 from .window import Window
 
 REGISTRY: dict[str, Callable[..., Policy]] = {
@@ -28,6 +32,10 @@ REGISTRY: dict[str, Callable[..., Policy]] = {
     "random": Random,
     "h2o": H2O,
     "snapkv": SnapKV,
+    "tova": TOVA,
+    "knorm": KNorm,
+    "keydiff": KeyDiff,
+    "pyramidkv": PyramidKV,
 }
 ALIASES = {"streamingllm": "sink4+window", "local": "window", "fifo": "window"}
 _SINK = re.compile(r"^sink(\d+)\+(.+)$")
@@ -80,6 +88,14 @@ def check_policy(spec: str | Policy, budget: int | None) -> Policy:
             raise KvevictError(f"budget must be a positive number of entries, got {budget}")
         policy.check_budget(budget)
     return policy
+
+
+def shared_batches(specs: list[str]) -> list[list[str]]:
+    """`specs` split into batches that can run as rows of one cache: every policy with a
+    uniform budget together, each per-layer-budget policy (`pyramidkv`) alone, because a
+    layer stores one budget for all its rows."""
+    uniform = [s for s in specs if not parse_policy(s).varies_by_layer]
+    return ([uniform] if uniform else []) + [[s] for s in specs if parse_policy(s).varies_by_layer]
 
 
 def _parse_options(factory: Callable[..., Policy], name: str, options: str) -> dict:

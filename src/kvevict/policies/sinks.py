@@ -50,6 +50,19 @@ class SinkWrapper(Policy):
     def static_scores(self) -> bool:
         return self.inner.static_scores
 
+    @property
+    def reads_keys(self) -> bool:
+        return self.inner.reads_keys
+
+    @property
+    def varies_by_layer(self) -> bool:
+        return self.inner.varies_by_layer
+
+    def layer_budgets(self, budget: int, layers: int) -> list[int] | None:
+        """The inner policy's per-layer budgets on the unpinned part, plus the sinks in every layer."""
+        inner = self.inner.layer_budgets(budget - self.n_sinks, layers)
+        return None if inner is None else [self.n_sinks + b for b in inner]
+
     def prefix(self) -> str:
         """The wrapper's part of the spec, e.g. `sink4`."""
         raise NotImplementedError
@@ -71,7 +84,13 @@ class SinkWrapper(Policy):
                 f"budget {budget} must be larger than the {self.n_sinks} pinned sinks of "
                 f"'{self.spec()}': raise --budget above {self.n_sinks} or pin fewer sinks"
             )
-        self.inner.check_budget(budget - self.n_sinks)
+        try:
+            self.inner.check_budget(budget - self.n_sinks)
+        except KvevictError as exc:
+            raise KvevictError(
+                f"'{self.spec()}' at budget {budget} runs its inner policy on the {budget - self.n_sinks} entries "
+                f"beside its {self.n_sinks} sinks: {exc}"
+            ) from None
 
     def with_seed(self, seed: int) -> SinkWrapper:
         return dataclasses.replace(self, inner=self.inner.with_seed(seed))

@@ -101,12 +101,13 @@ def _finish(ax, fig: Figure, xlabel: str, title: str) -> Figure:
 
 
 def sink_loss_heatmaps(records: list[PplRecord]) -> Figure | None:
-    """Layer x KV head: the share of the stream spent without token 0, per attention-driven policy.
+    """Layer x KV head: the share of the stream spent without token 0, per content-driven policy.
 
-    Only policies that choose by attention can lose token 0 on some heads and keep it on
-    others; a window loses it everywhere at once, so its map would say nothing.
+    Only policies that choose by what slots hold (attention, keys) can lose token 0 on
+    some heads and keep it on others; a window loses it everywhere at once, so its map
+    would say nothing.
     """
-    rows = [r for r in records if r.kind == "policy" and traits.needs_attention(r.policy) and r.sink_lost_at]
+    rows = [r for r in records if r.kind == "policy" and traits.content_driven(r.policy) and r.sink_lost_at]
     if not rows:
         return None
     rows.sort(key=lambda r: (r.name, r.budget))
@@ -128,5 +129,5 @@ def sink_loss_heatmaps(records: list[PplRecord]) -> Figure | None:
         ax.axis("off")
     if image is not None:
         fig.colorbar(image, ax=axes, shrink=0.6, label="share of the stream without token 0")
-    fig.suptitle("Where attention-driven policies lost the attention sink")
+    fig.suptitle("Where content-driven policies lost the attention sink")
     return fig

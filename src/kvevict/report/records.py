@@ -74,12 +74,15 @@ class PplRecord:
     full_ppl_same_tokens: float | None = None
     kl_to_full: float | None = None
     top1_agreement: float | None = None
+    #: entries each layer kept, bottom first, when the policy gives layers their own budget (pyramidkv)
+    layer_budgets: list[int] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     #: keys written only when they hold a value (older lines, and the full row, lack them)
     OPTIONAL: ClassVar[tuple[str, ...]] = (
         "label", "nll_mean", "max_kept", "sink_evicted", "first_token_evicted", "sink_loss", "seconds", "seed",
         "sink_lost_at", "model", "text", "tokens", "full_ppl_same_tokens", "kl_to_full", "top1_agreement",
+        "layer_budgets",
     )
 
     @classmethod

@@ -16,7 +16,7 @@ from ..eval.needle import NeedleResult
 from . import plots, task_plots
 from .markup import image_html, table_html
 from .records import Record, SinkMapRecord, ppl_records, task_records
-from .tables import generation_table, needle_table, sinks_table, summary_table
+from .tables import generation_table, layer_budget_table, needle_table, sinks_table, summary_table
 
 Section = Callable[[Sequence[Record]], tuple[str, str] | None]
 
@@ -41,6 +41,18 @@ def sinks(records: Sequence[Record]) -> tuple[str, str] | None:
     if table is None:
         return None
     return "Attention sinks: perplexity vs pinned sink tokens", table_html(table, "sinks")
+
+
+def layer_budgets(records: Sequence[Record]) -> tuple[str, str] | None:
+    table = layer_budget_table(ppl_records(records))
+    if table is None:
+        return None
+    intro = (
+        "<p>Policies that give each layer its own budget (PyramidKV: more entries in low layers) hold this "
+        "many entries per KV head in each layer, bottom first; together as many as <em>budget</em> in every "
+        "layer. They run in a batch of their own: a layer stores one budget for all rows of a batch.</p>"
+    )
+    return "Budget per layer", intro + table_html(table, "layer-budgets")
 
 
 def _figure(title: str, draw: Callable) -> Section:
@@ -87,6 +99,7 @@ def sink_map(records: Sequence[Record]) -> tuple[str, str] | None:
 SECTIONS: list[Section] = [
     perplexity,
     sinks,
+    layer_budgets,
     _figure("Perplexity along the stream", plots.ppl_vs_position),
     _figure("Perplexity vs budget", plots.ppl_vs_budget),
     _figure("Perplexity vs number of sinks", plots.ppl_vs_sinks),

@@ -85,6 +85,17 @@ def sinks_table(records: Sequence[PplRecord]) -> Table | None:
     return Table(["policy"] + [f"budget {b}" for b in budgets], body)
 
 
+def layer_budget_table(records: Sequence[PplRecord]) -> Table | None:
+    """Entries each layer kept, for rows whose policy gives layers their own budget (pyramidkv):
+    one row per (policy, budget), one column per layer, bottom layer first."""
+    rows = sorted((r for r in records if r.layer_budgets), key=lambda r: (r.budget or 0, r.name))
+    if not rows:
+        return None
+    layers = max(len(r.layer_budgets) for r in rows)
+    body = [[r.name, number(r.budget), *(str(b) for b in r.layer_budgets)] for r in rows]
+    return Table(["policy", "budget", *(f"L{i}" for i in range(layers))], body)
+
+
 def budget_order(budget: object) -> tuple:
     """full first, then percentages and entry counts from the largest down."""
     text = str(budget)

@@ -30,6 +30,13 @@ def needs_attention(spec: str) -> bool:
     return bool(policy is not None and policy.needs_attention)
 
 
+def content_driven(spec: str) -> bool:
+    """The policy chooses by what slots hold (attention or keys), so it can keep token 0 on
+    some heads and lose it on others (h2o, snapkv, tova, knorm, keydiff, ...)."""
+    policy = _policy(spec)
+    return bool(policy is not None and (policy.needs_attention or policy.reads_keys))
+
+
 def pinned(spec: str) -> int:
     """Leading tokens the policy always keeps (`sinkK+window`: K; `window`: 0)."""
     policy = _policy(spec)
