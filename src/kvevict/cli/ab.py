@@ -39,6 +39,7 @@ def run_ab(config, allow_download: bool = False) -> None:
     from ..report.html import render
     from ..report.records import ppl_records
     from ..report.tables import summary_table
+    from ..report.verdict import verdict
 
     check_positions(config.positions)
     plan(config)  # every spec, budget and the run name are checked before the model is loaded
@@ -49,6 +50,8 @@ def run_ab(config, allow_download: bool = False) -> None:
     report = render(records, asdict(config), config.folder / "report.html")
     title = f"kvevict A/B: {config.model} on {config.text}, {config.tokens} tokens, {config.positions}"
     show(summary_table(ppl_records(records)), title)
+    for found in verdict(records):
+        print(found.sentence)
     print(report.resolve())
 
 
@@ -97,6 +100,8 @@ def report(
     from ..report.records import load, ppl_records
     from ..report.store import ResultStore
     from ..report.tables import sinks_table, summary_table
+    from ..report.verdict import markdown as verdict_markdown
+    from ..report.verdict import verdict
 
     folder = Path(run)
     if not (folder / "results.jsonl").exists():
@@ -105,6 +110,8 @@ def report(
     config = json.loads((folder / "run.json").read_text())["config"] if (folder / "run.json").exists() else {}
     path = render(records, config, folder / "report.html")
     if markdown:
+        print(verdict_markdown(verdict(records)))
+        print()
         print(summary_table(ppl_records(records)).markdown())
         sinks = sinks_table(ppl_records(records))
         if sinks:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 from ..eval.generation import GenerationResult
 from ..eval.needle import NeedleResult
-from . import plots, task_plots
+from . import plots, task_plots, verdict
 from .markup import image_html, table_html
 from .records import Record, SinkMapRecord, ppl_records, task_records
 from .tables import generation_table, needle_table, sinks_table, summary_table
@@ -28,6 +28,12 @@ PPL_INTRO = (
     "PPL is a sampled estimate and its <em>ppl / full</em> compares it with the full cache on the very same "
     "tokens. <em>seconds</em> is the wall time of the batch a row ran in.</p>"
 )
+
+
+def decision(records: Sequence[Record]) -> tuple[str, str] | None:
+    """The verdict first: what to ship at each budget, and what to avoid (see `verdict`)."""
+    found = verdict.verdict(records)
+    return ("Verdict", verdict.section_html(found)) if found else None
 
 
 def perplexity(records: Sequence[Record]) -> tuple[str, str]:
@@ -85,6 +91,7 @@ def sink_map(records: Sequence[Record]) -> tuple[str, str] | None:
 
 
 SECTIONS: list[Section] = [
+    decision,
     perplexity,
     sinks,
     _figure("Perplexity along the stream", plots.ppl_vs_position),
