@@ -72,7 +72,8 @@ def test_lost_sink_lists_every_policy_and_how_many_heads():
 
 def test_every_policy_collapsed_says_raise_the_budget():
     v = by_budget([FULL, row("window", 4, 80.0, 1.0, lost=4), row("random", 4, 95.0, 1.2, lost=4)])[4]
-    assert v.sentence == "At budget 4 every policy collapsed (window, random): raise the budget before shipping any of them."
+    assert v.sentence == ("At budget 4 every policy collapsed (window, random): raise the budget before shipping "
+                          "any of them.")
 
 
 def test_budget_with_only_the_oracle_has_nothing_to_recommend():

@@ -20,7 +20,6 @@ from matplotlib.figure import Figure  # noqa: E402
 from . import traits  # noqa: E402
 from .records import PplRecord  # noqa: E402
 
-
 #: legend text size (points): readable in the report at the figure's embedded width
 LEGEND_SIZE = 8
 
