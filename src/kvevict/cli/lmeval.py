@@ -29,8 +29,11 @@ def lm_eval(
     save: str = typer.Option(None, help="write lm-eval's results (JSON) to this file"),
 ) -> None:
     """Run lm-evaluation-harness tasks with kvevict's eviction (lm_eval --model kvevict)."""
-    from ..lmeval import evaluate
+    from ..lmeval_args import Settings, split_model_args
     from ..report.columns import Table
+
+    Settings.parse(split_model_args(model_args))  # before lm-eval (seconds to import) or the model loads
+    from ..lmeval import evaluate
 
     results = evaluate(model_args, split_specs(tasks), num_fewshot, limit, include_path, seed=seed)
     rows = []

@@ -26,7 +26,9 @@ PPL_INTRO = (
     "of (layer, KV head) pairs that no longer hold token 0 at the end. The oracle re-computes each "
     "scored token from its previous <em>budget</em> tokens; with a stride it scores every K-th token, so its "
     "PPL is a sampled estimate and its <em>ppl / full</em> compares it with the full cache on the very same "
-    "tokens. <em>seconds</em> is the wall time of the batch a row ran in.</p>"
+    "tokens. <em>seconds</em> is the wall time of the batch a row ran in (the policies of one budget share a "
+    "batch), <em>tokens/s</em> the stream tokens that batch read per second, and <em>peak MB</em> the peak "
+    "resident memory of the process (the sweep, or its Ray worker) while the batch ran.</p>"
 )
 
 
