@@ -14,7 +14,7 @@ from importlib.util import find_spec
 import pytest
 import torch
 
-from helpers import cli, cli_error
+from helpers import attn, cli, cli_error
 
 pytestmark = pytest.mark.skipif(find_spec("lm_eval") is None,
                                 reason="the lm-eval extra is not installed: pip install kvevict[lm-eval]")
@@ -136,6 +136,40 @@ def test_a_tight_window_changes_the_scores_and_keeps_the_budget(tasks, tiny_dir)
     roomy = responses(evaluate(f"pretrained={tiny_dir},policy=window,budget=100%", tasks, ["kv_mc"]), "kv_mc")[0]
     assert tight != full
     assert [[round(ll, 4) for ll, _ in r] for r in roomy] == [[round(ll, 4) for ll, _ in r] for r in full]
+
+
+def masked_greedy(model, tokenizer, context: str, steps: int, budget: int, until: list[str]) -> str:
+    """Greedy decoding by full forwards under a mask: the prompt but its last token is one causal prefill (what
+    compression reads); from the last prompt token on, each query sees itself and the `budget` tokens before it
+    (a window evicting at every step)."""
+    ids = tokenizer(context)["input_ids"]
+    compressed = len(ids) - 1
+    out = []
+    with torch.inference_mode():
+        for _ in range(steps):
+            seq = torch.tensor([ids + out])
+            n = seq.shape[1]
+            i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+            visible = (j <= i) & ((i < compressed) | (i - j <= budget))
+            token = int(model(seq, attention_mask=visible[None, None]).logits[0, -1].argmax())
+            if token == tokenizer.eos_token_id:
+                break
+            out.append(token)
+    text = tokenizer.decode(out, skip_special_tokens=True)
+    for stop in until:
+        text = text.split(stop)[0]
+    return text
+
+
+def test_generation_keeps_evicting_after_the_prompt(tasks, tiny_dir):
+    from kvevict.models import load_model
+
+    results = evaluate(f"pretrained={tiny_dir},policy=window,budget=6", tasks, ["kv_gen"])
+    model, tokenizer = load_model(str(tiny_dir))
+    got, args = responses(results, "kv_gen")
+    with attn(model, "sdpa"):
+        for resps, arguments in zip(got, args):
+            assert resps[0] == masked_greedy(model, tokenizer, arguments[0][0], 6, 6, ["\n", "."])
 
 
 @pytest.mark.model

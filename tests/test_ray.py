@@ -85,7 +85,7 @@ def test_cli_ray_run_equals_local_run_and_resumes(tmp_path, tiny_dir, text_file)
     assert ray_run.returncode == 0, ray_run.stderr
     ours, theirs = numbers(tmp_path / "runs" / "ray" / "results.jsonl"), numbers(tmp_path / "runs" / "local" /
                                                                                  "results.jsonl")
-    assert len(ours) == 1 + 2 * (1 + 3 + 1) and ours == theirs  # full; per budget oracle, 3 policies, sink4 row
+    assert len(ours) == 1 + 2 * (1 + 3 + 2) and ours == theirs  # full; per budget the oracle, 3 policies, 2 sink rows
     for line in (tmp_path / "runs" / "ray" / "results.jsonl").read_text().splitlines():
         record = json.loads(line)
         assert record["seconds"] > 0 and record["tokens_per_s"] > 0 and record["peak_mb"] > 0
@@ -137,9 +137,9 @@ def test_worker_dying_every_time_is_reported_failed_and_a_rerun_finishes_it(ray_
     with pytest.raises(BaseException) as exit_:  # typer.Exit(1) after the report is written
         run_ab(config, executor=executor)
     assert getattr(exit_.value, "exit_code", None) == 1
-    assert [(b.name, len(b.cells)) for b, _ in executor.failed] == [("budget 32: rows", 4)]
+    assert [(b.name, len(b.cells)) for b, _ in executor.failed] == [("budget 32: rows", 5)]
     err = capsys.readouterr().err
-    assert "failed: budget 32: rows (window, h2o, sink2+window, sink4+window)" in err
+    assert "failed: budget 32: rows (window, h2o, sink2+window, window, sink4+window)" in err
     assert "rerun the same command to finish it" in err
     results = config.folder / "results.jsonl"
     assert not any("|32" in json.loads(line)["key"] and "oracle" not in line

@@ -140,7 +140,7 @@ class RayExecutor(Executor):
             batch = queue.pop(0)
             attempts[id(batch)] = attempts.get(id(batch), 0) + 1
             if self.on_dispatch is not None:
-                self.on_dispatch(batch, ray.get(actor.pid.remote()))
+                self.on_dispatch(batch, _pid(ray, actor))
             running[actor.run.remote(batch)] = (actor, batch)
 
         for actor in actors:
@@ -156,7 +156,6 @@ class RayExecutor(Executor):
                 else:
                     self.failed.append((batch, f"worker died {attempts[id(batch)]} times ({type(exc).__name__})"))
                     progress.advance(task)
-                time.sleep(0.1)
                 dispatch(actor)
                 continue
             except RayTaskError as exc:
@@ -170,6 +169,20 @@ class RayExecutor(Executor):
             progress.advance(task)
             dispatch(actor)
         progress.remove_task(task)
+
+
+def _pid(ray, actor, patience: float = 60.0) -> int:
+    """The process id of `actor`, waiting while Ray restarts it after a death."""
+    from ray.exceptions import RayActorError
+
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            return ray.get(actor.pid.remote())
+        except RayActorError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def _package_root() -> str:
