@@ -67,7 +67,12 @@ def test_lost_sink_lists_every_policy_and_how_many_heads():
                    row("sink4+window", 8, 23.0, 0.08)])[8]
     assert [(c.name, c.heads_lost, c.heads) for c in v.lost_sink] == [("h2o", 1, 4), ("window", 4, 4)]
     assert v.sentence == ("At budget 8 ship h2o (KL 0.050, PPL 22.00 vs 20.00 full), but it lost token 0 on 1 of 4 "
-                          "heads: pin sinks (sinkN+h2o).")
+                          "heads; the closest policy that kept it on every head is sink4+window (KL 0.080, PPL 23.00).")
+    # with no policy that kept token 0 everywhere (a collapsed one does not count), the advice is to pin sinks
+    v = by_budget([FULL, row("h2o", 8, 22.0, 0.05, lost=1), row("window", 8, 30.0, 0.4, lost=4),
+                   row("sink4+random", 8, 45.0, 0.9)])[8]
+    assert v.sentence == ("At budget 8 ship h2o (KL 0.050, PPL 22.00 vs 20.00 full), but it lost token 0 on 1 of 4 "
+                          "heads: pin sinks (sinkN+h2o); avoid sink4+random (collapsed).")
 
 
 def test_every_policy_collapsed_says_raise_the_budget():

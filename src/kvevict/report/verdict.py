@@ -104,8 +104,13 @@ def _names(candidates: Sequence[Candidate]) -> str:
     return ", ".join(c.name for c in candidates)
 
 
+def _scores(c: Candidate) -> str:
+    return ("" if c.kl is None else f"KL {c.kl:.3f}, ") + f"PPL {c.ppl:.2f}"
+
+
 def _sentence(v: BudgetVerdict) -> str:
-    """The recommendation: the closest policy that neither collapsed nor lost the sink, else say why not."""
+    """The recommendation: the closest policy that did not collapse; if it lost token 0 somewhere, the closest
+    one that kept it everywhere beside it (or the advice to pin sinks); else why nothing can be shipped."""
     if v.closest is None:
         return f"At budget {v.budget} the run holds no policy rows: nothing to recommend."
     bad = {c.name for c, _ in v.collapsed}
@@ -114,11 +119,15 @@ def _sentence(v: BudgetVerdict) -> str:
         return (f"At budget {v.budget} every policy collapsed ({_names([c for c, _ in v.collapsed])}): "
                 "raise the budget before shipping any of them.")
     best = safe[0]
-    kl = "" if best.kl is None else f"KL {best.kl:.3f}, "
     full = f" vs {v.full_ppl:.2f} full" if v.full_ppl else ""
-    text = f"At budget {v.budget} ship {best.name} ({kl}PPL {best.ppl:.2f}{full})"
+    text = f"At budget {v.budget} ship {best.name} ({_scores(best)}{full})"
     if best.heads_lost:
-        text += f", but it lost token 0 on {best.heads_lost} of {best.heads} heads: pin sinks (sinkN+{best.name})"
+        text += f", but it lost token 0 on {best.heads_lost} of {best.heads} heads"
+        keeper = next((c for c in safe if not c.heads_lost), None)
+        if keeper is None:
+            text += f": pin sinks (sinkN+{best.name})"
+        else:
+            text += f"; the closest policy that kept it on every head is {keeper.name} ({_scores(keeper)})"
     if bad:
         text += f"; avoid {', '.join(sorted(bad))} (collapsed)"
     return text + "."
