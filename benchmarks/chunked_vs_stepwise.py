@@ -59,7 +59,7 @@ def main() -> None:
     parser.add_argument("--policies", default="window,streamingllm,h2o,snapkv")
     parser.add_argument("--positions", default="original")
     parser.add_argument("--chunk", type=int, default=DEFAULT_CHUNK)
-    parser.add_argument("--chunks", default="", help="also time the chunked arm at these sizes, e.g. 16,32,64,128")
+    parser.add_argument("--chunks", default="", help="also time the chunked arms at these sizes, e.g. 16,32,64,128")
     parser.add_argument("--single", default="streamingllm", help="also time this policy alone (empty: skip)")
     args = parser.parse_args()
     model, tokenizer = load_model(args.model)
@@ -87,8 +87,9 @@ def main() -> None:
         print("  ppl " + ", ".join(f"{r.policy.split(':')[0]} {r.ppl:.2f}" for r in chunk_rows)
               + (f", full {chunk_full.ppl:.2f}" if chunk_full is not None else ""))
     for size in [int(c) for c in args.chunks.split(",") if c]:
-        _, _, seconds, peak = timed(model, tokens, specs, args.budget, args.positions, size)
-        print(f"{f'comparison, chunked (chunk {size})':<34}{seconds:>9.1f}{peak:>13.0f}")
+        for rows_specs, reference, name in cases:
+            _, _, seconds, peak = timed(model, tokens, rows_specs, args.budget, args.positions, size, reference)
+            print(f"{f'{name}, chunked (chunk {size})':<34}{seconds:>9.1f}{peak:>13.0f}")
 
 
 if __name__ == "__main__":

@@ -2,4 +2,4 @@
 
 #: Tokens per forward after the prefill in streaming evaluation (exact at any size);
 #: chosen by benchmarks/chunked_vs_stepwise.py --chunks, see docs/benchmarks.md.
-DEFAULT_CHUNK = 64
+DEFAULT_CHUNK = 256

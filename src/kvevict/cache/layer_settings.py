@@ -23,3 +23,6 @@ class LayerSettings:
     per_token: bool  # a forward of many tokens evicts as that many one-token forwards would
     config: object  # the model's config: its attention implementation must be kvevict's
     observers: list[Observer] = field(default_factory=list)
+    # the last chunk's closed-form replay plan, reused by the next layer when it ranks the
+    # same tokens the same way (`replay.StaticPlan`); a memo, never read as state
+    static_plan: object | None = None

@@ -26,6 +26,7 @@ token-by-token feeding would have.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -59,24 +60,42 @@ class ReplayingLayer(Protocol):
     def report_eviction(self, seen: int, kept: torch.Tensor | None, victims: torch.Tensor | None) -> None: ...
 
 
-def replay_static(
-    layer: ReplayingLayer, query: torch.Tensor, used: torch.Tensor, scaling: float
-) -> torch.Tensor | None:
-    """Closed-form replay for static scores. Returns the output `[B, H_q, q, D]`, or None
-    (nothing changed) when position-shift mode's shortcut does not apply.
+@dataclass(eq=False)
+class StaticPlan:
+    """What closed-form replay derives from the ranking alone, shapes `[B, H_kv, ...]`.
+
+    It depends only on the held positions, the scores and the chunk's place in the
+    stream, which are the same in every layer for position-decided policies (`window`,
+    `sinkN+window`), so the first layer of a chunk computes it and the others reuse it
+    (checked by equality, never assumed): ~30x less bookkeeping per chunk.
+    """
+
+    key: tuple[int, int, int, int | None]  # (held, new, seen, budget)
+    pos: torch.Tensor  # [B, H, total] positions by slot (a copy: storage changes after)
+    scores: torch.Tensor  # [B, H, total]
+    alive: torch.Tensor  # [B, H, q, total] what query i sees
+    after: torch.Tensor  # [B, H, q, total] kept after step i
+    evicting: torch.Tensor  # [q] steps that evict
+    keep: torch.Tensor  # [B, H, budget] slots held at the end
+    victims: torch.Tensor | None = None  # [B, H, q] position each step evicts (made on first use)
+    query_mask: torch.Tensor | None = None  # alive per query head, for SDPA (made on first use)
+    shift: tuple | None = None  # the position-shift shortcut's terms, or () when it does not apply
+
+
+def _static_plan(layer: ReplayingLayer, pos: torch.Tensor, scores: torch.Tensor) -> StaticPlan:
+    """The plan of this chunk: the previous layer's if it ranked the same tokens the same way.
 
     With fixed per-token scores, one eviction at a time keeps the top-`budget` of the
     tokens seen (ties keep the later token). Rank every held and new token once; the
     kept set after step `i` is then "rank among {held} + {new tokens <= i} within the
     budget", a cumulative count over the ranking.
     """
-    storage, budget = layer.storage, layer.budget
-    n0, q = layer.n, layer.new
-    total = n0 + q
-    first_seen = layer.seen - q
-    b, hkv = layer.batch_size, layer.heads
-    pos = storage.pos[:, :, :total]
-    scores = _scores(layer, pos, first_seen + q, total)
+    key = (layer.n, layer.new, layer.seen, layer.budget)
+    memo = layer.settings.static_plan
+    if memo is not None and memo.key == key and torch.equal(memo.pos, pos) and torch.equal(memo.scores, scores):
+        return memo
+    n0, q, budget = layer.n, layer.new, layer.budget
+    b, hkv, total = pos.shape
     # rank: best score first, the later token first among equals
     latest_first = pos.argsort(dim=-1, descending=True, stable=True)
     ranked = torch.sort(scores.gather(-1, latest_first), dim=-1, descending=True, stable=True).indices
@@ -87,88 +106,117 @@ def replay_static(
     within = member & (member.to(torch.int32).cumsum(dim=-1) <= budget)
     after = torch.zeros(b, hkv, q, total, dtype=torch.bool, device=pos.device)
     after.scatter_(-1, by_rank[:, :, None, :].expand(-1, -1, q, -1), within)  # kept after step i, by slot
-    before = torch.cat([(step_of < 0).expand(b, hkv, 1, total), after[:, :, :-1]], dim=2)
-    alive = before.clone()
+    alive = torch.cat([(step_of < 0).expand(b, hkv, 1, total), after[:, :, :-1]], dim=2)
     alive[:, :, steps, n0 + steps] = True  # each query sees itself
-    evicting = steps >= max(0, budget - n0)  # [q] steps that overflow the budget
-    victims = None  # [B, H, q] what each step evicted: only observers and the position shift need it
-    if layer.settings.observers or layer.settings.mode.raw_keys:
-        victims = pos.gather(-1, (alive & ~after).float().argmax(dim=-1))
-    if layer.settings.mode.raw_keys:
-        out = _shifted_static_attention(layer, query, used, scaling, pos, step_of, alive, victims, evicting)
+    plan = StaticPlan(
+        key=key,
+        pos=pos.clone(),
+        scores=scores,
+        alive=alive,
+        after=after,
+        evicting=steps >= max(0, budget - n0),
+        keep=pos.masked_fill(~after[:, :, -1], selection.LATEST_LAST).argsort(dim=-1)[..., :budget],
+    )
+    layer.settings.static_plan = plan
+    return plan
+
+
+def replay_static(
+    layer: ReplayingLayer, query: torch.Tensor, used: torch.Tensor, scaling: float
+) -> torch.Tensor | None:
+    """Closed-form replay for static scores. Returns the output `[B, H_q, q, D]`, or None
+    (nothing changed) when position-shift mode's shortcut does not apply.
+    """
+    storage, budget = layer.storage, layer.budget
+    n0, q = layer.n, layer.new
+    total = n0 + q
+    first_seen = layer.seen - q
+    hkv = layer.heads
+    pos = storage.pos[:, :, :total]
+    plan = _static_plan(layer, pos, _scores(layer, pos, first_seen + q, total))
+    shifted = layer.settings.mode.raw_keys
+    if (layer.settings.observers or shifted) and plan.victims is None:
+        plan.victims = pos.gather(-1, (plan.alive & ~plan.after).float().argmax(dim=-1))
+    if shifted:
+        out = _shifted_static_attention(layer, query, used, scaling, plan)
         if out is None:
             return None
     else:
         group = query.shape[1] // hkv
-        mask = alive.repeat_interleave(group, dim=1) if group > 1 else alive
+        if plan.query_mask is None:
+            plan.query_mask = plan.alive.repeat_interleave(group, dim=1) if group > 1 else plan.alive
         out = F.scaled_dot_product_attention(
-            query, storage.keys[:, :, :total], storage.values[:, :, :total], attn_mask=mask, scale=scaling,
-            enable_gqa=group > 1,
+            query, storage.keys[:, :, :total], storage.values[:, :, :total], attn_mask=plan.query_mask,
+            scale=scaling, enable_gqa=group > 1,
         )
-    if victims is not None:
-        for i in range(q):
-            if evicting[i]:
-                layer.report_eviction(first_seen + i + 1, None, victims[:, :, i])
-    keep = pos.masked_fill(~after[:, :, -1], selection.LATEST_LAST).argsort(dim=-1)[..., :budget]
-    storage.gather(keep, keys=not layer.settings.mode.raw_keys)
+    if layer.settings.observers:
+        for i in plan.evicting.nonzero()[:, 0].tolist():
+            layer.report_eviction(first_seen + i + 1, None, plan.victims[:, :, i])
+    storage.gather(plan.keep, keys=not shifted)
     layer.settings.mode.after_compaction(storage, budget)
     layer.ordered = True
     layer.n = budget
     return out
 
 
-def _shifted_static_attention(
-    layer: ReplayingLayer,
-    query: torch.Tensor,
-    used: torch.Tensor,
-    scaling: float,
-    pos: torch.Tensor,
-    step_of: torch.Tensor,
-    alive: torch.Tensor,
-    victims: torch.Tensor,
-    evicting: torch.Tensor,
-) -> torch.Tensor | None:
-    """Position-shift attention of a chunk whose every step evicts the oldest unpinned entry.
+def _shift_terms(layer: ReplayingLayer, plan: StaticPlan) -> tuple:
+    """The position-shift shortcut's terms for `plan`, or `()` when the chunk lacks its shape.
 
     In position-shift mode query `i` sits at `n_i` (the entries it sees, less itself)
     and a key at its rank among them, so ranks move as entries leave. When each step
     evicts the oldest entry outside a fixed set `S` of older, never-evicted ones (the
     sinks: `window`, `sinkN+window`), every other key's rank drops by one per eviction,
     so the relative distance `n_i - rank` equals `Q_i - P_j` with `Q_i = n_i + E(i)`
-    (`E(i)`: evictions before step `i`) and `P_j` fixed per key: two rotations of the
-    queries (for `S`, and for the rest) and one of the keys give every logit exactly.
-    Returns None when the chunk does not have that shape (then it is stepped).
+    (`E(i)`: evictions before step `i`) and `P_j` fixed per key. Returns
+    `(pinned [B, H, total], width, n_i [q], Q_i [q], P_j [total])`.
     """
-    storage, mode, budget = layer.storage, layer.settings.mode, layer.budget
-    n0, q = layer.n, layer.new
-    b, hq, _, d = query.shape
-    hkv = layer.heads
-    group = hq // hkv
-    device = query.device
+    n0, q, budget = layer.n, layer.new, layer.budget
+    device = plan.pos.device
     never = selection.LATEST_LAST
-    first_victim = victims.masked_fill(~evicting, never).amin(dim=-1)  # [B, H]
-    pinned = (step_of < 0) & (pos < first_victim[..., None])  # S: held, older than every victim
-    oldest = pos[:, :, None, :].masked_fill(~alive | pinned[:, :, None, :], never).amin(dim=-1)  # [B, H, q]
-    if not bool(((oldest == victims) | ~evicting).all()):
-        return None
+    step_of = (torch.arange(n0 + q, device=device) - n0).clamp(min=-1)
+    first_victim = plan.victims.masked_fill(~plan.evicting, never).amin(dim=-1)  # [B, H]
+    pinned = (step_of < 0) & (plan.pos < first_victim[..., None])  # S: held, older than every victim
+    oldest = plan.pos[:, :, None, :].masked_fill(~plan.alive | pinned[:, :, None, :], never).amin(dim=-1)
+    if not bool(((oldest == plan.victims) | ~plan.evicting).all()):
+        return ()
     steps = torch.arange(q, device=device)
     seen_before = (n0 + steps).clamp(max=budget)  # n_i
     evictions = (steps - max(0, budget - n0)).clamp(min=0)  # E(i)
     slot_rank = torch.cat([torch.arange(n0, device=device), seen_before + evictions])  # P_j, by slot
+    # S is a few of the oldest held slots (the sinks): their logits need the other query rotation
+    width = int(pinned.any(dim=(0, 1)).nonzero().max()) + 1 if bool(pinned.any()) else 0
+    return pinned, width, seen_before, seen_before + evictions, slot_rank
+
+
+def _shifted_static_attention(
+    layer: ReplayingLayer, query: torch.Tensor, used: torch.Tensor, scaling: float, plan: StaticPlan
+) -> torch.Tensor | None:
+    """Position-shift attention of a chunk whose every step evicts the oldest unpinned
+    entry (see `_shift_terms`): two rotations of the queries (for the sinks, and for the
+    rest) and one of the keys give every logit exactly. None when the chunk does not
+    have that shape (then it is stepped).
+    """
+    if plan.shift is None:
+        plan.shift = _shift_terms(layer, plan)
+    if not plan.shift:
+        return None
+    pinned, width, seen_before, query_at, slot_rank = plan.shift
+    storage, mode = layer.storage, layer.settings.mode
+    n0, q = layer.n, layer.new
+    b, hq, _, d = query.shape
+    hkv = layer.heads
+    group = hq // hkv
     raw_query = mode.rotary.unrotate(query, *mode.rotary.at(used))
     keys = mode.rotary.rotate(storage.raw[:, :, : n0 + q], *mode.rotary.at(slot_rank))
     grouped = raw_query.reshape(b, hkv, group, q, d)
-    logits = torch.einsum("bhgqd,bhnd->bhgqn", mode.rotary.rotate(grouped, *mode.rotary.at(seen_before + evictions)),
-                          keys)
-    # S is a few of the oldest held slots (the sinks): their logits need the other query rotation
-    width = int(pinned.any(dim=(0, 1)).nonzero().max()) + 1 if bool(pinned.any()) else 0
+    logits = torch.einsum("bhgqd,bhnd->bhgqn", mode.rotary.rotate(grouped, *mode.rotary.at(query_at)), keys)
     if width:
         at_pinned = torch.einsum(
             "bhgqd,bhnd->bhgqn", mode.rotary.rotate(grouped, *mode.rotary.at(seen_before)), keys[:, :, :width]
         )
         logits[..., :width] = torch.where(pinned[:, :, None, None, :width], at_pinned, logits[..., :width])
     logits = logits.float() * scaling
-    logits.masked_fill_(~alive[:, :, None], float("-inf"))
+    logits.masked_fill_(~plan.alive[:, :, None], float("-inf"))
     probs = torch.softmax(logits, dim=-1).to(storage.values.dtype)
     return torch.einsum("bhgqn,bhnd->bhgqd", probs, storage.values[:, :, : n0 + q]).reshape(b, hq, q, d)
 
