@@ -122,26 +122,25 @@ def _model_class():
         def _stream_score(self, context: torch.Tensor, continuation: torch.Tensor) -> tuple[float, bool]:
             """Context and continuation read as one stream, evicting as it goes; only the continuation is scored."""
             tokens = torch.cat([context, continuation])
-            nll, _ = self._stream(tokens, self.settings.entries(context.numel()))
-            tail = nll[-continuation.numel():]
+            tail = self._stream(tokens, self.settings.entries(context.numel()))[-continuation.numel():]
             return float(-tail.double().sum()), False  # the stream keeps no distributions to check greedy
 
-        def _stream(self, tokens: torch.Tensor, entries: int | None) -> tuple[torch.Tensor, None]:
+        def _stream(self, tokens: torch.Tensor, entries: int | None) -> torch.Tensor:
+            """`[T-1]` NLL of `tokens[1:]`, streamed through the policy at `entries` (None: the full cache)."""
             s = self.settings
             if entries is not None and entries >= tokens.numel():
                 entries = None  # nothing would be evicted
             spec = "full" if entries is None else s.policy
             rows, _ = compare(self.model, tokens, [spec], entries or tokens.numel(), s.positions, reference=False,
                               progress=False, chunk=s.chunk)
-            return rows[0].nll, None
+            return rows[0].nll
 
         def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
             out = []
             for request in requests:
                 (text,) = request.args
                 tokens = torch.tensor([self.prefix_token_id] + self.tok_encode(text))
-                nll, _ = self._stream(tokens, self.settings.entries(tokens.numel()))
-                value = float(-nll.double().sum())
+                value = float(-self._stream(tokens, self.settings.entries(tokens.numel())).double().sum())
                 out.append(value)
                 self.cache_hook.add_partial("loglikelihood_rolling", (text,), value)
             return out
