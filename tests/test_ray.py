@@ -72,6 +72,18 @@ def _run(*args: str) -> subprocess.CompletedProcess:
                           timeout=600)
 
 
+def ray_servers() -> set[int]:
+    """Process ids of Ray's GCS servers on this machine (one per running Ray instance)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and b"gcs_server" in (entry / "cmdline").read_bytes():
+                found.add(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
 @needs_ray
 def test_cli_ray_run_equals_local_run_and_resumes(tmp_path, tiny_dir, text_file):
     """`--executor ray` without an address starts a local Ray instance for the run and stops it; same cells, same
@@ -81,8 +93,10 @@ def test_cli_ray_run_equals_local_run_and_resumes(tmp_path, tiny_dir, text_file)
               "--out", str(tmp_path / "runs")]
     local = _run(*common, "--name", "local")
     assert local.returncode == 0, local.stderr
+    before = ray_servers()
     ray_run = _run(*common, "--name", "ray", "--executor", "ray", "--workers", "2")
     assert ray_run.returncode == 0, ray_run.stderr
+    assert ray_servers() <= before  # the local instance the run started is stopped with it
     ours, theirs = numbers(tmp_path / "runs" / "ray" / "results.jsonl"), numbers(tmp_path / "runs" / "local" /
                                                                                  "results.jsonl")
     assert len(ours) == 1 + 2 * (1 + 3 + 2) and ours == theirs  # full; per budget the oracle, 3 policies, 2 sink rows
