@@ -96,6 +96,9 @@ def test_cli_ray_run_equals_local_run_and_resumes(tmp_path, tiny_dir, text_file)
     before = ray_servers()
     ray_run = _run(*common, "--name", "ray", "--executor", "ray", "--workers", "2")
     assert ray_run.returncode == 0, ray_run.stderr
+    deadline = time.monotonic() + 15
+    while ray_servers() - before and time.monotonic() < deadline:
+        time.sleep(0.5)
     assert ray_servers() <= before  # the local instance the run started is stopped with it
     ours, theirs = numbers(tmp_path / "runs" / "ray" / "results.jsonl"), numbers(tmp_path / "runs" / "local" /
                                                                                  "results.jsonl")
