@@ -113,6 +113,42 @@ def test_cli_ray_run_equals_local_run_and_resumes(tmp_path, tiny_dir, text_file)
     assert report.exit_code == 0 and report.stdout.startswith("## Verdict")
 
 
+# --- bad input ----------------------------------------------------------------------------------------------
+
+
+def test_unknown_executor_is_one_line(tmp_path):
+    cli_error("ab", "--executor", "dask", "--out", str(tmp_path), needles=("--executor must be one of local, ray",
+                                                                           "'dask'"))
+
+
+def test_address_without_ray_executor_is_one_line(tmp_path):
+    cli_error("ab", "--address", "10.0.0.5:6379", "--out", str(tmp_path), needles=("--executor ray",))
+
+
+def test_missing_ray_names_the_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError, as when it is not installed
+    cli_error("ab", "--executor", "ray", "--out", str(tmp_path), needles=("pip install kvevict[ray]",))
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@needs_ray
+@pytest.mark.parametrize("address", ["refused", "10.255.255.1:6379", "ray://10.255.255.1:10001", "nohost"])
+def test_unreachable_ray_address_fails_fast_in_one_line(tmp_path, address):
+    if address == "refused":
+        address = f"127.0.0.1:{_closed_port()}"
+    start = time.monotonic()
+    # (before the tests that share a Ray session: this process must not be connected to Ray yet)
+    needle = "is not HOST:PORT" if address == "nohost" else "cannot reach Ray at"
+    cli_error("ab", "--executor", "ray", "--address", address, "--out", str(tmp_path),
+              needles=(needle, f"'{address}'", "--address"))
+    assert time.monotonic() - start < 30
+
+
 class Killer:
     """Kills the worker a chosen batch was handed to, `delay` seconds later (inside the batch)."""
 
@@ -165,40 +201,6 @@ def test_worker_dying_every_time_is_reported_failed_and_a_rerun_finishes_it(ray_
     run_sweep(config, progress=False, executor=RayExecutor(workers=2))  # the rerun
     run_sweep(sweep(tmp_path, tiny_dir, text_file, "reference"), progress=False)
     assert numbers(results) == numbers(tmp_path / "runs" / "reference" / "results.jsonl")
-
-
-# --- bad input ----------------------------------------------------------------------------------------------
-
-
-def test_unknown_executor_is_one_line(tmp_path):
-    cli_error("ab", "--executor", "dask", "--out", str(tmp_path), needles=("--executor must be one of local, ray",
-                                                                           "'dask'"))
-
-
-def test_address_without_ray_executor_is_one_line(tmp_path):
-    cli_error("ab", "--address", "10.0.0.5:6379", "--out", str(tmp_path), needles=("--executor ray",))
-
-
-def test_missing_ray_names_the_install(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError, as when it is not installed
-    cli_error("ab", "--executor", "ray", "--out", str(tmp_path), needles=("pip install kvevict[ray]",))
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@needs_ray
-@pytest.mark.parametrize("address", ["refused", "10.255.255.1:6379", "ray://10.255.255.1:10001", "nohost"])
-def test_unreachable_ray_address_fails_fast_in_one_line(tmp_path, address):
-    if address == "refused":
-        address = f"127.0.0.1:{_closed_port()}"
-    start = time.monotonic()
-    cli_error("ab", "--executor", "ray", "--address", address, "--out", str(tmp_path),
-              needles=(f"'{address}'", "--address"))
-    assert time.monotonic() - start < 30
 
 
 def test_core_runs_without_the_extras(tmp_path, tiny_dir):

@@ -34,6 +34,8 @@ from .worker import Batch, Worker
 #: seconds to reach a Ray address before giving up with a clear error (no hang)
 CONNECT_TIMEOUT = 10.0
 INSTALL = "pip install kvevict[ray]"
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+HTTP2_SETTINGS = bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # an empty SETTINGS frame: length 0, type 4, stream 0
 
 
 def import_ray():
@@ -46,7 +48,7 @@ def import_ray():
 
 
 def check_reachable(address: str, timeout: float = CONNECT_TIMEOUT) -> None:
-    """Open a TCP connection to ADDR (`host:port` or `ray://host:port`) within `timeout` seconds.
+    """Check that a Ray server answers at ADDR (`host:port` or `ray://host:port`) within `timeout` seconds.
 
     `ray.init` against an address nobody answers retries for minutes; this turns that
     into one line naming the fix. `auto` (the cluster this machine belongs to) is left to Ray.
@@ -62,8 +64,13 @@ def check_reachable(address: str, timeout: float = CONNECT_TIMEOUT) -> None:
         raise KvevictError(f"--address '{address}' is not HOST:PORT or ray://HOST:PORT: give the head node's address "
                            "(e.g. 10.0.0.5:6379), or leave it out to start a local Ray instance")
     try:
-        with socket.create_connection((host, port), timeout=timeout):
-            pass
+        with socket.create_connection((host, port), timeout=timeout) as conn:
+            # Ray's GCS and its client server speak gRPC: a live one answers the HTTP/2 preface with a
+            # SETTINGS frame. A port that merely accepts connections (a proxy, another service) does not.
+            conn.sendall(HTTP2_PREFACE + HTTP2_SETTINGS)
+            answer = conn.recv(9)
+        if len(answer) < 9 or answer[3] != 0x04:
+            raise ConnectionError(0, "no gRPC server answered")
     except OSError as exc:
         reason = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc))
         raise KvevictError(f"cannot reach Ray at '{address}' ({reason} after at most {timeout:g} s): start the "
@@ -104,10 +111,19 @@ class RayExecutor(Executor):
         """Connect or start Ray; (whether this run started it, CPUs per worker)."""
         cpus = self.cpus or (1 if self.address else max(1, (os.cpu_count() or 1) // self.workers))
         if ray.is_initialized():
+            here = ray.get_runtime_context().gcs_address
+            if self.address and self.address not in ("auto", here):
+                raise KvevictError(f"this process is already connected to Ray at '{here}', not '{self.address}': "
+                                   "leave --address out to use it, or run from a fresh process")
             return False, cpus
         if self.address:
             check_reachable(self.address)
-            ray.init(address=self.address, log_to_driver=False, configure_logging=False)
+            try:  # a server that answers but is not Ray's (a proxy) makes Ray give up after ~20 s
+                ray.init(address=self.address, log_to_driver=False, configure_logging=False)
+            except (ConnectionError, RuntimeError, ValueError) as exc:  # ValueError: ray:// without ray[client]
+                raise KvevictError(f"cannot reach Ray at '{self.address}' ({exc}): start the cluster (`ray start "
+                                   "--head`) and pass its address, or leave --address out to start a local Ray "
+                                   "instance") from None
         else:
             # the workers import kvevict from where this process does (a source checkout included)
             path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), _package_root()) if p)

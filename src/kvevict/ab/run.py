@@ -64,7 +64,7 @@ def run_sweep(
     done = store.done()
     todo = batches(config, [c for c in cells if c.key not in done])
     task_kinds = tasks.pending(config, done)
-    if model is None and (task_kinds or (todo and executor.in_process)):
+    if model is None and todo and executor.in_process:  # one model for the cells and the tasks
         model, tokenizer = load_model(config.model, allow_download=allow_download)
     if todo:
         with bars(progress) as bar:
@@ -77,6 +77,8 @@ def run_sweep(
 
             executor.run(config, todo, partial(Worker, config, model, tokenizer, allow_download), finished, bar)
     if task_kinds:  # the protocols beyond perplexity run in this process, whatever the executor
+        if model is None:
+            model, tokenizer = load_model(config.model, allow_download=allow_download)
         tokens, _ = load_tokens(config.text, tokenizer, config.tokens)
         with bars(progress) as bar:
             tasks.run(config, model, tokenizer, tokens, store, task_kinds, bar)
