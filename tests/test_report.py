@@ -195,6 +195,26 @@ def test_ppl_vs_position_draws_one_panel_per_budget_with_every_policy(demo):
     close(fig)
 
 
+def test_ppl_vs_position_has_a_readable_legend_at_every_budget(demo):
+    fig = plots.ppl_vs_position(demo)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    colours: dict[str, set] = {}
+    for ax in fig.axes:
+        legend = ax.get_legend()
+        assert legend is not None, ax.get_title()
+        assert [t.get_text() for t in legend.get_texts()] == [line.get_label() for line in ax.get_lines()
+                                                              if not line.get_label().startswith("_")]
+        assert all(t.get_fontsize() >= 8 for t in legend.get_texts())
+        # below the plot area: it hides no curve
+        assert legend.get_window_extent(renderer).y1 <= ax.get_window_extent(renderer).y0
+        for line in ax.get_lines():
+            colours.setdefault(line.get_label(), set()).add(line.get_color() if isinstance(line.get_color(), str)
+                                                            else tuple(line.get_color()))
+    assert all(len(c) == 1 for c in colours.values()), colours  # one colour per policy in every panel
+    close(fig)
+
+
 def test_ppl_vs_budget_draws_each_policy_over_the_budgets(demo):
     fig = plots.ppl_vs_budget(demo)
     (ax,) = fig.axes
@@ -256,7 +276,7 @@ def test_sink_loss_maps_follow_what_the_policy_declares(demo, monkeypatch):
 
 def test_sections_are_registered_in_report_and_render_task_records(tmp_path, demo):
     names = [s.__name__ for s in SECTIONS]
-    assert names[:2] == ["perplexity", "sinks"] and names[-3:] == ["needle", "generation", "sink_map"]
+    assert names[:3] == ["decision", "perplexity", "sinks"] and names[-3:] == ["needle", "generation", "sink_map"]
     trials = [
         TaskRecord(f"needle|{p}|{b}|200|0.5|{t}", "needle", 0,
                    {"policy": p, "budget": b, "length": 200, "depth": 0.5, "trial": t, "hit": t == 0,

@@ -1,35 +1,30 @@
-"""Running a sweep: the run folder, one batch per budget, results appended as they finish, resume.
+"""Running a sweep: the run folder, batches handed to an executor, results appended as they finish, resume.
 
-Cells that share a budget run as rows of one batch through one `EvictingCache`, so the
-weights are read once per decode step for all of them. The exception is a policy that
-gives each layer its own budget (`pyramidkv`): a layer stores one budget for all rows,
-so it runs in a batch of its own (`policies.shared_batches`). Each finished batch is appended
-to `results.jsonl` atomically (see `report.store`); rerunning the same command skips
-finished cells. `run.json` pins what the cells were measured on, so a rerun with
-another model, text or length cannot mix results.
+Cells that share a budget run as rows of one batch (`worker.Batch`), so the weights
+are read once per decode step for all of them; a policy that gives each layer its own
+budget (`pyramidkv`) runs in a batch of its own (`policies.shared_batches`). An executor runs the batches (in this
+process, or on Ray workers, see `executors`) and hands each finished batch back; only
+this process appends to `results.jsonl`, atomically (see `report.store`). Rerunning the
+same command skips finished cells. `run.json` pins what the cells were measured on, so
+a rerun with another model, text or length cannot mix results.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict
-
-import torch
+from functools import partial
 
 from ..data import load_tokens
 from ..errors import KvevictError
-from ..eval.oracle import recompute_oracle
-from ..eval.streaming import RowResult, compare, full_reference
 from ..models import load_model
-from ..policies import shared_batches
 from ..progress import bars
-from ..report.records import PplRecord, Record, load
+from ..report.records import Record, load
 from ..report.store import ResultStore
 from . import tasks
-from .plan import Cell, SweepConfig, plan
-
-#: predictions per point of the PPL-vs-position curve: the stream is cut in this many windows
-CURVE_POINTS = 40
+from .executors import Executor, LocalExecutor
+from .plan import SweepConfig, plan
+from .worker import Worker, batches
 
 
 def prepare_folder(config: SweepConfig) -> ResultStore:
@@ -53,71 +48,38 @@ def prepare_folder(config: SweepConfig) -> ResultStore:
     return ResultStore(folder / "results.jsonl")
 
 
-def ppl_record(cell: Cell, result: RowResult, config: SweepConfig) -> PplRecord:
-    """The record of one finished cell: the row's summary, its curve, and what it was measured on."""
-    data = result.summary()
-    width = max(1, result.nll.numel() // CURVE_POINTS)
-    data.update(
-        key=cell.key,
-        kind=cell.kind,
-        policy=cell.spec,
-        label=cell.label,
-        budget=cell.budget,
-        seed=config.seed,
-        # the full cache and the oracle hold every position they see: the mode does not apply to them
-        positions=config.positions if cell.kind in ("policy", "sinks") else "original",
-        curve=result.ppl_windows(width),
-        sink_lost_at=result.sink_lost_at,
-        layer_budgets=result.layer_budgets,
-        **{k: v for k, v in config.identity().items() if k != "positions"},
-    )
-    return PplRecord.from_dict(data)
-
-
 def run_sweep(
-    config: SweepConfig, model=None, tokenizer=None, progress: bool = True, allow_download: bool = False
+    config: SweepConfig, model=None, tokenizer=None, progress: bool = True, allow_download: bool = False,
+    executor: Executor | None = None,
 ) -> tuple[ResultStore, list[Record]]:
     """Run every unfinished cell; returns the store and the run's records (typed).
 
     `model`/`tokenizer` skip loading `config.model` (tests pass a tiny model);
     `allow_download` lets `load_model` fetch an HF id that is not in the local cache.
+    `executor` runs the batches (default: `LocalExecutor`, in this process); cells it
+    gave up on are in `executor.failed`, and a rerun of the same sweep runs them again.
     """
+    executor = executor or LocalExecutor()
     cells = plan(config)
     store = prepare_folder(config)
     done = store.done()
-    todo = [c for c in cells if c.key not in done]
+    todo = batches(config, [c for c in cells if c.key not in done])
     task_kinds = tasks.pending(config, done)
-    if (todo or task_kinds) and model is None:
+    if model is None and todo and executor.in_process:  # one model for the cells and the tasks
         model, tokenizer = load_model(config.model, allow_download=allow_download)
     if todo:
-        tokens, _ = load_tokens(config.text, tokenizer, config.tokens)
-        torch.manual_seed(config.seed)
         with bars(progress) as bar:
-            sweep_task = bar.add_task(f"sweep {config.name}: cells", total=len(cells), completed=len(cells) - len(todo))
-            reference = full_reference(model, tokens, bar)
-            full = next((c for c in todo if c.kind == "full"), None)
-            if full is not None:
-                store.append([ppl_record(full, reference.result, config).to_dict()])
-                bar.advance(sweep_task)
-            for budget in config.budgets:
-                rows = [c for c in todo if c.budget == budget and c.kind in ("policy", "sinks")]
-                # one batch per budget; a per-layer-budget policy (pyramidkv) runs in its own
-                for specs in shared_batches(list(dict.fromkeys(c.spec for c in rows))):
-                    results, _ = compare(
-                        model, tokens, specs, budget, config.positions, reference=reference, progress=bar,
-                        chunk=config.chunk,
-                        label=f"budget {budget}: {len(specs)} policies",
-                    )
-                    by_spec = {r.policy: r for r in results}
-                    batch = [c for c in rows if c.spec in by_spec]
-                    store.append([ppl_record(c, by_spec[c.spec], config).to_dict() for c in batch])
-                    bar.advance(sweep_task, len(batch))
-                oracle = next((c for c in todo if c.budget == budget and c.kind == "oracle"), None)
-                if oracle is not None:
-                    result = recompute_oracle(model, tokens, budget, config.oracle_stride, reference, bar)
-                    store.append([ppl_record(oracle, result, config).to_dict()])
-                    bar.advance(sweep_task)
-    if task_kinds:
+            sweep_task = bar.add_task(f"sweep {config.name}: cells", total=len(cells),
+                                      completed=len(cells) - sum(len(b.cells) for b in todo))
+
+            def finished(lines: list[dict]) -> None:
+                store.append(lines)
+                bar.advance(sweep_task, len(lines))
+
+            executor.run(config, todo, partial(Worker, config, model, tokenizer, allow_download), finished, bar)
+    if task_kinds:  # the protocols beyond perplexity run in this process, whatever the executor
+        if model is None:
+            model, tokenizer = load_model(config.model, allow_download=allow_download)
         tokens, _ = load_tokens(config.text, tokenizer, config.tokens)
         with bars(progress) as bar:
             tasks.run(config, model, tokenizer, tokens, store, task_kinds, bar)

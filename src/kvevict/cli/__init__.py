@@ -4,7 +4,7 @@
   on stderr and exit code 2), option parsing;
 * `tables` — result tables that fit the terminal without cutting a number;
 * `stream` — `ppl`, `compare`; `ab` — `ab`, `report`, `demo`; `tasks` — `needle`,
-  `generation`, `sinks`.
+  `generation`, `sinks`; `lmeval` — `lm-eval` (lm-evaluation-harness tasks).
 
 The commands are plain functions; `COMMANDS` registers them on `app`, in the order
 `kvevict --help` lists them.
@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import typer
 
-from . import ab, stream, tasks
+from . import ab, lmeval, stream, tasks
 
-COMMANDS = [stream.ppl, stream.compare, ab.ab, ab.report, ab.demo, tasks.needle, tasks.generation, tasks.sinks]
+COMMANDS = [stream.ppl, stream.compare, ab.ab, ab.report, ab.demo, tasks.needle, tasks.generation, tasks.sinks,
+            lmeval.lm_eval]
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="KV-cache eviction policies: measure before you ship."

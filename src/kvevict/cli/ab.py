@@ -33,23 +33,37 @@ DEMO = dict(tokens=2000, budgets=[64, 128, 256], policies=["window", "streamingl
             sinks=[0, 1, 2, 4, 8], oracle_stride=64, name="demo")
 
 
-def run_ab(config, allow_download: bool = False) -> None:
-    """Plan, validate, run and report one sweep (a `SweepConfig`); prints the summary and the report path."""
+def run_ab(config, allow_download: bool = False, executor=None) -> None:
+    """Plan, validate, run and report one sweep (a `SweepConfig`); prints the summary and the report path.
+
+    Batches an `executor` gave up on are named on stderr after the summary, and the
+    command exits with code 1 (after writing the report): a rerun finishes them."""
     from ..ab import plan, prepare_folder, run_sweep
+    from ..ab.executors import LocalExecutor
     from ..report.html import render
     from ..report.records import ppl_records
     from ..report.tables import summary_table
+    from ..report.verdict import verdict
 
     check_positions(config.positions)
     plan(config)  # every spec, budget and the run name are checked before the model is loaded
     prepare_folder(config)
-    store, records = run_sweep(config, allow_download=allow_download)
+    executor = executor or LocalExecutor()
+    store, records = run_sweep(config, allow_download=allow_download, executor=executor)
     if store.skipped_lines:
         err.print(f"note: skipped {store.skipped_lines} unreadable line(s) in {store.path}")
     report = render(records, asdict(config), config.folder / "report.html")
     title = f"kvevict A/B: {config.model} on {config.text}, {config.tokens} tokens, {config.positions}"
     show(summary_table(ppl_records(records)), title)
+    for found in verdict(records):
+        print(found.sentence)
+    for batch, reason in executor.failed:
+        cells = ", ".join(c.label for c in batch.cells)
+        err.print(f"failed: {batch.name} ({cells}): {reason}; rerun the same command to finish it",
+                  markup=False, highlight=False, soft_wrap=True)
     print(report.resolve())
+    if executor.failed:
+        raise typer.Exit(1)
 
 
 @one_line_errors
@@ -72,9 +86,15 @@ def ab(
     generation: bool = typer.Option(False, help="also measure repetition and recall of greedy generation"),
     sink_map: bool = typer.Option(False, "--sink-map", help="also draw the model's attention-sink map"),
     allow_download: bool = typer.Option(False, "--allow-download", help=DOWNLOAD_HELP),
+    executor: str = typer.Option("local", help="local (this process) | ray (Ray workers: pip install kvevict[ray])"),
+    address: str = typer.Option("", help="--executor ray: the cluster's HOST:PORT or ray://HOST:PORT "
+                                "(default: start a local Ray instance for the run)"),
+    workers: int = typer.Option(2, help="--executor ray: Ray workers, each loads the model once"),
+    retries: int = typer.Option(2, help="--executor ray: times a batch whose worker died is run again"),
 ) -> None:
     """A/B test policies side by side: resumable results.jsonl, a summary table and an HTML report."""
     from ..ab import SweepConfig
+    from ..ab.executors import make_executor
 
     config = SweepConfig(
         model=model, text=text, tokens=tokens, budgets=parse_ints(budgets, "--budgets"),
@@ -84,7 +104,7 @@ def ab(
         needle=parse_ints(needle, "--needle"), needle_depths=parse_floats(needle_depths, "--needle-depths"),
         needle_trials=needle_trials, generation=generation, sink_map=sink_map,
     )
-    run_ab(config, allow_download)
+    run_ab(config, allow_download, make_executor(executor, address or None, workers, retries, allow_download))
 
 
 @one_line_errors
@@ -97,6 +117,8 @@ def report(
     from ..report.records import load, ppl_records
     from ..report.store import ResultStore
     from ..report.tables import layer_budget_table, sinks_table, summary_table
+    from ..report.verdict import markdown as verdict_markdown
+    from ..report.verdict import verdict
 
     folder = Path(run)
     if not (folder / "results.jsonl").exists():
@@ -105,6 +127,8 @@ def report(
     config = json.loads((folder / "run.json").read_text())["config"] if (folder / "run.json").exists() else {}
     path = render(records, config, folder / "report.html")
     if markdown:
+        print(verdict_markdown(verdict(records)))
+        print()
         print(summary_table(ppl_records(records)).markdown())
         for extra in (sinks_table(ppl_records(records)), layer_budget_table(ppl_records(records))):
             if extra:

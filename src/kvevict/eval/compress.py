@@ -115,24 +115,27 @@ def compress(
     budget: Budget,
     positions: str = "original",
 ) -> Compressed:
-    """Prefill `context` (`[T]` token ids) in one forward and compress it to `budget`.
+    """Prefill `context` in one forward and compress it to `budget`.
 
-    `policies` is one spec or one per row; all rows read the same context. The full
-    cache (`"full"`) must run in its own call.
+    `context` is `[T]` token ids read by every row, or `[B, T]`, one context per row (B
+    requests of one length as one batch). `policies` is one spec or one per row. The
+    full cache (`"full"`) must run in its own call.
     """
-    if context.dim() != 1 or context.numel() == 0:
-        raise KvevictError("compress takes one non-empty context: a 1-D tensor of token ids")
+    if context.dim() not in (1, 2) or context.shape[-1] == 0:
+        raise KvevictError("compress takes a non-empty context: token ids [T], or [B, T] for one per row")
     specs = list(policies) if isinstance(policies, (list, tuple)) else [policies]
-    entries = resolve_budget(budget, context.numel())
+    if context.dim() == 2 and len(specs) == 1:
+        specs = specs * context.shape[0]
+    entries = resolve_budget(budget, context.shape[-1])
     with torch.inference_mode():
         cache = EvictingCache(model, specs, budget=entries, positions=positions)
-        ids = context.long().unsqueeze(0).expand(len(specs), -1)
+        ids = context.long().expand(len(specs), -1)
         hidden = body(model, ids, cache)
         kept = max(layer.n for layer in cache.layers)
         bound = cache.budget  # None when every row is the full cache
         cache.freeze()
     names = [p.spec() for p in cache.policies]
-    return Compressed(cache, hidden[:, -1], context.numel(), bound, names, kept)
+    return Compressed(cache, hidden[:, -1], context.shape[-1], bound, names, kept)
 
 
 def compress_prompt(

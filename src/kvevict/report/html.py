@@ -22,6 +22,7 @@ table.results td.left, table.results th.left { text-align: left; }
 table.results thead { background: #f3f3f3; }
 img.plot { max-width: 100%; }
 .meta { color: #555; }
+.verdict { border-left: 4px solid #2a6; padding: 0.1rem 0.8rem; margin: 0.6rem 0; background: #f6fbf7; }
 """
 
 

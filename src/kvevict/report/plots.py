@@ -20,6 +20,9 @@ from matplotlib.figure import Figure  # noqa: E402
 from . import traits  # noqa: E402
 from .records import PplRecord  # noqa: E402
 
+#: legend text size (points): readable in the report at the figure's embedded width
+LEGEND_SIZE = 8
+
 
 def png(fig: Figure) -> bytes:
     """The figure as PNG bytes; closes it (pyplot keeps every open figure alive)."""
@@ -34,10 +37,19 @@ def _budgets(records: list[PplRecord]) -> list[int]:
 
 
 def ppl_vs_position(records: list[PplRecord]) -> Figure:
-    """StreamingLLM's figure: PPL along the stream, log scale, one panel per budget."""
+    """StreamingLLM's figure: PPL along the stream, log scale, one panel per budget.
+
+    Every panel has its own legend, below the plot so it hides no curve, and a policy
+    keeps one colour in every panel, so any budget can be read on its own.
+    """
     budgets = _budgets(records)
     full = next((r for r in records if r.kind == "full"), None)
-    fig, axes = plt.subplots(1, max(1, len(budgets)), figsize=(5.2 * max(1, len(budgets)), 3.8), squeeze=False)
+    names = sorted({r.name for r in records if r.kind == "policy"})
+    palette = plt.get_cmap("tab10" if len(names) <= 10 else "tab20")
+    colours = {name: palette(i % palette.N) for i, name in enumerate(names)}
+    legend_rows = -(-(len(names) + 1) // 2)
+    fig, axes = plt.subplots(1, max(1, len(budgets)), figsize=(5.2 * max(1, len(budgets)), 3.8 + 0.22 * legend_rows),
+                             squeeze=False)
     for ax, budget in zip(axes[0], budgets):
         # the oracle scores a strided sample: too few tokens per window for a curve
         rows = [r for r in records if r.budget == budget and r.kind == "policy"]
@@ -46,7 +58,7 @@ def ppl_vs_position(records: list[PplRecord]) -> Figure:
         for r in rows:
             xs = [p["end"] for p in r.curve]
             ys = [p["ppl"] for p in r.curve]
-            style = {"color": "black", "linewidth": 2} if r.kind == "full" else {}
+            style = {"color": "black", "linewidth": 2} if r.kind == "full" else {"color": colours[r.name]}
             ax.plot(xs, ys, label=r.name, **style)
         ax.set_yscale("log")
         ax.set_title(f"budget {budget}")
@@ -54,7 +66,7 @@ def ppl_vs_position(records: list[PplRecord]) -> Figure:
         ax.set_ylabel("perplexity (window)")
         ax.axvline(budget, color="grey", linewidth=0.6, linestyle=":")
         ax.grid(alpha=0.3, which="both")
-    axes[0][0].legend(fontsize=7)
+        ax.legend(fontsize=LEGEND_SIZE, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.16), frameon=False)
     fig.suptitle("Perplexity along the stream")
     return fig
 

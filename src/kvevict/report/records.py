@@ -64,6 +64,12 @@ class PplRecord:
     first_token_evicted: bool | None = None
     sink_loss: float | None = None
     seconds: float | None = None
+    #: stream tokens per second of the batch the row ran in (every row of a batch reads the stream at once)
+    tokens_per_s: float | None = None
+    #: peak resident memory (MiB) of the process while the batch ran; `peak_mb_scope` "batch" or "process"
+    peak_mb: float | None = None
+    peak_mb_scope: str | None = None
+    device_peak_mb: float | None = None
     seed: int | None = None
     curve: list[dict] = field(default_factory=list)
     sink_lost_at: list | None = None
@@ -80,7 +86,8 @@ class PplRecord:
 
     #: keys written only when they hold a value (older lines, and the full row, lack them)
     OPTIONAL: ClassVar[tuple[str, ...]] = (
-        "label", "nll_mean", "max_kept", "sink_evicted", "first_token_evicted", "sink_loss", "seconds", "seed",
+        "label", "nll_mean", "max_kept", "sink_evicted", "first_token_evicted", "sink_loss", "seconds", "tokens_per_s",
+        "peak_mb", "peak_mb_scope", "device_peak_mb", "seed",
         "sink_lost_at", "model", "text", "tokens", "full_ppl_same_tokens", "kl_to_full", "top1_agreement",
         "layer_budgets",
     )

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 from ..eval.generation import GenerationResult
 from ..eval.needle import NeedleResult
-from . import plots, task_plots
+from . import plots, task_plots, verdict
 from .markup import image_html, table_html
 from .records import Record, SinkMapRecord, ppl_records, task_records
 from .tables import generation_table, layer_budget_table, needle_table, sinks_table, summary_table
@@ -26,8 +26,16 @@ PPL_INTRO = (
     "of (layer, KV head) pairs that no longer hold token 0 at the end. The oracle re-computes each "
     "scored token from its previous <em>budget</em> tokens; with a stride it scores every K-th token, so its "
     "PPL is a sampled estimate and its <em>ppl / full</em> compares it with the full cache on the very same "
-    "tokens. <em>seconds</em> is the wall time of the batch a row ran in.</p>"
+    "tokens. <em>seconds</em> is the wall time of the batch a row ran in (the policies of one budget share a "
+    "batch), <em>tokens/s</em> the stream tokens that batch read per second, and <em>peak MB</em> the peak "
+    "resident memory of the process (the sweep, or its Ray worker) while the batch ran.</p>"
 )
+
+
+def decision(records: Sequence[Record]) -> tuple[str, str] | None:
+    """The verdict first: what to ship at each budget, and what to avoid (see `verdict`)."""
+    found = verdict.verdict(records)
+    return ("Verdict", verdict.section_html(found)) if found else None
 
 
 def perplexity(records: Sequence[Record]) -> tuple[str, str]:
@@ -97,6 +105,7 @@ def sink_map(records: Sequence[Record]) -> tuple[str, str] | None:
 
 
 SECTIONS: list[Section] = [
+    decision,
     perplexity,
     sinks,
     layer_budgets,

@@ -2,8 +2,8 @@
 
 `SUMMARY` is the A/B summary (`kvevict ab`, the report's first table, `kvevict report
 --markdown`). Its `drop` numbers are the documented order in which a narrow terminal
-leaves columns out: seconds, kept, top-1 agree, sink loss, KL to full, ppl / full;
-policy, budget and ppl always stay.
+leaves columns out: peak MB, tokens/s, seconds, kept, top-1 agree, sink loss, KL to
+full, ppl / full; policy, budget and ppl always stay.
 """
 
 from __future__ import annotations
@@ -43,7 +43,11 @@ SUMMARY: list[Column[SummaryRow]] = [
     Column("sink loss", lambda s: number(s.record.sink_loss), drop=4),
     Column("kept", lambda s: number(s.record.max_kept), drop=2),
     Column("seconds", lambda s: number(s.record.seconds, 1), drop=1),
+    Column("tokens/s", lambda s: number(s.record.tokens_per_s, 0), drop=0),
+    Column("peak MB", lambda s: number(s.record.peak_mb, 0), drop=-1),
 ]
+#: what a cell cost, recorded since timing and memory joined the records: left out for older run folders
+COST_COLUMNS = ("tokens/s", "peak MB")
 
 
 def summary_rows(records: Sequence[PplRecord]) -> list[SummaryRow]:
@@ -64,7 +68,9 @@ def summary_rows(records: Sequence[PplRecord]) -> list[SummaryRow]:
 
 
 def summary_table(records: Sequence[PplRecord]) -> Table:
-    return Table.of(SUMMARY, summary_rows(records))
+    rows = summary_rows(records)
+    measured = any(r.record.peak_mb is not None for r in rows)
+    return Table.of([c for c in SUMMARY if measured or c.header not in COST_COLUMNS], rows)
 
 
 def sinks_table(records: Sequence[PplRecord]) -> Table | None:

@@ -1,0 +1,206 @@
+"""The Ray executor: a sweep's batches on Ray actors, each loading the model once and keeping it.
+
+`kvevict ab ... --executor ray [--address ADDR] [--workers N]`. Without an address a
+local Ray instance is started for the run and stopped after it (a Ray session already
+started in this process, e.g. by a library user or a test, is used and left running).
+Each of `workers` actors holds a `worker.Worker`; the driver hands a batch to each idle
+actor, waits for whichever finishes first, appends its records (the driver alone
+writes `results.jsonl`) and hands that actor the next batch.
+
+A worker that dies mid-batch (killed, out of memory, node lost) loses only that batch:
+Ray restarts the actor and the driver hands the batch out again, up to `retries` more
+times; then the batch is listed in `failed` and the sweep goes on. An error raised by
+the batch itself (a bad model name, a bug) is not retried: a `KvevictError` stops the
+sweep with its one line, anything else marks the batch failed.
+
+Ray is an optional extra (`pip install kvevict[ray]`), imported only here.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+from ..errors import KvevictError
+from .executors import Executor
+from .plan import SweepConfig
+from .worker import Batch, Worker
+
+#: seconds to reach a Ray address before giving up with a clear error (no hang)
+CONNECT_TIMEOUT = 10.0
+INSTALL = "pip install kvevict[ray]"
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+HTTP2_SETTINGS = bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # an empty SETTINGS frame: length 0, type 4, stream 0
+
+
+def import_ray():
+    """The `ray` module, or one line naming the install."""
+    try:
+        import ray
+    except ImportError:
+        raise KvevictError(f"--executor ray needs Ray, which is not installed: {INSTALL}") from None
+    return ray
+
+
+def check_reachable(address: str, timeout: float = CONNECT_TIMEOUT) -> None:
+    """Check that a Ray server answers at ADDR (`host:port` or `ray://host:port`) within `timeout` seconds.
+
+    `ray.init` against an address nobody answers retries for minutes; this turns that
+    into one line naming the fix. `auto` (the cluster this machine belongs to) is left to Ray.
+    """
+    if address == "auto":
+        return
+    parsed = urlparse(address if "://" in address else f"tcp://{address}")
+    try:
+        host, port = parsed.hostname, parsed.port
+    except ValueError:
+        host, port = None, None
+    if not host or not port:
+        raise KvevictError(f"--address '{address}' is not HOST:PORT or ray://HOST:PORT: give the head node's address "
+                           "(e.g. 10.0.0.5:6379), or leave it out to start a local Ray instance")
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as conn:
+            # Ray's GCS and its client server speak gRPC: a live one answers the HTTP/2 preface with a
+            # SETTINGS frame. A port that merely accepts connections (a proxy, another service) does not.
+            conn.sendall(HTTP2_PREFACE + HTTP2_SETTINGS)
+            answer = conn.recv(9)
+        if len(answer) < 9 or answer[3] != 0x04:
+            raise ConnectionError(0, "no gRPC server answered")
+    except OSError as exc:
+        reason = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc))
+        raise KvevictError(f"cannot reach Ray at '{address}' ({reason} after at most {timeout:g} s): start the "
+                           "cluster (`ray start --head`) and pass its address, or leave --address out to start "
+                           "a local Ray instance") from None
+
+
+class RayWorker:
+    """The body of one Ray actor: a `Worker` that lives as long as the actor (model loaded once)."""
+
+    def __init__(self, config: SweepConfig, threads: int, allow_download: bool) -> None:
+        import torch
+
+        torch.set_num_threads(threads)
+        self.worker = Worker(config, allow_download=allow_download)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def run(self, batch: Batch) -> list[dict]:
+        return self.worker.run(batch)
+
+
+@dataclass
+class RayExecutor(Executor):
+    """Batches on `workers` Ray actors of `cpus` CPUs each (default: a local instance's cores shared out)."""
+
+    address: str | None = None
+    workers: int = 2
+    retries: int = 2
+    cpus: int | None = None
+    allow_download: bool = False
+    #: called with (batch, worker pid) each time a batch is handed to a worker: lets a caller watch or fault-test
+    on_dispatch: Callable[[Batch, int], None] | None = None
+    in_process: bool = False
+
+    def _start(self, ray) -> tuple[bool, int]:
+        """Connect or start Ray; (whether this run started it, CPUs per worker)."""
+        cpus = self.cpus or (1 if self.address else max(1, (os.cpu_count() or 1) // self.workers))
+        if ray.is_initialized():
+            here = ray.get_runtime_context().gcs_address
+            if self.address and self.address not in ("auto", here):
+                raise KvevictError(f"this process is already connected to Ray at '{here}', not '{self.address}': "
+                                   "leave --address out to use it, or run from a fresh process")
+            return False, cpus
+        if self.address:
+            check_reachable(self.address)
+            try:  # a server that answers but is not Ray's (a proxy) makes Ray give up after ~20 s
+                ray.init(address=self.address, log_to_driver=False, configure_logging=False)
+            except (ConnectionError, RuntimeError, ValueError) as exc:  # ValueError: ray:// without ray[client]
+                raise KvevictError(f"cannot reach Ray at '{self.address}' ({exc}): start the cluster (`ray start "
+                                   "--head`) and pass its address, or leave --address out to start a local Ray "
+                                   "instance") from None
+        else:
+            # the workers import kvevict from where this process does (a source checkout included)
+            path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), _package_root()) if p)
+            ray.init(num_cpus=cpus * self.workers, include_dashboard=False, log_to_driver=False,
+                     configure_logging=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
+        return True, cpus
+
+    def run(self, config, todo, worker, finished, progress) -> None:
+        ray = import_ray()
+        started, cpus = self._start(ray)
+        try:
+            self._run(ray, config, todo, finished, progress, cpus)
+        finally:
+            if started:
+                ray.shutdown()
+
+    def _run(self, ray, config, todo, finished, progress, cpus: int) -> None:
+        from ray.exceptions import RayActorError, RayTaskError
+
+        actor_class = ray.remote(num_cpus=cpus, max_restarts=-1)(RayWorker)
+        actors = [actor_class.remote(config, cpus, self.allow_download) for _ in range(min(self.workers, len(todo)))]
+        task = progress.add_task(f"ray: {len(actors)} workers, {len(todo)} batches", total=len(todo))
+        queue = list(todo)
+        attempts: dict[int, int] = {}
+        running: dict = {}  # object ref -> (actor, batch)
+
+        def dispatch(actor) -> None:
+            if not queue:
+                return
+            batch = queue.pop(0)
+            attempts[id(batch)] = attempts.get(id(batch), 0) + 1
+            if self.on_dispatch is not None:
+                self.on_dispatch(batch, _pid(ray, actor))
+            running[actor.run.remote(batch)] = (actor, batch)
+
+        for actor in actors:
+            dispatch(actor)
+        while running:
+            (ref,), _ = ray.wait(list(running), num_returns=1)
+            actor, batch = running.pop(ref)
+            try:
+                lines = ray.get(ref)
+            except RayActorError as exc:  # the worker died: Ray restarts it; hand the batch out again
+                if attempts[id(batch)] <= self.retries:
+                    queue.insert(0, batch)
+                else:
+                    self.failed.append((batch, f"worker died {attempts[id(batch)]} times ({type(exc).__name__})"))
+                    progress.advance(task)
+                dispatch(actor)
+                continue
+            except RayTaskError as exc:
+                if isinstance(exc.cause, KvevictError):
+                    raise KvevictError(str(exc.cause)) from None
+                self.failed.append((batch, f"{type(exc.cause).__name__}: {exc.cause}"))
+                progress.advance(task)
+                dispatch(actor)
+                continue
+            finished(lines)
+            progress.advance(task)
+            dispatch(actor)
+        progress.remove_task(task)
+
+
+def _pid(ray, actor, patience: float = 60.0) -> int:
+    """The process id of `actor`, waiting while Ray restarts it after a death."""
+    from ray.exceptions import RayActorError
+
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            return ray.get(actor.pid.remote())
+        except RayActorError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def _package_root() -> str:
+    """The folder that holds the `kvevict` package this module belongs to (`src/` in a checkout)."""
+    return str(Path(__file__).resolve().parents[2])

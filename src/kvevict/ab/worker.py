@@ -1,0 +1,126 @@
+"""One unit of a sweep's work (`Batch`) and what runs it (`Worker`), in any process.
+
+A sweep's cells are grouped into batches the way they run best: the full cache alone,
+the policies of one budget as rows of one forward, the recompute oracle of one budget.
+A `Worker` holds the model, the token stream and the full-cache reference (computed
+once, on first need) and turns a batch into the records of its cells. The local
+executor runs one worker in the driver; the Ray executor runs one per Ray actor, each
+loading the model once and keeping it. Both return the same records for the same
+batch: the numbers depend only on the model, the stream and the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..data import load_tokens
+from ..eval.oracle import recompute_oracle
+from ..eval.streaming import Reference, RowResult, compare, full_reference
+from ..models import load_model
+from ..policies import shared_batches
+from ..report.records import PplRecord
+from .meter import Cost, measure
+from .plan import Cell, SweepConfig
+
+#: predictions per point of the PPL-vs-position curve: the stream is cut in this many windows
+CURVE_POINTS = 40
+
+
+@dataclass
+class Batch:
+    """Cells that run together: `kind` is `full`, `rows` (the policies of one budget) or `oracle`."""
+
+    kind: str
+    budget: int | None
+    cells: list[Cell]
+
+    @property
+    def name(self) -> str:
+        return "full cache" if self.kind == "full" else f"budget {self.budget}: {self.kind}"
+
+
+def batches(config: SweepConfig, todo: list[Cell]) -> list[Batch]:
+    """The unfinished cells as batches, in the order a local run takes them: the full cache,
+    then per budget its policy rows and its oracle."""
+    out = [Batch("full", None, [c]) for c in todo if c.kind == "full"]
+    for budget in config.budgets:
+        rows = [c for c in todo if c.budget == budget and c.kind in ("policy", "sinks")]
+        # one batch per budget; a per-layer-budget policy (pyramidkv) runs in its own
+        for specs in shared_batches(list(dict.fromkeys(c.spec for c in rows))):
+            out.append(Batch("rows", budget, [c for c in rows if c.spec in specs]))
+        out += [Batch("oracle", budget, [c]) for c in todo if c.budget == budget and c.kind == "oracle"]
+    return out
+
+
+def ppl_record(cell: Cell, result: RowResult, config: SweepConfig, cost: Cost, tokens: int) -> PplRecord:
+    """The record of one finished cell: the row's summary, its curve, what it was measured on and what it cost."""
+    data = result.summary()
+    width = max(1, result.nll.numel() // CURVE_POINTS)
+    data.update(
+        key=cell.key,
+        kind=cell.kind,
+        policy=cell.spec,
+        label=cell.label,
+        budget=cell.budget,
+        seed=config.seed,
+        # the full cache and the oracle hold every position they see: the mode does not apply to them
+        positions=config.positions if cell.kind in ("policy", "sinks") else "original",
+        curve=result.ppl_windows(width),
+        sink_lost_at=result.sink_lost_at,
+        layer_budgets=result.layer_budgets,
+        **cost.fields(tokens),
+        **{k: v for k, v in config.identity().items() if k != "positions"},
+    )
+    return PplRecord.from_dict(data)
+
+
+class Worker:
+    """Runs batches of one sweep: the model, the stream and the full-cache reference, loaded once.
+
+    `model`/`tokenizer` skip loading `config.model` (tests pass a tiny model). The model
+    is loaded on the first batch, so a bad model name surfaces as that batch's error.
+    """
+
+    def __init__(self, config: SweepConfig, model=None, tokenizer=None, allow_download: bool = False) -> None:
+        self.config, self.model, self.tokenizer = config, model, tokenizer
+        self.allow_download = allow_download
+        self.tokens: torch.Tensor | None = None
+        self._reference: tuple[Reference, Cost] | None = None
+
+    def _load(self) -> None:
+        if self.model is None:
+            self.model, self.tokenizer = load_model(self.config.model, allow_download=self.allow_download)
+        if self.tokens is None:
+            self.tokens, _ = load_tokens(self.config.text, self.tokenizer, self.config.tokens)
+
+    def reference(self, progress=False) -> tuple[Reference, Cost]:
+        """The full cache over the stream and what computing it cost, once per worker."""
+        if self._reference is None:
+            self._load()
+            with measure() as cost:
+                reference = full_reference(self.model, self.tokens, progress)
+            self._reference = (reference, cost)
+        return self._reference
+
+    def run(self, batch: Batch, progress=False) -> list[dict]:
+        """The records (as JSON objects) of every cell of `batch`."""
+        self._load()
+        config, tokens = self.config, self.tokens
+        reference, reference_cost = self.reference(progress)
+        if batch.kind == "full":
+            return [ppl_record(batch.cells[0], reference.result, config, reference_cost, tokens.numel()).to_dict()]
+        torch.manual_seed(config.seed)
+        with measure() as cost:
+            if batch.kind == "oracle":
+                found = {"oracle": recompute_oracle(self.model, tokens, batch.budget, config.oracle_stride, reference,
+                                                    progress)}
+            else:
+                specs = list(dict.fromkeys(c.spec for c in batch.cells))
+                results, _ = compare(
+                    self.model, tokens, specs, batch.budget, config.positions, reference=reference,
+                    progress=progress, chunk=config.chunk, label=f"budget {batch.budget}: {len(specs)} policies",
+                )
+                found = {r.policy: r for r in results}
+        return [ppl_record(c, found[c.spec], config, cost, tokens.numel()).to_dict() for c in batch.cells]

@@ -1,0 +1,90 @@
+"""The `model_args` of `--model kvevict` (lm-eval), parsed and checked without importing lm-eval.
+
+`kvevict lm-eval` checks them before lm-eval (seconds to import) or the model is
+loaded, so a bad policy or budget is one line at once. The model itself is in
+`kvevict.lmeval`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import KvevictError
+from .eval.compress import Budget, parse_budget, resolve_budget
+from .policies import check_policy
+
+INSTALL = "pip install kvevict[lm-eval]"
+#: lm-eval `model_args` this model takes (anything else lm-eval passes is listed in `IGNORED`)
+ARGS = ("pretrained", "policy", "budget", "positions", "protocol", "batch_size", "max_gen_toks", "chunk",
+        "allow_download")
+#: arguments lm-eval hands every model that mean nothing on kvevict's CPU path
+IGNORED = ("device", "max_batch_size", "dtype", "trust_remote_code")
+PROTOCOLS = ("compress", "stream")
+
+
+@dataclass
+class Settings:
+    """The parsed `model_args`: what the model evaluates, checked before the model is loaded."""
+
+    pretrained: str = "smollm2-135m"
+    policy: str = "full"
+    budget: Budget = None
+    positions: str = "original"
+    protocol: str = "compress"
+    batch_size: int = 16
+    max_gen_toks: int = 256
+    chunk: int = 64
+    allow_download: bool = False
+
+    @classmethod
+    def parse(cls, args: dict) -> Settings:
+        """`model_args` as lm-eval parsed them; a bad value is one `KvevictError` naming the fix."""
+        from .cache import POSITION_MODES
+
+        unknown = sorted(set(args) - set(ARGS) - set(IGNORED))
+        if unknown:
+            raise KvevictError(f"unknown model_args {', '.join(unknown)} for --model kvevict: use {', '.join(ARGS)}")
+        known = {k: v for k, v in args.items() if k in ARGS and v is not None}
+        if "budget" in known:
+            known["budget"] = parse_budget(str(known["budget"]))
+        if str(known.get("batch_size", "1")).startswith("auto"):
+            known.pop("batch_size")
+        for name in ("batch_size", "max_gen_toks", "chunk"):
+            if name in known:
+                try:
+                    known[name] = int(known[name])
+                except ValueError:
+                    raise KvevictError(f"model_args {name} takes a whole number, got '{known[name]}'") from None
+        if "allow_download" in known:
+            known["allow_download"] = str(known["allow_download"]).lower() in ("1", "true", "yes")
+        settings = cls(**{k: (str(v) if k in ("pretrained", "policy", "positions", "protocol") else v)
+                          for k, v in known.items()})
+        check_policy(settings.policy, settings.budget if isinstance(settings.budget, int) else None)
+        if settings.positions not in POSITION_MODES:
+            raise KvevictError(f"model_args positions must be one of {', '.join(POSITION_MODES)}, "
+                               f"got '{settings.positions}'")
+        if settings.protocol not in PROTOCOLS:
+            raise KvevictError(f"model_args protocol must be one of {', '.join(PROTOCOLS)} (compress: compress the "
+                               f"context, then score; stream: evict while reading it), got '{settings.protocol}'")
+        return settings
+
+    def entries(self, context_length: int) -> int | None:
+        """The budget in entries for a context of `context_length` tokens (None: the full cache)."""
+        if check_policy(self.policy, None).unbounded:
+            return None
+        entries = resolve_budget(self.budget, context_length)
+        if entries is None:
+            raise KvevictError(f"policy '{self.policy}' evicts and needs a budget: add budget=20% or budget=256 "
+                               "to model_args")
+        return max(entries, int(check_policy(self.policy, None).pinned) + 1)
+
+
+def split_model_args(text: str) -> dict:
+    """`key=value,key=value` as lm-eval reads it (split at commas, then at the first `=`)."""
+    pairs = {}
+    for item in (part for part in text.split(",") if part.strip()):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise KvevictError(f"model_args item '{item}' is not key=value: write e.g. policy=h2o,budget=20%")
+        pairs[key.strip()] = value.strip()
+    return pairs

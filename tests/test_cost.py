@@ -1,0 +1,63 @@
+"""What each cell costs: seconds, tokens per second and peak memory in every record, and in the summary."""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvevict.ab import SweepConfig, run_sweep
+from kvevict.ab.meter import measure
+from kvevict.report.records import PplRecord
+from kvevict.report.tables import summary_table
+
+from conftest import make_tiny
+from test_ab import TEXT, CharTokenizer
+
+
+def rss_mb() -> float:
+    """Resident memory now, read independently of the meter (VmRSS, not the high-water mark)."""
+    return int(re.search(r"VmRSS:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) / 1024
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-batch peaks need /proc/self/clear_refs")
+def test_each_batch_gets_its_own_peak():
+    with measure() as big:
+        block = np.ones(300 * 2**20 // 8)  # 300 MiB, touched
+        during = rss_mb()
+        del block
+    with measure() as small:
+        time.sleep(0.05)
+    assert big.peak_mb_scope == small.peak_mb_scope == "batch"
+    assert big.peak_mb >= during - 1
+    assert small.peak_mb < big.peak_mb - 250  # the first batch's peak is not carried into the second
+    assert 0.04 < small.seconds < 1
+
+
+def test_every_record_carries_time_throughput_and_peak_memory(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    config = SweepConfig(text=str(text), tokens=200, budgets=[16, 32], policies=["window", "h2o"], oracle_stride=9,
+                         out=str(tmp_path), name="cost")
+    _, records = run_sweep(config, model=make_tiny(seed=3), tokenizer=CharTokenizer(), progress=False)
+    rows = [r for r in records if isinstance(r, PplRecord)]
+    assert {r.kind for r in rows} == {"full", "oracle", "policy"}
+    for r in rows:
+        assert r.seconds > 0 and r.peak_mb > 10 and r.peak_mb_scope in ("batch", "process")
+        assert r.tokens_per_s == pytest.approx(200 / r.seconds)
+    for budget in (16, 32):  # the policies of one budget ran as one batch: one time, one peak
+        batch = [r for r in rows if r.kind == "policy" and r.budget == budget]
+        assert len({(r.seconds, r.peak_mb) for r in batch}) == 1
+    table = summary_table(rows)
+    assert table.headers[-3:] == ["seconds", "tokens/s", "peak MB"]
+    h2o = next(row for row, r in zip(table.rows, sorted(rows, key=lambda r: (r.budget or 0, r.kind != "full")))
+               if row[0] == "h2o")
+    assert h2o[-1] == f"{next(r.peak_mb for r in rows if r.policy == 'h2o' and r.budget == 16):.0f}"
+    # an older run folder (no cost recorded) shows no empty cost columns
+    old = [PplRecord.from_dict({k: v for k, v in r.to_dict().items() if k not in ("tokens_per_s", "peak_mb")})
+           for r in rows]
+    assert "peak MB" not in summary_table(old).headers and "tokens/s" not in summary_table(old).headers
