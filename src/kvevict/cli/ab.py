@@ -6,7 +6,6 @@ matplotlib, which `kvevict --help` and a mistyped option should not wait for.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict
 from pathlib import Path
 
@@ -27,6 +26,9 @@ from .common import (
     split_specs,
 )
 from .tables import show
+
+#: where `kvevict report RUN RUN ...` writes the side-by-side report unless `--out` says otherwise
+COMPARE_REPORT = "report-compare.html"
 
 #: The default A/B that `make demo` runs: sized to finish in under 10 minutes on 2 cores.
 DEMO = dict(tokens=2000, budgets=[64, 128, 256], policies=["window", "streamingllm", "h2o", "snapkv"],
@@ -109,31 +111,36 @@ def ab(
 
 @one_line_errors
 def report(
-    run: str = typer.Argument(..., help="a run folder OUT/NAME written by `kvevict ab`"),
+    runs: list[str] = typer.Argument(..., help="run folders OUT/NAME written by `kvevict ab`; several: side by side"),
+    out: str = typer.Option("", "--out", help="where the HTML goes (default: RUN/report.html for one run, "
+                            f"./{COMPARE_REPORT} for several)"),
     markdown: bool = typer.Option(False, "--markdown", help="print the tables as Markdown"),
 ) -> None:
-    """Redraw a run's HTML report from its results.jsonl (no model needed)."""
-    from ..report.html import render
-    from ..report.records import load, ppl_records
-    from ..report.store import ResultStore
-    from ..report.tables import layer_budget_table, sinks_table, summary_table
-    from ..report.verdict import markdown as verdict_markdown
-    from ..report.verdict import verdict
+    """Redraw a run's HTML report from its results.jsonl (no model needed); several runs go in one report."""
+    from ..report.html import render, render_compare
+    from ..report.markdown import compare_markdown, run_markdown
+    from ..report.runs import load_run
 
-    folder = Path(run)
-    if not (folder / "results.jsonl").exists():
-        raise KvevictError(f"no results.jsonl in '{run}': give the OUT/NAME folder of a `kvevict ab` run")
-    records = load(ResultStore(folder / "results.jsonl").records())
-    config = json.loads((folder / "run.json").read_text())["config"] if (folder / "run.json").exists() else {}
-    path = render(records, config, folder / "report.html")
+    seen = [Path(r).resolve() for r in runs]
+    twice = next((r for r, p in zip(runs, seen) if seen.count(p) > 1), None)
+    if twice is not None:
+        raise KvevictError(f"run folder '{twice}' is given twice: name each run once")
+    target = Path(out) if out else None
+    if target is not None and not target.parent.is_dir():
+        raise KvevictError(f"--out '{out}': folder '{target.parent}' does not exist; create it or give another path")
+    loaded = [load_run(r) for r in runs]
+    for run in loaded:
+        if run.skipped_lines:
+            err.print(f"note: skipped {run.skipped_lines} unreadable line(s) in {run.folder / 'results.jsonl'}")
+    if len(loaded) == 1:
+        run = loaded[0]
+        path = render(run.records, run.config, target or run.folder / "report.html")
+        text = run_markdown(run.records)
+    else:
+        path = render_compare(loaded, target or Path(COMPARE_REPORT))
+        text = compare_markdown(loaded)
     if markdown:
-        print(verdict_markdown(verdict(records)))
-        print()
-        print(summary_table(ppl_records(records)).markdown())
-        for extra in (sinks_table(ppl_records(records)), layer_budget_table(ppl_records(records))):
-            if extra:
-                print()
-                print(extra.markdown())
+        print(text)
     print(path.resolve())
 
 

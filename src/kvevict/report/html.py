@@ -1,5 +1,8 @@
 """The self-contained HTML report: a header, then every section of `sections.SECTIONS` in order.
 
+`render` draws one run; `render_compare` puts several side by side in one page (a
+comparison table, every run's verdict, then each run's sections under its name).
+
 One file, plots embedded as base64, so it can be attached to a ticket or opened from a
 CI artifact with no server and no network.
 """
@@ -11,8 +14,18 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
+from .compare import compare_table
+from .markup import table_html
 from .records import Record
+from .runs import Run, run_names
 from .sections import SECTIONS
+from .verdict import section_html, verdict
+
+COMPARE_INTRO = (
+    "<p>One row per policy and budget found in any run; each run's columns: its streaming PPL, PPL over its own "
+    "full cache, sink loss (share of (layer, KV head) pairs that evicted token 0) and, when the run holds a "
+    "needle test, mean pass-key accuracy. <em>-</em>: the run has no such row.</p>"
+)
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2rem auto; max-width: 1200px; color: #222; }
@@ -26,25 +39,22 @@ img.plot { max-width: 100%; }
 """
 
 
-def render(records: Sequence[Record], config: dict, path: Path) -> Path:
-    """Write the report for `records` (typed, see `report.records`) to `path` and return it.
-
-    `config` is the run's settings as recorded in `run.json` (any missing key shows as None).
-    """
-    parts = [
-        f"<h1>kvevict A/B report: {html.escape(str(config.get('name', '')))}</h1>",
-        '<p class="meta">'
-        + html.escape(
-            f"model {config.get('model')} · text {config.get('text')} · {config.get('tokens')} tokens · "
-            f"positions {config.get('positions')} · seed {config.get('seed')} · "
-            f"generated {datetime.now(UTC):%Y-%m-%d %H:%M} UTC"
-        )
-        + "</p>",
-    ]
+def _sections(records: Sequence[Record], level: int = 2, skip: tuple[str, ...] = ()) -> list[str]:
+    """Every section the run holds something for, titled at heading `level`; `skip` names sections left out."""
+    parts = []
     for section in SECTIONS:
-        found = section(records)
+        found = None if section.__name__ in skip else section(records)
         if found:
-            parts += [f"<h2>{html.escape(found[0])}</h2>", found[1]]
+            parts += [f"<h{level}>{html.escape(found[0])}</h{level}>", found[1]]
+    return parts
+
+
+def _meta(text: str) -> str:
+    return f'<p class="meta">{html.escape(text)}</p>'
+
+
+def _write(parts: list[str], path: Path) -> Path:
+    """The page, written atomically: a report being redrawn is never seen half written."""
     page = (
         "<!doctype html><html><head><meta charset='utf-8'><title>kvevict report</title>"
         f"<style>{STYLE}</style></head><body>{''.join(parts)}</body></html>"
@@ -54,3 +64,43 @@ def render(records: Sequence[Record], config: dict, path: Path) -> Path:
     tmp.write_text(page, encoding="utf-8")
     tmp.replace(path)
     return path
+
+
+def render(records: Sequence[Record], config: dict, path: Path) -> Path:
+    """Write the report for `records` (typed, see `report.records`) to `path` and return it.
+
+    `config` is the run's settings as recorded in `run.json` (any missing key shows as None).
+    """
+    parts = [
+        f"<h1>kvevict A/B report: {html.escape(str(config.get('name', '')))}</h1>",
+        _meta(
+            f"model {config.get('model')} · text {config.get('text')} · {config.get('tokens')} tokens · "
+            f"positions {config.get('positions')} · seed {config.get('seed')} · "
+            f"generated {datetime.now(UTC):%Y-%m-%d %H:%M} UTC"
+        ),
+    ]
+    return _write(parts + _sections(records), path)
+
+
+def render_compare(runs: Sequence[Run], path: Path) -> Path:
+    """One report for several runs (typically one sweep on several models), written to `path`.
+
+    The side-by-side table first, then every run's verdict, then every run's own sections
+    under a heading naming the run (its verdict is not repeated there). The header says
+    what each run was measured on, and warns when that differs between runs.
+    """
+    names = run_names(runs)
+    parts = [f"<h1>kvevict A/B report: {html.escape(' vs '.join(names))}</h1>"]
+    parts += [_meta(f"{name}: {run.folder} · {run.measured_on()}") for name, run in zip(names, runs)]
+    if len({run.measured_on() for run in runs}) > 1:
+        parts.append(_meta("The runs were measured on different text, stream lengths, positions or seeds: "
+                           "compare PPL / full rather than PPL across them."))
+    parts.append(_meta(f"generated {datetime.now(UTC):%Y-%m-%d %H:%M} UTC"))
+    parts += ["<h2>Side by side</h2>", COMPARE_INTRO, table_html(compare_table(runs, names), "compare")]
+    for name, run in zip(names, runs):
+        found = verdict(run.records)
+        body = section_html(found) if found else "<p>no budgets in this run</p>"
+        parts += [f"<h2>Verdict: {html.escape(name)}</h2>", body]
+    for name, run in zip(names, runs):
+        parts += [f"<h2>{html.escape(name)}</h2>"] + _sections(run.records, level=3, skip=("decision",))
+    return _write(parts, path)

@@ -64,14 +64,14 @@ class BudgetVerdict:
         return self.candidates[0] if self.candidates else None
 
 
-def _heads(record: PplRecord) -> tuple[int, int]:
+def sink_heads(record: PplRecord) -> tuple[int, int]:
     """(pairs that lost token 0, all pairs) from `sink_lost_at` `[layers][kv_heads]` (-1: never)."""
     grid = record.sink_lost_at or []
     cells = [value for layer in grid for value in layer]
     return sum(1 for value in cells if value >= 0), len(cells)
 
 
-def _needle_means(records: Sequence[Record]) -> dict[tuple[str, str], float]:
+def needle_means(records: Sequence[Record]) -> dict[tuple[str, str], float]:
     """Mean pass-key hit rate per (policy as written, budget as written: `64` or `full`)."""
     hits: dict[tuple[str, str], list[float]] = {}
     for trial in task_records(records, "needle"):
@@ -86,7 +86,7 @@ def _candidates(records: list[PplRecord], budget: int, needle: dict[tuple[str, s
     for r in records:
         if r.budget != budget or r.kind not in ("policy", "sinks") or r.policy in seen:
             continue
-        lost, heads = _heads(r)
+        lost, heads = sink_heads(r)
         seen[r.policy] = Candidate(r.name, r.ppl, r.kl_to_full, needle.get((r.name, str(budget))), lost, heads)
     return list(seen.values())
 
@@ -138,7 +138,7 @@ def verdict(records: Sequence[Record]) -> list[BudgetVerdict]:
     rows = ppl_records(records)
     full = next((r for r in rows if r.kind == "full"), None)
     full_ppl = full.ppl if full else None
-    needle = _needle_means(records)
+    needle = needle_means(records)
     out = []
     for budget in sorted({r.budget for r in rows if r.budget is not None}):
         candidates = _candidates(rows, budget, needle)
@@ -162,9 +162,9 @@ def _closest_text(v: BudgetVerdict) -> str:
     return f"{c.name} (KL {number(c.kl, 3)}, PPL {c.ppl:.2f})"
 
 
-def markdown(verdicts: Sequence[BudgetVerdict]) -> str:
-    """The verdict as Markdown: one bullet list per budget, the sentence first."""
-    lines = ["## Verdict", ""]
+def markdown(verdicts: Sequence[BudgetVerdict], title: str = "Verdict") -> str:
+    """The verdict as Markdown under `## title`: one bullet list per budget, the sentence first."""
+    lines = [f"## {title}", ""]
     for v in verdicts:
         lines.append(f"**Budget {v.budget}.** {v.sentence}")
         lines.append("")

@@ -1,0 +1,33 @@
+"""The report as Markdown (`kvevict report --markdown`): the verdict, then the run's tables.
+
+For several runs the side-by-side table comes first, then each run under its name, so
+the text pasted into docs/results.md reads in the same order as the HTML report.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .compare import compare_table
+from .records import Record, ppl_records
+from .runs import Run, run_names
+from .tables import layer_budget_table, sinks_table, summary_table
+from .verdict import markdown as verdict_markdown
+from .verdict import verdict
+
+
+def run_markdown(records: Sequence[Record], title: str = "Verdict") -> str:
+    """One run: its verdict under `## title`, the summary table, then the sink and per-layer tables it holds."""
+    rows = ppl_records(records)
+    parts = [verdict_markdown(verdict(records), title), summary_table(rows).markdown()]
+    parts += [extra.markdown() for extra in (sinks_table(rows), layer_budget_table(rows)) if extra]
+    return "\n\n".join(parts)
+
+
+def compare_markdown(runs: Sequence[Run]) -> str:
+    """Several runs: what each was measured on, the side-by-side table, then each run's `run_markdown`."""
+    names = run_names(runs)
+    measured = [f"- {name}: `{run.folder}`, {run.measured_on()}" for name, run in zip(names, runs)]
+    parts = ["## Side by side", "\n".join(measured), compare_table(runs, names).markdown()]
+    parts += [run_markdown(run.records, f"Verdict: {name}") for name, run in zip(names, runs)]
+    return "\n\n".join(parts)

@@ -1,0 +1,55 @@
+"""A run folder read back for the report: its records, its settings, and the name a comparison calls it by.
+
+`kvevict report` redraws one run or puts several side by side; both read folders
+through `load_run`, so the check for a folder that is not a run is written once.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import KvevictError
+from .records import Record, load
+from .store import ResultStore
+
+
+@dataclass
+class Run:
+    """One `kvevict ab` run folder: `config` is `run.json`'s settings ({} when the folder has none)."""
+
+    folder: Path
+    records: list[Record]
+    config: dict = field(default_factory=dict)
+    skipped_lines: int = 0
+
+    @property
+    def model(self) -> str:
+        """The model the run measured, as `run.json` names it; the folder name when it does not."""
+        return str(self.config.get("model") or self.folder.name)
+
+    def measured_on(self) -> str:
+        """What the numbers were measured on: text, stream length, positions, seed."""
+        c = self.config
+        return (f"text {c.get('text')} · {c.get('tokens')} tokens · positions {c.get('positions')} · "
+                f"seed {c.get('seed')}")
+
+
+def load_run(folder: str | Path) -> Run:
+    """The run in `folder`; a folder without `results.jsonl` is a user mistake named in one line."""
+    path = Path(folder)
+    if not (path / "results.jsonl").exists():
+        raise KvevictError(f"no results.jsonl in '{folder}': give the OUT/NAME folder of a `kvevict ab` run")
+    store = ResultStore(path / "results.jsonl")
+    records = load(store.records())
+    meta = path / "run.json"
+    config = json.loads(meta.read_text())["config"] if meta.exists() else {}
+    return Run(path, records, config, store.skipped_lines)
+
+
+def run_names(runs: Sequence[Run]) -> list[str]:
+    """What the comparison calls each run: its model, with the folder beside it when two runs share a model."""
+    models = [r.model for r in runs]
+    return [m if models.count(m) == 1 else f"{m} ({r.folder})" for m, r in zip(models, runs)]
