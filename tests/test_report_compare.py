@@ -172,18 +172,21 @@ def test_two_runs_as_markdown(two_runs, tmp_path, monkeypatch):
 
 
 def test_runs_of_one_model_are_told_apart_by_folder(two_runs, tmp_path):
+    """Two runs of one model (say positions original and cache): each column group names its folder, and each
+    shows its own pass-key accuracy (the second run tested only h2o, and hit every time)."""
     a = two_runs[0]
-    again = tmp_path / "claims-a-cache"
-    again.mkdir()
-    (again / "results.jsonl").write_text((a / "results.jsonl").read_text())
-    (again / "run.json").write_text((a / "run.json").read_text())
+    again = _run(tmp_path / "claims-a-cache", "model-a", "pg-essays", 400, A_FULL, A_ROWS, A_HEADS,
+                 {("h2o", 8): [1, 1]})
     result = cli("report", str(a), str(again), "--markdown", "--out", str(tmp_path / "same.html"))
     assert result.exit_code == 0, result.stderr
     assert f"| policy | budget | model-a ({a}) ppl |" in result.stdout
     assert f"model-a ({again}) pass-key |" in result.stdout
+    assert "| full | - | 20.00 | 1.00 | - | 1.00 | 20.00 | 1.00 | - | - |" in result.stdout
+    assert "| h2o | 8 | 21.00 | 1.05 | 0.25 | 0.67 | 21.00 | 1.05 | 0.25 | 1.00 |" in result.stdout
 
 
-def test_bad_run_folders_are_one_line_errors(two_runs, tmp_path):
+def test_bad_run_folders_are_one_line_errors(two_runs, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # nothing may land in the checkout, even if a check is missing
     a = str(two_runs[0])
     result = cli("report", a, str(tmp_path / "nope"))
     one_line_error(result.exit_code, result.stderr, f"no results.jsonl in '{tmp_path / 'nope'}'", "OUT/NAME")
