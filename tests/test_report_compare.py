@@ -195,3 +195,5 @@ def test_bad_run_folders_are_one_line_errors(two_runs, tmp_path, monkeypatch):
     result = cli("report", a, str(two_runs[1]), "--out", str(tmp_path / "missing" / "r.html"))
     one_line_error(result.exit_code, result.stderr, "--out", "does not exist")
     assert not (tmp_path / "missing").exists()
+    result = cli("report", a, str(two_runs[1]), "--out", str(tmp_path))
+    one_line_error(result.exit_code, result.stderr, f"--out '{tmp_path}' is a folder", "report-compare.html")

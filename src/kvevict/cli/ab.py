@@ -128,10 +128,13 @@ def report(
     target = Path(out) if out else None
     if target is not None and not target.parent.is_dir():
         raise KvevictError(f"--out '{out}': folder '{target.parent}' does not exist; create it or give another path")
+    if target is not None and target.is_dir():
+        raise KvevictError(f"--out '{out}' is a folder: give a file path, e.g. {target / COMPARE_REPORT}")
     loaded = [load_run(r) for r in runs]
     for run in loaded:
         if run.skipped_lines:
-            err.print(f"note: skipped {run.skipped_lines} unreadable line(s) in {run.folder / 'results.jsonl'}")
+            err.print(f"note: skipped {run.skipped_lines} unreadable line(s) in {run.folder / 'results.jsonl'}",
+                      markup=False, highlight=False)
     if len(loaded) == 1:
         run = loaded[0]
         path = render(run.records, run.config, target or run.folder / "report.html")
