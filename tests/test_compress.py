@@ -153,8 +153,10 @@ def test_full_cache_compression_is_the_plain_forward(tiny):
 
 
 def test_bad_inputs(tiny):
-    with pytest.raises(KvevictError, match="1-D"):
-        compress(tiny, random_tokens(10)[None], "window", 4)
+    with pytest.raises(KvevictError, match=r"token ids \[T\], or \[B, T\]"):
+        compress(tiny, random_tokens(10)[None, None], "window", 4)
+    with pytest.raises(KvevictError, match="non-empty context"):
+        compress(tiny, random_tokens(10)[:0], "window", 4)
     with pytest.raises(KvevictError, match="pinned sinks"):
         compress(tiny, random_tokens(40), "sink4+window", "10%")
     with pytest.raises(KvevictError, match="own batch"):

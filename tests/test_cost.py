@@ -56,7 +56,7 @@ def test_every_record_carries_time_throughput_and_peak_memory(tmp_path):
     assert table.headers[-3:] == ["seconds", "tokens/s", "peak MB"]
     h2o = next(row for row, r in zip(table.rows, sorted(rows, key=lambda r: (r.budget or 0, r.kind != "full")))
                if row[0] == "h2o")
-    assert h2o[-1] == f"{next(r.peak_mb for r in rows if r.policy == 'h2o' and r.budget == 16):.0f}"
+    assert h2o[-1] == f"{next(r.peak_mb for r in rows if r.name == 'h2o' and r.budget == 16):.0f}"
     # an older run folder (no cost recorded) shows no empty cost columns
     old = [PplRecord.from_dict({k: v for k, v in r.to_dict().items() if k not in ("tokens_per_s", "peak_mb")})
            for r in rows]

@@ -69,8 +69,8 @@ def stream_start(tokenizer) -> list[int]:
     `add_special_tokens=True` prepends to a text starts every stream.
     """
     probe = "Hello"
-    plain = tokenizer(probe, add_special_tokens=False)["input_ids"]
-    full = tokenizer(probe, add_special_tokens=True)["input_ids"]
+    plain = tokenizer(probe, add_special_tokens=False, return_tensors="pt")["input_ids"][0].tolist()
+    full = tokenizer(probe, add_special_tokens=True, return_tensors="pt")["input_ids"][0].tolist()
     for start in range(len(full) - len(plain) + 1):
         if full[start : start + len(plain)] == plain:
             return list(full[:start])
