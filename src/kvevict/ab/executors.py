@@ -8,7 +8,8 @@ reason; its cells stay unfinished, so a rerun of the same command runs them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from ..errors import KvevictError
@@ -26,6 +27,12 @@ class Executor:
     failed: list[tuple[Batch, str]] = field(default_factory=list)
     #: runs in this process with the driver's model (the driver loads it once for cells and tasks)
     in_process: bool = True
+
+    @contextmanager
+    def session(self) -> Iterator[None]:
+        """What must be up before the first batch (a Ray connection). The sweep opens it
+        before showing any progress, so a failure to connect is one line, not a bar and a line."""
+        yield
 
     def run(self, config: SweepConfig, todo: list[Batch], worker: Callable[[], Worker],
             finished: Callable[[list[dict]], None], progress) -> None:

@@ -21,8 +21,9 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -106,6 +107,7 @@ class RayExecutor(Executor):
     #: called with (batch, worker pid) each time a batch is handed to a worker: lets a caller watch or fault-test
     on_dispatch: Callable[[Batch, int], None] | None = None
     in_process: bool = False
+    _cpus: int | None = field(default=None, init=False, repr=False)  # CPUs per worker, set while a session is open
 
     def _start(self, ray) -> tuple[bool, int]:
         """Connect or start Ray; (whether this run started it, CPUs per worker)."""
@@ -131,14 +133,23 @@ class RayExecutor(Executor):
                      configure_logging=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
         return True, cpus
 
-    def run(self, config, todo, worker, finished, progress) -> None:
+    @contextmanager
+    def session(self) -> Iterator[None]:
+        """Connect to (or start) Ray for the sweep; a Ray this run started stops with it."""
         ray = import_ray()
-        started, cpus = self._start(ray)
+        started, self._cpus = self._start(ray)
         try:
-            self._run(ray, config, todo, finished, progress, cpus)
+            yield
         finally:
+            self._cpus = None
             if started:
                 ray.shutdown()
+
+    def run(self, config, todo, worker, finished, progress) -> None:
+        if self._cpus is None:  # called outside a session (a library user)
+            with self.session():
+                return self.run(config, todo, worker, finished, progress)
+        self._run(import_ray(), config, todo, finished, progress, self._cpus)
 
     def _run(self, ray, config, todo, finished, progress, cpus: int) -> None:
         from ray.exceptions import RayActorError, RayTaskError

@@ -68,7 +68,7 @@ def run_sweep(
     if model is None and todo and executor.in_process:  # one model for the cells and the tasks
         model, tokenizer = load_model(config.model, allow_download=allow_download)
     if todo:
-        with bars(progress) as bar:
+        with executor.session(), bars(progress) as bar:
             sweep_task = bar.add_task(f"sweep {config.name}: cells", total=len(cells),
                                       completed=len(cells) - sum(len(b.cells) for b in todo))
 
