@@ -29,6 +29,13 @@ CHOICES = [[" in.", " out."], [" but to notice them.", " in a meeting."], [" mos
            [" before dawn.", " purple."]]
 
 
+
+def _cut(text: str, until) -> str:
+    """What lm-eval keeps of a generation: the text before the first stop string."""
+    for stop in until:
+        text = text.split(stop)[0]
+    return text
+
 def write_tasks(folder, contexts=CONTEXTS, choices=CHOICES) -> str:
     """Three tasks, one per request type: multiple choice, rolling perplexity, generation."""
     docs = folder / "docs.jsonl"
@@ -102,10 +109,7 @@ def hf_greedy(model, tokenizer, context: str, steps: int, until: list[str]) -> s
             if token == tokenizer.eos_token_id:
                 break
             out.append(token)
-    text = tokenizer.decode(out, skip_special_tokens=True)
-    for stop in until:
-        text = text.split(stop)[0]
-    return text
+    return _cut(tokenizer.decode(out, skip_special_tokens=True), until)
 
 
 def test_full_equals_plain_transformers_on_every_request_type(tasks, tiny_dir):
@@ -162,10 +166,7 @@ def masked_greedy(model, tokenizer, context: str, steps: int, budget: int, until
             if token == tokenizer.eos_token_id:
                 break
             out.append(token)
-    text = tokenizer.decode(out, skip_special_tokens=True)
-    for stop in until:
-        text = text.split(stop)[0]
-    return text
+    return _cut(tokenizer.decode(out, skip_special_tokens=True), until)
 
 
 def test_generation_keeps_evicting_after_the_prompt(tasks, tiny_dir):
