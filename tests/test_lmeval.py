@@ -29,12 +29,12 @@ CHOICES = [[" in.", " out."], [" but to notice them.", " in a meeting."], [" mos
            [" before dawn.", " purple."]]
 
 
-
 def _cut(text: str, until) -> str:
     """What lm-eval keeps of a generation: the text before the first stop string."""
     for stop in until:
         text = text.split(stop)[0]
     return text
+
 
 def write_tasks(folder, contexts=CONTEXTS, choices=CHOICES) -> str:
     """Three tasks, one per request type: multiple choice, rolling perplexity, generation."""
