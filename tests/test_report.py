@@ -200,7 +200,9 @@ def test_ppl_vs_position_draws_one_panel_per_budget_with_every_policy(demo):
 
 
 def test_ppl_vs_position_has_a_readable_legend_at_every_budget(demo):
-    fig = plots.ppl_vs_position(demo)
+    # one panel lacks a policy, so a colour cycle restarted per panel would shift the others' colours
+    first = min(r.budget for r in demo if r.budget is not None)
+    fig = plots.ppl_vs_position([r for r in demo if not (r.name == "h2o" and r.budget == first)])
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
     colours: dict[str, set] = {}
