@@ -12,12 +12,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from ..errors import KvevictError
 from .plan import SweepConfig
 from .worker import Batch, Worker
-
-#: `--executor` values
-EXECUTORS = ("local", "ray")
 
 
 @dataclass
@@ -48,25 +44,3 @@ class LocalExecutor(Executor):
         runner.reference(progress)
         for batch in todo:
             finished(runner.run(batch, progress))
-
-
-def make_executor(name: str, address: str | None = None, workers: int = 2, retries: int = 2,
-                  allow_download: bool = False) -> Executor:
-    """The executor `--executor NAME` asks for, checked before any work: Ray's absence and an
-    unreachable `address` are one line each, not a hang or a traceback."""
-    if name not in EXECUTORS:
-        raise KvevictError(f"--executor must be one of {', '.join(EXECUTORS)}, got '{name}'")
-    if workers < 1:
-        raise KvevictError(f"--workers must be at least 1, got {workers}")
-    if retries < 0:
-        raise KvevictError(f"--retries must be 0 or more, got {retries}")
-    if name == "local":
-        if address:
-            raise KvevictError("--address is for --executor ray: drop it, or add --executor ray")
-        return LocalExecutor()
-    from .ray_executor import RayExecutor, check_reachable, import_ray
-
-    import_ray()
-    if address:
-        check_reachable(address)
-    return RayExecutor(address=address, workers=workers, retries=retries, allow_download=allow_download)
