@@ -3,9 +3,12 @@
 Peak memory is the resident set's high-water mark of the process running the batch (a
 local sweep's process, or a Ray worker). On Linux the mark is reset before each batch
 (`/proc/self/clear_refs`, value 5), so each batch gets its own peak, not the largest of
-every batch before it; where that is not possible the process-lifetime peak
-(`getrusage`) is recorded and the record says so (`peak_mb_scope`). On a CUDA device the
-peak of memory allocated by torch is recorded beside it.
+every batch before it. Some kernels and sandboxes accept the write and keep the old mark,
+so the reset is checked (after it the mark must equal the resident set); where it did not
+take, a thread samples the resident set every few milliseconds while the batch runs
+(`peak_mb_scope` "sampled": it can miss a spike shorter than the interval). Without
+`/proc` the process-lifetime peak (`getrusage`) is recorded, marked "process". On a CUDA
+device the peak of memory allocated by torch is recorded beside it.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import re
 import resource
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,7 +33,7 @@ class Cost:
 
     seconds: float = 0.0
     peak_mb: float = 0.0
-    peak_mb_scope: str = "batch"  # "batch": reset before it; "process": the process's lifetime peak
+    peak_mb_scope: str = "batch"  # "batch": mark reset before it; "sampled": polled during it; "process": lifetime
     device_peak_mb: float | None = None
 
     def fields(self, tokens: int) -> dict:
@@ -41,20 +45,50 @@ class Cost:
         return data
 
 
-def _hwm_mb() -> float | None:
+SAMPLE_SECONDS = 0.005
+
+
+def _status_mb() -> tuple[float, float] | None:
+    """(high-water mark, resident set) in MiB, read together from one `/proc/self/status`."""
     try:
-        found = re.search(r"VmHWM:\s+(\d+)\s+kB", STATUS.read_text())
+        text = STATUS.read_text()
     except OSError:
         return None
-    return int(found.group(1)) / 1024 if found else None
+    hwm, rss = re.search(r"VmHWM:\s+(\d+)\s+kB", text), re.search(r"VmRSS:\s+(\d+)\s+kB", text)
+    return (int(hwm.group(1)) / 1024, int(rss.group(1)) / 1024) if hwm and rss else None
 
 
 def _reset_hwm() -> bool:
+    """Reset the high-water mark; True only if it took (the mark now equals the resident set)."""
     try:
         CLEAR_REFS.write_text("5")
     except OSError:
         return False
-    return True
+    now = _status_mb()
+    return now is not None and now[0] - now[1] <= 2.0
+
+
+class _RssSampler:
+    """Largest resident set seen while running: polls `/proc/self/status` from a daemon thread."""
+
+    def __init__(self):
+        now = _status_mb()
+        self.peak = now[1] if now else 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(SAMPLE_SECONDS):
+            now = _status_mb()
+            if now:
+                self.peak = max(self.peak, now[1])
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        now = _status_mb()
+        return max(self.peak, now[1]) if now else self.peak
 
 
 def _lifetime_peak_mb() -> float:
@@ -71,13 +105,18 @@ def measure(device=None) -> Iterator[Cost]:
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     reset = _reset_hwm()
+    sampler = None if reset or _status_mb() is None else _RssSampler()
     cost = Cost()
     start = time.perf_counter()
     try:
         yield cost
     finally:
         cost.seconds = time.perf_counter() - start
-        hwm = _hwm_mb() if reset else None
-        cost.peak_mb, cost.peak_mb_scope = (hwm, "batch") if hwm is not None else (_lifetime_peak_mb(), "process")
+        if reset:
+            cost.peak_mb, cost.peak_mb_scope = _status_mb()[0], "batch"
+        elif sampler is not None:
+            cost.peak_mb, cost.peak_mb_scope = sampler.stop(), "sampled"
+        else:
+            cost.peak_mb, cost.peak_mb_scope = _lifetime_peak_mb(), "process"
         if cuda:
             cost.device_peak_mb = torch.cuda.max_memory_allocated(device) / 2**20
