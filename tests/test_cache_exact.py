@@ -26,6 +26,23 @@ def test_full_cache_equals_plain_forward(tiny):
     rel_close(rows[0].nll, plain_nll(tiny, tokens))
 
 
+def test_top1_hits_equal_the_plain_forward(tiny):
+    """`hit` (the policy's top-1 is the next token) against a plain forward: on a stream the model wrote
+    greedily every prediction after the prompt is a hit; on a random one, exactly where the plain argmax hits."""
+    tokens = random_tokens(6, seed=4)
+    with torch.inference_mode():
+        for _ in range(40):
+            tokens = torch.cat([tokens, tiny(tokens[None]).logits[0, -1].argmax()[None]])
+        plain = tiny(tokens[None]).logits[0, :-1].argmax(-1) == tokens[1:]
+    rows, _ = compare(tiny, tokens, ["full"], budget=None, reference=False, progress=False)
+    assert rows[0].hit[5:].all() and torch.equal(rows[0].hit, plain)
+    noise = random_tokens(150, seed=5)
+    with torch.inference_mode():
+        plain = tiny(noise[None]).logits[0, :-1].argmax(-1) == noise[1:]
+    rows, _ = compare(tiny, noise, ["full"], budget=None, reference=False, progress=False)
+    assert torch.equal(rows[0].hit, plain)
+
+
 def test_full_cache_token_by_token_equals_plain_forward(tiny):
     # a window whose budget exceeds the stream never evicts, fed one token at a time after 1
     tokens = random_tokens(120, seed=3)

@@ -10,8 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvevict.ab import SweepConfig, run_sweep
-from kvevict.ab import meter
+from kvevict.ab import SweepConfig, meter, run_sweep
 from kvevict.ab.meter import measure
 from kvevict.report.records import PplRecord
 from kvevict.report.tables import summary_table

@@ -147,6 +147,7 @@ def test_a_tight_window_changes_the_scores_and_a_roomy_one_does_not(tasks, tiny_
 
     assert torch.allclose(values(roomy), values(full), atol=1e-4)
     assert torch.allclose(values(streamed), values(full), atol=1e-4)
+    assert [[g for _, g in r] for r in streamed] == [[g for _, g in r] for r in full]  # is_greedy, both protocols
 
 
 def masked_greedy(model, tokenizer, context: str, steps: int, budget: int, until: list[str]) -> str:
@@ -221,9 +222,20 @@ def test_kvevict_lm_eval_prints_the_metrics_and_saves_them(tasks, tiny_dir, tmp_
     ("pretrained=x,policy=sink4+window,budget=4", ("budget 4 must be larger than the 4 pinned sinks",)),
     ("pretrained=x,policy=h2o,budget=20%,protocol=magic", ("protocol must be one of compress, stream",)),
     ("pretrained=x,policy=h2o,budget=20%,size=3", ("unknown model_args size",)),
+    ("pretrained=x,policy=snapkv:window=8,kernel=3,budget=50%", ("unknown model_args kernel",
+                                                                 "separate the policy's own options with ';'")),
 ])
 def test_bad_model_args_are_one_line_before_any_loading(args, needles):
     cli_error("lm-eval", "--tasks", "copa", "--model-args", args, needles=needles)
+
+
+def test_policy_options_inside_model_args_are_separated_by_semicolons():
+    from kvevict.lmeval_args import Settings, split_model_args
+    from kvevict.policies import parse_policy
+
+    settings = Settings.parse(split_model_args("pretrained=x,policy=sink2+snapkv:window=8;kernel=3,budget=50%"))
+    policy = parse_policy(settings.policy)
+    assert (policy.n_sinks, policy.inner.window, policy.inner.kernel) == (2, 8, 3)
 
 
 def test_unknown_task_is_one_line(tasks, tiny_dir):

@@ -122,25 +122,27 @@ def _model_class():
         def _stream_score(self, context: torch.Tensor, continuation: torch.Tensor) -> tuple[float, bool]:
             """Context and continuation read as one stream, evicting as it goes; only the continuation is scored."""
             tokens = torch.cat([context, continuation])
-            tail = self._stream(tokens, self.settings.entries(context.numel()))[-continuation.numel():]
-            return float(-tail.double().sum()), False  # the stream keeps no distributions to check greedy
+            row = self._stream(tokens, self.settings.entries(context.numel()))
+            tail = slice(-continuation.numel(), None)
+            return float(-row.nll[tail].double().sum()), bool(row.hit[tail].all())
 
-        def _stream(self, tokens: torch.Tensor, entries: int | None) -> torch.Tensor:
-            """`[T-1]` NLL of `tokens[1:]`, streamed through the policy at `entries` (None: the full cache)."""
+        def _stream(self, tokens: torch.Tensor, entries: int | None):
+            """The `RowResult` of `tokens` streamed through the policy at `entries` (None: the full cache):
+            `nll` `[T-1]` of `tokens[1:]`, `hit` `[T-1]` whether each was the top-1 prediction."""
             s = self.settings
             if entries is not None and entries >= tokens.numel():
                 entries = None  # nothing would be evicted
             spec = "full" if entries is None else s.policy
             rows, _ = compare(self.model, tokens, [spec], entries or tokens.numel(), s.positions, reference=False,
                               progress=False, chunk=s.chunk)
-            return rows[0].nll
+            return rows[0]
 
         def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
             out = []
             for request in requests:
                 (text,) = request.args
                 tokens = torch.tensor([self.prefix_token_id] + self.tok_encode(text))
-                value = float(-self._stream(tokens, self.settings.entries(tokens.numel())).double().sum())
+                value = float(-self._stream(tokens, self.settings.entries(tokens.numel())).nll.double().sum())
                 out.append(value)
                 self.cache_hook.add_partial("loglikelihood_rolling", (text,), value)
             return out

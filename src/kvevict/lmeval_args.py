@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .defaults import DEFAULT_CHUNK
 from .errors import KvevictError
 from .eval.compress import Budget, parse_budget, resolve_budget
 from .policies import check_policy
@@ -33,7 +34,7 @@ class Settings:
     protocol: str = "compress"
     batch_size: int = 16
     max_gen_toks: int = 256
-    chunk: int = 64
+    chunk: int = DEFAULT_CHUNK
     allow_download: bool = False
 
     @classmethod
@@ -42,6 +43,11 @@ class Settings:
         from .cache import POSITION_MODES
 
         unknown = sorted(set(args) - set(ARGS) - set(IGNORED))
+        if unknown and ":" in str(args.get("policy", "")):
+            raise KvevictError(
+                f"unknown model_args {', '.join(unknown)} for --model kvevict: lm-eval splits model_args at commas, "
+                f"so separate the policy's own options with ';' (policy={args['policy']};{unknown[0]}=...)"
+            )
         if unknown:
             raise KvevictError(f"unknown model_args {', '.join(unknown)} for --model kvevict: use {', '.join(ARGS)}")
         known = {k: v for k, v in args.items() if k in ARGS and v is not None}

@@ -45,6 +45,7 @@ class RowResult:
     nll: torch.Tensor  # [T-1] negative log-likelihood of tokens 1..T-1
     kl: torch.Tensor | None = None  # [T-1] KL(full || policy) per prediction
     agree: torch.Tensor | None = None  # [T-1] top-1 equal to the full cache's
+    hit: torch.Tensor | None = None  # [T-1] top-1 is the next token (lm-eval's is_greedy under protocol=stream)
     max_kept: int = 0
     pinned_sink_evicted: bool = False
     first_token_evicted: bool = False
@@ -267,6 +268,7 @@ def compare(
         nll = torch.zeros(rows, steps)
         kl = torch.zeros(rows, steps)
         agree = torch.zeros(rows, steps, dtype=torch.bool)
+        hit = torch.zeros(rows, steps, dtype=torch.bool)
         prefill = tokens.numel() if budget is None else min(budget, tokens.numel())
         with bars(progress) as bar:
             task = bar.add_task(f"{label} (budget {budget}, {positions})", total=tokens.numel())
@@ -279,10 +281,12 @@ def compare(
                     tgt = targets[at]
                     lp = log_probs(model, hidden[:, lo:hi]).expand(rows, -1, -1)
                     nll[:, at] = -lp.gather(-1, tgt.view(1, -1, 1).expand(rows, -1, 1))[..., 0]
+                    top = lp.argmax(-1)  # [rows, k]
+                    hit[:, at] = top == tgt
                     if full is not None:
                         ref = full.log_probs(at.start, at.stop)[None]  # [1, k, vocab]
                         kl[:, at] = (ref.exp() * (ref - lp)).sum(-1)
-                        agree[:, at] = lp.argmax(-1) == ref.argmax(-1)
+                        agree[:, at] = top == ref.argmax(-1)
                 lane.seconds += time.perf_counter() - t0
                 bar.advance(task, stop - start)
                 if on_step is not None:
@@ -303,6 +307,7 @@ def compare(
                 nll=nll[row].clone(),
                 kl=kl[row].clone() if full is not None else None,
                 agree=agree[row].clone() if full is not None else None,
+                hit=hit[row].clone(),
                 max_kept=kept.most,
                 pinned_sink_evicted=bool(pinned_lost[row]),
                 first_token_evicted=bool((lost_at[:, row] >= 0).any()),

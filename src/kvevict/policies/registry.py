@@ -1,7 +1,9 @@
 """Policy spec strings, parsed in one place for the API and the CLI.
 
 Grammar: `[sinkN+]name[:key=value,...]`, e.g. `window`, `sink4+h2o:recent=0.25`,
-`snapkv:window=32,kernel=7,pooling=max`. Aliases: `streamingllm` = `sink4+window`,
+`snapkv:window=32,kernel=7,pooling=max`. Options may also be separated by `;`
+(`snapkv:window=32;kernel=7`), for places that split at commas themselves (lm-eval's
+`model_args`). Aliases: `streamingllm` = `sink4+window`,
 `local` / `fifo` = `window`. A new policy registers its class here; its options are
 read off its constructor, so the parser and the error messages never go stale.
 """
@@ -104,7 +106,7 @@ def _parse_options(factory: Callable[..., Policy], name: str, options: str) -> d
     }
     valid = ", ".join(params) or "none"
     parsed: dict = {}
-    for item in filter(None, (part.strip() for part in options.split(","))):
+    for item in filter(None, (part.strip() for part in re.split(r"[,;]", options))):
         key, eq, raw = item.partition("=")
         key = key.strip()
         if not eq or key not in params:

@@ -66,7 +66,8 @@ class PplRecord:
     seconds: float | None = None
     #: stream tokens per second of the batch the row ran in (every row of a batch reads the stream at once)
     tokens_per_s: float | None = None
-    #: peak resident memory (MiB) of the process while the batch ran; `peak_mb_scope` "batch", "sampled" or "process" (see ab/meter.py)
+    #: peak resident memory (MiB) of the process while the batch ran;
+    #: `peak_mb_scope` "batch", "sampled" or "process" (see ab/meter.py)
     peak_mb: float | None = None
     peak_mb_scope: str | None = None
     device_peak_mb: float | None = None

@@ -1,0 +1,74 @@
+"""One sweep run by the local executor and by Ray workers on this machine: time, and the same numbers.
+
+The arms take turns in one process, each in a fresh run folder, on the same model, text
+and cells; the ratio is printed and the two `results.jsonl` files are checked for the same
+numbers (what `tests/test_ray.py` asserts on a tiny model, here on the embedded one).
+
+What it shows on a laptop-sized machine: Ray's workers split the cores between them
+(one torch thread per core each) where the local executor gives all cores to one batch
+at a time, and Ray adds its start-up and a model load per worker. On a cluster the
+workers are separate machines and the sweep's wall time divides by their number; this
+benchmark measures the overhead a team pays for that on one box.
+
+    .venv/bin/python benchmarks/ray_vs_local.py --tokens 600 --budgets 64,128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from kvevict.ab import SweepConfig, run_sweep
+from kvevict.ab.executor_choice import make_executor
+
+POLICIES = ["window", "streamingllm", "h2o", "snapkv"]
+
+
+def numbers(path: Path) -> dict:
+    """Cell key -> PPL, KL and sink loss as recorded (the fields that must not depend on the executor)."""
+    out = {}
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        out[record["key"]] = (record.get("ppl"), record.get("kl_to_full"), record.get("sink_lost_at"))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--tokens", type=int, default=600)
+    parser.add_argument("--budgets", default="64,128")
+    parser.add_argument("--workers", type=int, default=2)
+    args = parser.parse_args()
+    budgets = [int(b) for b in args.budgets.split(",")]
+    seconds, results = {}, {}
+    with tempfile.TemporaryDirectory() as out:
+        for arm in ("local", "ray"):
+            config = SweepConfig(model=args.model, tokens=args.tokens, budgets=budgets, policies=POLICIES,
+                                 oracle_stride=args.tokens, out=out, name=arm)
+            executor = make_executor(arm, workers=args.workers)
+            t0 = time.perf_counter()
+            run_sweep(config, progress=False, executor=executor)
+            seconds[arm] = time.perf_counter() - t0
+            results[arm] = numbers(Path(out) / arm / "results.jsonl")
+    assert results["local"] == results["ray"], "the Ray run's numbers differ from the local run's"
+    cells = len(results["local"])
+    table = Table(title=f"{cells} cells ({len(POLICIES)} policies × budgets {args.budgets} + full + oracle), "
+                        f"{args.tokens} tokens, {args.model}")
+    for column in ("executor", "seconds (model loads and start-up included)", "cells/min"):
+        table.add_column(column)
+    for arm in ("local", "ray"):
+        name = arm if arm == "local" else f"ray, {args.workers} workers"
+        table.add_row(name, f"{seconds[arm]:.1f}", f"{60 * cells / seconds[arm]:.1f}")
+    Console().print(table)
+    print(f"ray / local wall time: {seconds['ray'] / seconds['local']:.2f}x; same numbers in every cell: yes")
+
+
+if __name__ == "__main__":
+    main()
