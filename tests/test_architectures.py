@@ -13,6 +13,7 @@ is recomputed step by step from the reference's own attention probabilities.
 from __future__ import annotations
 
 import inspect
+import json
 
 import pytest
 import torch
@@ -289,18 +290,28 @@ def test_summary_json_reports_memory_per_layer_kind():
 
 
 @pytest.mark.model
-def test_gemma3_embedded_starts_with_bos_and_chunks_exactly():
+def test_gemma3_embedded_starts_with_bos_and_chunks_exactly(tmp_path):
     """The second embedded model: its stream starts with BOS (SmolLM2's does not), and the
     hybrid cache's chunked path equals token-by-token feeding in both position modes."""
     from kvevict import load_model, load_tokens
+    from kvevict.ab import SweepConfig
+    from kvevict.ab.run import prepare_folder, record_stream_start
     from kvevict.data import stream_start
     from kvevict.models import load_tokenizer
+    from kvevict.report.runs import stream_start_label
 
     assert stream_start(load_tokenizer("smollm2-135m")) == []
     model, tokenizer = load_model("gemma3-270m")
     assert type(model).__name__ == "Gemma3ForCausalLM"
     tokens, _ = load_tokens("pg-essays", tokenizer, 96)  # short: CI pays the first load too
     assert stream_start(tokenizer) == [tokenizer.bos_token_id] and int(tokens[0]) == tokenizer.bos_token_id
+    assert tokenizer.decode([int(tokens[0])]) == "<bos>"  # Gemma's vocabulary, not kvevict's
+    config = SweepConfig(model="gemma3-270m", out=str(tmp_path), name="bos")
+    prepare_folder(config)
+    record_stream_start(config, tokenizer)  # what a sweep writes: the run says how its text was tokenised
+    recorded = json.loads((tmp_path / "bos" / "run.json").read_text())["config"]
+    assert (recorded["stream_start"], recorded["stream_start_ids"]) == ("<bos>", [tokenizer.bos_token_id])
+    assert stream_start_label(recorded) == "stream starts with <bos>"
     for positions in ("original", "cache"):
         specs = ["sink4+window", "h2o"]
         ref, _ = compare(model, tokens, specs, 32, positions, reference=False, progress=False, chunk=1)

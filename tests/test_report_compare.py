@@ -31,7 +31,8 @@ def _row(name: str, budget: int, ppl: float, lost: int, heads: tuple[int, int]) 
                      sink_lost_at=[flat[i * kv:(i + 1) * kv] for i in range(layers)])
 
 
-def _run(folder: Path, model: str, text: str, tokens: int, full: float, rows: dict, heads, needle=None) -> Path:
+def _run(folder: Path, model: str, text: str, tokens: int, full: float, rows: dict, heads, needle=None,
+         start: str = "") -> Path:
     folder.mkdir()
     records = [PplRecord("full|full|None", "full", "full", None, full, label="full")]
     records += [_row(name, budget, ppl, lost, heads) for (name, budget), (ppl, lost) in rows.items()]
@@ -41,14 +42,15 @@ def _run(folder: Path, model: str, text: str, tokens: int, full: float, rows: di
             "budget_tokens": None if budget == "full" else budget})
             for i, h in enumerate(hits)]
     ResultStore(folder / "results.jsonl").append([r.to_dict() for r in records])
-    config = {"model": model, "text": text, "tokens": tokens, "positions": "original", "seed": 0, "name": folder.name}
+    config = {"model": model, "text": text, "tokens": tokens, "positions": "original", "seed": 0, "name": folder.name,
+              "stream_start": start}
     (folder / "run.json").write_text(json.dumps({"config": config}))
     return folder
 
 
 @pytest.fixture
 def two_runs(tmp_path) -> tuple[Path, Path]:
-    a = _run(tmp_path / "claims-a", "model-a", "pg-essays", 400, A_FULL, A_ROWS, A_HEADS, A_NEEDLE)
+    a = _run(tmp_path / "claims-a", "model-a", "pg-essays", 400, A_FULL, A_ROWS, A_HEADS, A_NEEDLE, start="<bos>")
     b = _run(tmp_path / "claims-b", "model-b", "other.txt", 800, B_FULL, B_ROWS, B_HEADS)
     return a, b
 
@@ -158,7 +160,10 @@ def test_two_runs_as_markdown(two_runs, tmp_path, monkeypatch):
     assert lines[-1] == str((tmp_path / "report-compare.html").resolve())
     assert (tmp_path / "report-compare.html").exists()
     assert lines[0] == "## Side by side"
-    assert f"- model-a: `{two_runs[0]}`, text pg-essays · 400 tokens · positions original · seed 0" in lines
+    assert (f"- model-a: `{two_runs[0]}`, text pg-essays · 400 tokens · positions original · seed 0 · "
+            "stream starts with <bos>") in lines
+    assert (f"- model-b: `{two_runs[1]}`, text other.txt · 800 tokens · positions original · seed 0 · "
+            "no BOS (text from token 0)") in lines
     start = lines.index("| " + " | ".join(HEADERS) + " |")
     rows = expected_rows()
     assert lines[start + 2:start + 2 + len(rows)] == ["| " + " | ".join(r) + " |" for r in rows]

@@ -15,9 +15,9 @@ import json
 from dataclasses import asdict
 from functools import partial
 
-from ..data import load_tokens
+from ..data import load_tokens, stream_start
 from ..errors import KvevictError
-from ..models import load_model
+from ..models import load_model, load_tokenizer
 from ..progress import bars
 from ..report.records import Record, load
 from ..report.store import ResultStore
@@ -48,6 +48,17 @@ def prepare_folder(config: SweepConfig) -> ResultStore:
     return ResultStore(folder / "results.jsonl")
 
 
+def record_stream_start(config: SweepConfig, tokenizer) -> None:
+    """Write into `run.json` what the stream starts with before the text (`data.stream_start`:
+    Gemma's BOS, nothing for SmolLM2), so a result says how its model's text was tokenised."""
+    meta = config.folder / "run.json"
+    data = json.loads(meta.read_text())
+    ids = stream_start(tokenizer)
+    data["config"]["stream_start"] = tokenizer.decode(ids) if ids else ""
+    data["config"]["stream_start_ids"] = ids
+    meta.write_text(json.dumps(data, indent=2))
+
+
 def run_sweep(
     config: SweepConfig, model=None, tokenizer=None, progress: bool = True, allow_download: bool = False,
     executor: Executor | None = None,
@@ -62,6 +73,7 @@ def run_sweep(
     executor = executor or LocalExecutor()
     cells = plan(config)
     store = prepare_folder(config)
+    record_stream_start(config, tokenizer or load_tokenizer(config.model, allow_download))
     done = store.done()
     todo = batches(config, [c for c in cells if c.key not in done])
     task_kinds = tasks.pending(config, done)

@@ -322,6 +322,12 @@ class EvictingLayer(CacheLayerMixin):
             for observer in observers:
                 observer.on_evict(event)
 
+    def report_evictions(self, seen: torch.Tensor, victims: torch.Tensor) -> None:
+        """Tell the observers of `k` one-entry evictions at once (a chunk replayed in closed form):
+        `seen` `[k]` tokens seen after each, `victims` `[B, H_kv, k]` their positions."""
+        for observer in self.settings.observers:
+            observer.on_evict_steps(self.index, seen, victims)
+
     # --- inspection ------------------------------------------------------------------
     @property
     def stats(self) -> dict[str, torch.Tensor]:

@@ -43,6 +43,13 @@ class Observer:
     def on_evict(self, event: Eviction) -> None:
         """`layer` just evicted down to its budget."""
 
+    def on_evict_steps(self, layer: int, seen: torch.Tensor, victims: torch.Tensor) -> None:
+        """`layer` evicted one entry per (row, KV head) at each of `k` steps of a chunk replayed
+        in closed form: `seen` `[k]` tokens seen after each step, `victims` `[B, H_kv, k]`
+        their positions. By default one `on_evict` per step; an observer may take them at once."""
+        for i, at in enumerate(seen.tolist()):
+            self.on_evict(Eviction(layer, at, None, victims[:, :, i]))
+
     def reset(self) -> None:
         """The cache was reset for a new sequence."""
 
@@ -86,10 +93,21 @@ class SinkTracker(Observer):
             lost = event.victims == 0
         else:
             lost = event.kept[:, :, 0] != 0  # kept positions ascend: token 0 held iff first
-        at = self.lost.get(event.layer)
+        self._record(event.layer, lost, event.seen)
+
+    def on_evict_steps(self, layer: int, seen: torch.Tensor, victims: torch.Tensor) -> None:
+        if not self.wants_victims:
+            return
+        lost = victims == 0  # [B, H, k]; token 0 leaves a (row, head) at most once
+        first = lost.to(torch.uint8).argmax(dim=-1)  # [B, H], the step it left at (0 when it stayed)
+        self._record(layer, lost.any(dim=-1), seen.to(victims.device)[first])
+
+    def _record(self, layer: int, lost: torch.Tensor, seen: int | torch.Tensor) -> None:
+        """Note `seen` where token 0 left (`lost` `[B, H]`) and had not left before."""
+        at = self.lost.get(layer)
         if at is None:
-            at = self.lost[event.layer] = torch.full(lost.shape, -1, dtype=torch.long, device=lost.device)
-        at.masked_fill_(lost & (at < 0), event.seen)
+            at = self.lost[layer] = torch.full(lost.shape, -1, dtype=torch.long, device=lost.device)
+        at.copy_(torch.where(lost & (at < 0), seen, at))
 
     def lost_at(self, layers: int, heads: int) -> torch.Tensor:
         """`[layers, B, H_kv]`: tokens seen when token 0 was evicted, -1 if it never was."""

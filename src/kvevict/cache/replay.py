@@ -59,6 +59,8 @@ class ReplayingLayer(Protocol):
 
     def report_eviction(self, seen: int, kept: torch.Tensor | None, victims: torch.Tensor | None) -> None: ...
 
+    def report_evictions(self, seen: torch.Tensor, victims: torch.Tensor) -> None: ...
+
 
 @dataclass(eq=False)
 class StaticPlan:
@@ -150,8 +152,8 @@ def replay_static(
             scale=scaling, enable_gqa=group > 1,
         )
     if layer.settings.observers:
-        for i in plan.evicting.nonzero()[:, 0].tolist():
-            layer.report_eviction(first_seen + i + 1, None, plan.victims[:, :, i])
+        steps = plan.evicting.nonzero()[:, 0]
+        layer.report_evictions(first_seen + 1 + steps, plan.victims[:, :, steps])
     storage.gather(plan.keep, keys=not shifted)
     layer.settings.mode.after_compaction(storage, budget)
     layer.ordered = True

@@ -27,7 +27,8 @@ def run_markdown(records: Sequence[Record], title: str = "Verdict") -> str:
 def compare_markdown(runs: Sequence[Run]) -> str:
     """Several runs: what each was measured on, the side-by-side table, then each run's `run_markdown`."""
     names = run_names(runs)
-    measured = [f"- {name}: `{run.folder}`, {run.measured_on()}" for name, run in zip(names, runs)]
+    measured = [f"- {name}: `{run.folder}`, {run.measured_on()} · {run.tokenization()}"
+                for name, run in zip(names, runs)]
     parts = ["## Side by side", "\n".join(measured), compare_table(runs, names).markdown()]
     parts += [run_markdown(run.records, f"Verdict: {name}") for name, run in zip(names, runs)]
     return "\n\n".join(parts)

@@ -36,6 +36,17 @@ class Run:
         return (f"text {c.get('text')} · {c.get('tokens')} tokens · positions {c.get('positions')} · "
                 f"seed {c.get('seed')}")
 
+    def tokenization(self) -> str:
+        """What the stream starts with before the text (recorded by the sweep; older runs did not)."""
+        return stream_start_label(self.config)
+
+
+def stream_start_label(config: dict) -> str:
+    """`run.json`'s record of the stream's start, in words: "stream starts with <bos>", "no BOS"."""
+    if "stream_start" not in config:
+        return "stream start not recorded"
+    return f"stream starts with {config['stream_start']}" if config["stream_start"] else "no BOS (text from token 0)"
+
 
 def load_run(folder: str | Path) -> Run:
     """The run in `folder`; a folder without `results.jsonl` is a user mistake named in one line."""
