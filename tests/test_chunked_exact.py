@@ -85,7 +85,7 @@ def test_chunked_equals_token_by_token_on_the_embedded_model():
     from kvevict import load_model, load_tokens
 
     model, tokenizer = load_model("smollm2-135m")
-    tokens, _ = load_tokens("pg-essays", tokenizer, 360)
+    tokens, _ = load_tokens("pg-essays", tokenizer, 200)  # 136 stepped tokens per row and mode
     specs = ["window", "streamingllm", "h2o", "snapkv"]
     for positions in ("original", "cache"):
         ref, _ = compare(model, tokens, specs, 64, positions, reference=False, progress=False, chunk=1)

@@ -112,10 +112,16 @@ def hf_greedy(model, tokenizer, context: str, steps: int, until: list[str]) -> s
     return _cut(tokenizer.decode(out, skip_special_tokens=True), until)
 
 
-def test_full_equals_plain_transformers_on_every_request_type(tasks, tiny_dir):
+@pytest.fixture(scope="module")
+def full_results(tasks, tiny_dir) -> dict:
+    """Every task under the full cache (batches of 4), shared by the tests that compare with it."""
+    return evaluate(f"pretrained={tiny_dir},policy=full,batch_size=4", tasks)
+
+
+def test_full_equals_plain_transformers_on_every_request_type(full_results, tiny_dir):
     from kvevict.models import load_model
 
-    results = evaluate(f"pretrained={tiny_dir},policy=full,batch_size=4", tasks)
+    results = full_results
     model, tokenizer = load_model(str(tiny_dir))
     got, args = responses(results, "kv_mc")
     assert len(got) == 4 and all(len(r) == 2 for r in got)
@@ -132,10 +138,10 @@ def test_full_equals_plain_transformers_on_every_request_type(tasks, tiny_dir):
         assert resps[0] == hf_greedy(model, tokenizer, context, 6, ["\n", "."])
 
 
-def test_a_tight_window_changes_the_scores_and_a_roomy_one_does_not(tasks, tiny_dir):
+def test_a_tight_window_changes_the_scores_and_a_roomy_one_does_not(tasks, tiny_dir, full_results):
     """On the tiny model the window does not score `worse` (random weights); it must differ from full, and a
     budget of the whole context evicts nothing, so it equals full, as does the stream protocol's full cache."""
-    full = responses(evaluate(f"pretrained={tiny_dir},policy=full", tasks, ["kv_mc"]), "kv_mc")[0]
+    full = responses(full_results, "kv_mc")[0]
     tight = responses(evaluate(f"pretrained={tiny_dir},policy=window,budget=4", tasks, ["kv_mc"]), "kv_mc")[0]
     roomy = responses(evaluate(f"pretrained={tiny_dir},policy=window,budget=100%", tasks, ["kv_mc"]), "kv_mc")[0]
     streamed = responses(evaluate(f"pretrained={tiny_dir},policy=full,protocol=stream", tasks, ["kv_mc"]),
