@@ -135,6 +135,16 @@ def test_greedy_stops_each_row_at_its_stop_token(tiny):
     for row in range(2):
         cut = free[row].index(stop) if stop in free[row] else len(free[row])
         assert stopped[row] == free[row][:cut]
+    # a row is also done once `finished` says its text is complete (lm-eval's `until`); the other runs on
+    asked = []
+
+    def finished(row: int, ids: list[int]) -> bool:
+        asked.append(row)
+        return row == 0 and len(ids) == 4
+
+    early = greedy(tiny, compress(tiny, context, ["window", "sink2+window"], 16), 10, (), finished)
+    assert early == [free[0][:4], free[1]]
+    assert asked.count(0) == 4  # not asked again once done
 
 
 def test_rows_equal_separate_runs(tiny):

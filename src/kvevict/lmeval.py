@@ -158,15 +158,16 @@ def _model_class():
                     until = [_until(k) for k in kwargs]
                     limit = max(int(k.get("max_gen_toks", s.max_gen_toks)) for k in kwargs)
                     ids = torch.tensor([prompts[i] for i in batch])
-                    for i, text, stops in zip(batch, self.generate(ids, limit), until):
+                    for i, text, stops in zip(batch, self.generate(ids, limit, until), until):
                         for stop in stops:
                             text = text.split(stop)[0]
                         out[i] = text
                         self.cache_hook.add_partial("generate_until", requests[i].args, text)
             return out
 
-        def generate(self, prompts: torch.Tensor, max_new_tokens: int) -> list[str]:
-            """Greedy text after each prompt `[B, T]`: the prompt compressed, the policy evicting at every step."""
+        def generate(self, prompts: torch.Tensor, max_new_tokens: int, until: list[list[str]]) -> list[str]:
+            """Greedy text after each prompt `[B, T]`: the prompt compressed, the policy evicting at every step.
+            A row stops once its text holds one of its `until` strings (the caller cuts there)."""
             s = self.settings
             entries = s.entries(prompts.shape[1])
             if prompts.shape[1] > 1:
@@ -176,7 +177,11 @@ def _model_class():
                 state = compress(self.model, prompts, s.policy, entries, s.positions)
             if entries is not None:
                 state.cache.budget = entries  # compress froze the cache: generation keeps evicting
-            new = greedy(self.model, state, max_new_tokens, [self.eot_token_id])
+            def finished(row: int, ids: list[int]) -> bool:
+                text = self.tokenizer.decode(ids, skip_special_tokens=True)
+                return any(stop in text for stop in until[row])
+
+            new = greedy(self.model, state, max_new_tokens, [self.eot_token_id], finished)
             return [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in new]
 
     return KvevictLM

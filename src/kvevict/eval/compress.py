@@ -16,7 +16,7 @@ compressed, so every generated token is computed from what the policy kept.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -190,10 +190,12 @@ def continuation_nll(
         return -lp.gather(-1, target)[..., 0]
 
 
-def greedy(model, state: Compressed, max_new_tokens: int, stop_ids: Sequence[int] = ()) -> list[list[int]]:
+def greedy(model, state: Compressed, max_new_tokens: int, stop_ids: Sequence[int] = (),
+           finished: Callable[[int, list[int]], bool] | None = None) -> list[list[int]]:
     """Greedy decoding from a compressed context, one list of new token ids per row.
 
-    Rows stop independently at a stop token (not included) or after `max_new_tokens`; a
+    Rows stop independently at a stop token (not included), when `finished(row, ids)`
+    says their text is complete (lm-eval's `until` strings), or after `max_new_tokens`; a
     finished row keeps being fed its last token so the batch stays rectangular, and
     what it produces is discarded. `generate` is not used because the cache already
     holds the context, and kvevict's cache must see every forward.
@@ -211,6 +213,7 @@ def greedy(model, state: Compressed, max_new_tokens: int, stop_ids: Sequence[int
                     done[row] = True
                 else:
                     out[row].append(value)
+                    done[row] = finished is not None and finished(row, out[row])
             if all(done) or step == max_new_tokens - 1:
                 break
             state.feed(model, token[:, None])
