@@ -5,7 +5,8 @@ per forward after the prefill (the full-cache reference prefilled in chunks, as 
 Arm "chunked" reads the stream `--chunk` tokens per forward and replays token-by-token
 eviction inside each layer. Both give the same numbers (checked here: NLL within 1e-4
 relative, same sink loss); the ratio of their wall times is the speed-up. Peak resident
-memory is sampled during each arm. `--chunks` times the chunked arm at several sizes
+memory is the process's peak while each arm ran (`kvevict.ab.meter`, as a sweep records
+it). `--chunks` times the chunked arm at several sizes
 (how the default was chosen).
 
     .venv/bin/python benchmarks/chunked_vs_stepwise.py --tokens 2000 --budget 256
@@ -14,41 +15,18 @@ memory is sampled during each arm. `--chunks` times the chunked arm at several s
 from __future__ import annotations
 
 import argparse
-import threading
-import time
 
 import torch
-from long_stream import rss_mb  # benchmarks/ is on the path when a script there runs
 
 from kvevict import compare, load_model, load_tokens
+from kvevict.ab.meter import measure
 from kvevict.defaults import DEFAULT_CHUNK
 
 
-class PeakRss:
-    """Samples resident memory every 50 ms while the block runs."""
-
-    def __enter__(self) -> PeakRss:
-        self.peak, self._stop = rss_mb(), threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-        self._thread.start()
-        return self
-
-    def _watch(self) -> None:
-        while not self._stop.wait(0.05):
-            self.peak = max(self.peak, rss_mb())
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, rss_mb())
-
-
 def timed(model, tokens, specs, budget, positions, chunk, reference=True):
-    with PeakRss() as memory:
-        t0 = time.perf_counter()
+    with measure() as cost:
         rows, full = compare(model, tokens, specs, budget, positions, reference=reference, progress=False, chunk=chunk)
-        seconds = time.perf_counter() - t0
-    return rows, full, seconds, memory.peak
+    return rows, full, cost.seconds, cost.peak_mb
 
 
 def main() -> None:
