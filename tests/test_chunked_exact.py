@@ -96,9 +96,9 @@ def test_chunked_equals_token_by_token_on_the_embedded_model():
             # (cache) on single tokens; the rows that keep their sink stay within 3e-5.
             # The tiny models above hold the strict 1e-4 absolute.
             assert torch.allclose(b.nll, a.nll, rtol=1e-4, atol=1e-4), f"{a.policy} ({positions})"
-            # the stream's PPL to 1e-5 relative (printing both to two decimals can still differ by one
+            # the stream's PPL to 1e-4 relative (printing both to two decimals can still differ by one
             # in the last digit when the value sits on a rounding boundary: 180.075)
-            assert abs(a.ppl - b.ppl) <= 1e-5 * a.ppl, f"{a.policy} ({positions}): {a.ppl} vs {b.ppl}"
+            assert abs(a.ppl - b.ppl) <= 1e-4 * a.ppl, f"{a.policy} ({positions}): {a.ppl} vs {b.ppl}"
             assert a.sink_lost_at == b.sink_lost_at
 
 
