@@ -61,6 +61,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=DEFAULT_CHUNK)
     parser.add_argument("--chunks", default="", help="also time the chunked arms at these sizes, e.g. 16,32,64,128")
     parser.add_argument("--single", default="streamingllm", help="also time this policy alone (empty: skip)")
+    parser.add_argument("--floor-only", action="store_true", help="time only each case's plain-forward floor")
     args = parser.parse_args()
     model, tokenizer = load_model(args.model)
     tokens, _ = load_tokens("pg-essays", tokenizer, args.tokens)
@@ -73,6 +74,11 @@ def main() -> None:
     cases = [(specs, True, "comparison")]
     if args.single:
         cases.append(([args.single], False, f"{args.single} alone"))
+    if args.floor_only:
+        for rows_specs, reference, name in cases:
+            floor_s = plain_forward_seconds(model, tokens, len(rows_specs) + reference, args.chunk)
+            print(f"{name + ', floor: plain forward':<34}{floor_s:>9.1f}")
+        return
     for rows_specs, reference, name in cases:
         step_rows, step_full, step_s, step_mb = timed(model, tokens, rows_specs, args.budget, args.positions, 1,
                                                       reference)
