@@ -1,8 +1,11 @@
 """One sweep run by the local executor and by Ray workers on this machine: time, and the same numbers.
 
 The arms take turns in one process, each in a fresh run folder, on the same model, text
-and cells; the ratio is printed and the two `results.jsonl` files are checked for the same
-numbers (what `tests/test_ray.py` asserts on a tiny model, here on the embedded one).
+and cells; the ratio is printed and the two `results.jsonl` files are compared cell by
+cell. `tests/test_ray.py` asserts bit-identical numbers with one torch thread per process
+on both sides; here the local run uses every core and each Ray worker one, so matrix
+multiplies sum in another order and PPL/KL may differ in the last float32 bits (the
+script asserts at most 1e-5 relative and prints the largest difference).
 
 What it shows on a laptop-sized machine: Ray's workers split the cores between them
 (one torch thread per core each) where the local executor gives all cores to one batch
@@ -57,7 +60,12 @@ def main() -> None:
             run_sweep(config, progress=False, executor=executor)
             seconds[arm] = time.perf_counter() - t0
             results[arm] = numbers(Path(out) / arm / "results.jsonl")
-    assert results["local"] == results["ray"], "the Ray run's numbers differ from the local run's"
+    local, ray = results["local"], results["ray"]
+    assert local.keys() == ray.keys(), "the Ray run finished other cells than the local run"
+    assert all(local[k][2] == ray[k][2] for k in local), "sink loss differs between the runs"
+    worst = max(abs(ray[k][i] - local[k][i]) / abs(local[k][i])
+                for k in local for i in (0, 1) if local[k][i])  # PPL and KL
+    assert worst <= 1e-5, f"the Ray run's numbers differ from the local run's by {worst:.1e} relative"
     cells = len(results["local"])
     table = Table(title=f"{cells} cells ({len(POLICIES)} policies × budgets {args.budgets} + full + oracle), "
                         f"{args.tokens} tokens, {args.model}")
@@ -67,7 +75,9 @@ def main() -> None:
         name = arm if arm == "local" else f"ray, {args.workers} workers"
         table.add_row(name, f"{seconds[arm]:.1f}", f"{60 * cells / seconds[arm]:.1f}")
     Console().print(table)
-    print(f"ray / local wall time: {seconds['ray'] / seconds['local']:.2f}x; same numbers in every cell: yes")
+    same = "identical" if worst == 0 else f"within {worst:.1e} relative"
+    print(f"ray / local wall time: {seconds['ray'] / seconds['local']:.2f}x; PPL and KL of every cell {same}, "
+          "sink loss identical")
 
 
 if __name__ == "__main__":
