@@ -297,6 +297,7 @@ def test_gemma3_embedded_starts_with_bos_and_chunks_exactly(tmp_path):
     from kvevict.ab import SweepConfig
     from kvevict.ab.run import prepare_folder, record_stream_start
     from kvevict.data import stream_start
+    from kvevict.eval.prompts import frame
     from kvevict.models import load_tokenizer
     from kvevict.report.runs import stream_start_label
 
@@ -306,6 +307,8 @@ def test_gemma3_embedded_starts_with_bos_and_chunks_exactly(tmp_path):
     tokens, _ = load_tokens("pg-essays", tokenizer, 96)  # short: CI pays the first load too
     assert stream_start(tokenizer) == [tokenizer.bos_token_id] and int(tokens[0]) == tokenizer.bos_token_id
     assert tokenizer.decode([int(tokens[0])]) == "<bos>"  # Gemma's vocabulary, not kvevict's
+    # the retrieval and generation prompts start the same way (the GGUF tokenizer has no chat template)
+    assert frame(tokenizer).before.tolist() == [tokenizer.bos_token_id]
     config = SweepConfig(model="gemma3-270m", out=str(tmp_path), name="bos")
     prepare_folder(config)
     record_stream_start(config, tokenizer)  # what a sweep writes: the run says how its text was tokenised

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..data import load_text, tokenize
+from ..data import load_text, stream_start, tokenize
 from ..errors import KvevictError
 from ..progress import bars
 from .compress import Budget, budget_label, compress_prompt, greedy, parse_budget
@@ -80,9 +80,7 @@ class GenPromptMaker:
         if self.frame is not None and self.frame.chat:
             before, tail = self.frame.before, question_ids(question, self.tokenizer, self.frame)
         else:
-            bos = getattr(self.tokenizer, "bos_token_id", None)
-            use_bos = bos is not None and getattr(self.tokenizer, "add_bos_token", False)
-            before = torch.tensor([bos] if use_bos else [], dtype=torch.long)
+            before = torch.tensor(stream_start(self.tokenizer), dtype=torch.long)  # Gemma's BOS, see prompts.frame
             tail = tokenize(f"\n\nQuestion: {question}\nAnswer: The {kind} of {subject} is", self.tokenizer)
         ids = torch.cat([before, fact, body, tail])
         return GenPrompt(length, trial, kind, value, ids)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..data import tokenize
+from ..data import stream_start, tokenize
 
 _MARKER = "\u2063KVEVICT\u2063"
 
@@ -37,9 +37,9 @@ def frame(tokenizer) -> Frame:
         if isinstance(rendered, str) and rendered.count(_MARKER) == 1:
             head, tail = rendered.split(_MARKER)
             return Frame(tokenize(head, tokenizer), tail, True)
-    bos = getattr(tokenizer, "bos_token_id", None)
-    before = [bos] if bos is not None and getattr(tokenizer, "add_bos_token", False) else []
-    return Frame(torch.tensor(before, dtype=torch.long), "\nAnswer:", False)
+    # what the tokenizer puts before a text (Gemma's BOS), as every stream starts: a tokenizer's
+    # `add_bos_token` flag can say False while it adds BOS all the same (Gemma's from GGUF)
+    return Frame(torch.tensor(stream_start(tokenizer), dtype=torch.long), "\nAnswer:", False)
 
 
 def question_ids(question: str, tokenizer, shape: Frame) -> torch.Tensor:
