@@ -137,16 +137,23 @@ def _closed_port() -> int:
 
 
 @needs_ray
-@pytest.mark.parametrize("address", ["refused", "10.255.255.1:6379", "ray://10.255.255.1:10001", "nohost"])
+@pytest.mark.parametrize("address", ["refused", "silent", "10.255.255.1:6379", "ray://10.255.255.1:10001",
+                                     "nohost"])
 def test_unreachable_ray_address_fails_fast_in_one_line(tmp_path, address):
-    if address == "refused":
-        address = f"127.0.0.1:{_closed_port()}"
-    start = time.monotonic()
-    # (before the tests that share a Ray session: this process must not be connected to Ray yet)
-    needle = "is not HOST:PORT" if address == "nohost" else "cannot reach Ray at"
-    cli_error("ab", "--executor", "ray", "--address", address, "--out", str(tmp_path),
-              needles=(needle, f"'{address}'", "--address"))
-    assert time.monotonic() - start < 30
+    needles = ["is not HOST:PORT" if address == "nohost" else "cannot reach Ray at"]
+    with socket.socket() as server:
+        if address == "refused":
+            address = f"127.0.0.1:{_closed_port()}"
+        if address == "silent":  # a port that accepts the connection and never says a word: the wait is timed
+            server.bind(("127.0.0.1", 0))
+            server.listen(4)
+            address = f"127.0.0.1:{server.getsockname()[1]}"
+            needles.append("timed out")
+        start = time.monotonic()
+        # (before the tests that share a Ray session: this process must not be connected to Ray yet)
+        cli_error("ab", "--executor", "ray", "--address", address, "--out", str(tmp_path),
+                  needles=(*needles, f"'{address}'", "--address"))
+        assert time.monotonic() - start < 30
 
 
 class Killer:
