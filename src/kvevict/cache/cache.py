@@ -87,7 +87,7 @@ class EvictingCache(Cache):
         specs = list(policy) if isinstance(policy, (list, tuple)) else [policy]
         if not specs:
             raise KvevictError("no policy given: pass a spec such as 'streamingllm' or a list, one per row")
-        self.policies = [check_policy(spec, None) for spec in specs]
+        self.policies = [check_policy(spec, None, positions) for spec in specs]
         bounded = [not p.unbounded for p in self.policies]
         if budget is not None and any(bounded) and not all(bounded):
             raise KvevictError(
@@ -137,11 +137,6 @@ class EvictingCache(Cache):
         self.kinds = kinds
         classes = dict(LAYER_KINDS)
         if any(p.varies_by_head for p in self.policies):
-            if positions != "original":
-                raise KvevictError(
-                    "adakv gives each KV head its own number of entries, so positions='cache' would need a "
-                    "position per head for every query: use positions='original' (--positions original)"
-                )
             classes.update(PER_HEAD_KINDS)  # sliding-window layers run no policy: they stay as they are
         super().__init__(layers=[classes[kind](i, settings[kind]) for i, kind in enumerate(kinds)])
 

@@ -102,13 +102,19 @@ def _parse_adakv(spec: str, rest: str) -> Policy:
     return AdaKV(inner=parse_policy(inner), **parsed)
 
 
-def check_policy(spec: str | Policy, budget: int | None) -> Policy:
-    """Parse `spec` and check it can run at `budget` (None: unbounded, nothing to check).
+def check_policy(spec: str | Policy, budget: int | None, positions: str = "original") -> Policy:
+    """Parse `spec` and check it can run at `budget` (None: unbounded, nothing to check) in
+    the position mode `positions`.
 
     The one place a (policy, budget) pair is validated, for the cache, the CLI and the
     sweep planner, so every entry point refuses the same inputs with the same words.
     """
     policy = parse_policy(spec)
+    if policy.varies_by_head and positions != "original":
+        raise KvevictError(
+            f"'{policy.spec()}' gives each KV head its own number of entries, so positions='{positions}' would "
+            "need a position per head for every query: use positions='original' (--positions original)"
+        )
     if budget is not None and not policy.unbounded:
         if budget < 1:
             raise KvevictError(f"budget must be a positive number of entries, got {budget}")
