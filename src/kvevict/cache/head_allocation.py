@@ -35,7 +35,8 @@ def allocate(
     latest = flat_pos.argsort(dim=-1, descending=True, stable=True)  # equal positions: lower head first
     best = torch.sort(flat_scores.gather(-1, latest), dim=-1, descending=True, stable=True).indices
     joint = latest.gather(-1, best)
-    joint = joint.gather(-1, torch.sort(candidate.gather(-1, joint).int(), dim=-1, descending=True, stable=True).indices)
+    first = torch.sort(candidate.gather(-1, joint).int(), dim=-1, descending=True, stable=True).indices
+    joint = joint.gather(-1, first)  # candidates first, best first
     taken = torch.arange(h * length, device=scores.device)[None] < left[:, None]
     chosen = torch.zeros(b, h * length, dtype=torch.bool, device=scores.device)
     chosen.scatter_(-1, joint, taken & candidate.gather(-1, joint))

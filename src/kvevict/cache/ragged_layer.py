@@ -83,11 +83,19 @@ class RaggedLayer(EvictingLayer):
         return out[:rows]
 
     def _overflows(self, q: int) -> bool:
+        """Whether `q` more tokens per head would take some row past its allowance `H x budget`."""
         budget = self.budget
-        return budget is not None and bool((self.storage.length.sum(dim=-1) + self.heads * q > self.heads * budget).any())
+        held = self.storage.length.sum(dim=-1)  # [B]
+        return budget is not None and bool((held + self.heads * q > self.heads * budget).any())
 
     def _forward(
-        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, used: torch.Tensor, seen: int, scaling: float
+        self,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        used: torch.Tensor,
+        seen: int,
+        scaling: float,
     ) -> torch.Tensor:
         """One forward of `m` tokens (`seen` counts them): store, attend, feed statistics, allocate.
 

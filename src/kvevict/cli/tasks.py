@@ -115,7 +115,7 @@ def generation(
     check_positions(positions)
     if trials < 1:
         raise KvevictError(f"--trials must be at least 1, got {trials}")
-    specs = _specs(policies)
+    specs = _specs(policies, positions)
     budget_list = _budgets(budgets)
     lm, tokenizer = load_model(model, allow_download=allow_download)
     result = run_generation(

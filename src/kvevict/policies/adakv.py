@@ -54,7 +54,8 @@ class AdaKV(Policy):
                 f"'adakv:{name}' puts sink pinning inside adakv: write the sinks outside, "
                 f"e.g. {name.partition('+')[0]}+adakv:{name.partition('+')[2]}"
             )
-        if self.inner.unbounded or not (self.inner.needs_attention or self.inner.reads_keys or self.inner.static_scores):
+        inner = self.inner
+        if inner.unbounded or not (inner.needs_attention or inner.reads_keys or inner.static_scores):
             raise KvevictError(
                 f"adakv needs a policy that scores entries, not '{name}' (its scores carry no ranking to share "
                 "across heads): use adakv:snapkv, adakv:h2o, adakv:tova, adakv:knorm, adakv:keydiff or adakv:window"

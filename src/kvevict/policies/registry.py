@@ -98,7 +98,7 @@ def _parse_adakv(spec: str, rest: str) -> Policy:
         )
     parsed = _parse_options(AdaKV, _ADAKV, options)
     if "inner" in parsed:
-        raise KvevictError(f"unknown option 'inner' for adakv in '{spec}': its only option is alpha (adakv:alpha=0.2:P)")
+        raise KvevictError(f"unknown option 'inner' for adakv in '{spec}': its one option is alpha (adakv:alpha=0.2:P)")
     return AdaKV(inner=parse_policy(inner), **parsed)
 
 
