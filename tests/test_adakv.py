@@ -186,7 +186,7 @@ def test_storage_holds_the_layer_allowance_not_the_longest_head_times_heads():
     ],
 )
 def test_bad_adakv_specs_are_refused(spec, budget, needle):
-    from kvevict import check_policy
+    from kvevict.policies import check_policy
 
     with pytest.raises(KvevictError) as caught:
         check_policy(spec, budget)
