@@ -122,7 +122,8 @@ class RaggedStorage:
         """Lay the segments out again so every head has room for `extra` more entries, the
         free room shared evenly; the buffer grows (or shrinks back to `base`) to fit."""
         need = self.length + extra  # [B, H]
-        capacity = max(self.base, int(need.sum(dim=-1).max()) + self.heads * self.room)
+        most = int(need.sum(dim=-1).max())
+        capacity = self.base if most <= self.base else most + self.heads * self.room  # grow only past `base`
         share = (capacity - need.sum(dim=-1, keepdim=True)) // self.heads  # [B, 1]
         size = need + share
         start = size.cumsum(dim=-1) - size
