@@ -18,8 +18,18 @@ TEST_OPTIONS = {
 }
 
 
+# wrappers that are not registry names: Ada-KV's head-wise budgets over a policy of each kind
+# (accumulated attention, a query window, the last query, keys)
+WRAPPED = ["adakv:h2o:recent=0.25", "adakv:snapkv:window=2,interval=3", "adakv:tova", "adakv:keydiff"]
+
+
 def base_specs() -> list[str]:
-    return [TEST_OPTIONS.get(name, name) for name in REGISTRY]
+    return [TEST_OPTIONS.get(name, name) for name in REGISTRY] + WRAPPED
+
+
+def position_modes(spec: str) -> list[str]:
+    """The position modes `spec` runs in: per-head budgets refuse `cache` (each head would need its own positions)."""
+    return ["original"] if parse_policy(spec).varies_by_head else ["original", "cache"]
 
 
 def bounded_specs() -> list[str]:
@@ -29,6 +39,6 @@ def bounded_specs() -> list[str]:
 
 
 def neighbours(spec: str, others: list[str]) -> list[str]:
-    """Rows to batch `spec` with: `others`, or copies of `spec` when it gives each layer its
-    own budget (a layer stores one budget for all rows, so it cannot share a batch)."""
-    return [spec] * len(others) if parse_policy(spec).varies_by_layer else others
+    """Rows to batch `spec` with: `others`, or copies of `spec` when it runs in a batch of its
+    own (`Policy.own_batch`: per-layer or per-head budgets)."""
+    return [spec] * len(others) if parse_policy(spec).own_batch else others

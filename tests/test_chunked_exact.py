@@ -21,7 +21,7 @@ from kvevict.eval.streaming import boundaries
 from kvevict.policies import REGISTRY, Policy, SlotView, register
 
 from conftest import make_tiny, random_tokens
-from policy_matrix import bounded_specs, neighbours
+from policy_matrix import bounded_specs, neighbours, position_modes
 
 MODEL = make_tiny(seed=31, layers=2)
 TOKENS = random_tokens(90, seed=32)
@@ -45,8 +45,7 @@ def stream(specs: list[str], positions: str, chunk: int) -> tuple[torch.Tensor, 
     return nll, cache.kept_positions(), sinks.lost_at(len(cache.layers), cache.layers[0].heads)
 
 
-@pytest.mark.parametrize("positions", ["original", "cache"])
-@pytest.mark.parametrize("spec", bounded_specs())
+@pytest.mark.parametrize("spec,positions", [(s, p) for s in bounded_specs() for p in position_modes(s)])
 def test_chunked_equals_token_by_token(spec, positions):
     specs = [spec, *neighbours(spec, ["window"])]  # a neighbour row: chunks replay rows of mixed policies together
     ref_nll, ref_kept, ref_lost = stream(specs, positions, 1)

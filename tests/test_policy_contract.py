@@ -18,7 +18,7 @@ from kvevict.policies import SlotView
 from kvevict.policies.sinkauto import SinkAuto
 
 from conftest import make_tiny, random_tokens
-from policy_matrix import bounded_specs, neighbours
+from policy_matrix import bounded_specs, neighbours, position_modes
 
 MODEL = make_tiny(seed=11, layers=2)
 TOKENS = random_tokens(64, seed=12)
@@ -39,19 +39,23 @@ def run(specs: list[str], positions: str) -> tuple[list[torch.Tensor], list[list
     return hidden, kept, cache
 
 
-@pytest.mark.parametrize("positions", ["original", "cache"])
-@pytest.mark.parametrize("spec", bounded_specs())
+@pytest.mark.parametrize("spec,positions", [(s, p) for s in bounded_specs() for p in position_modes(s)])
 def test_budget_and_pinned_tokens_hold(spec, positions):
     _, kept, cache = run([spec], positions)
     policy = cache.row_policies()[0]
     seen = 0
     for q, layers in zip(CHUNKS, kept):
         seen += q
-        for index, pos in enumerate(layers):  # [1, H, n], ascending
+        for index, pos in enumerate(layers):  # [1, H, n], ascending (per-head budgets: padded with -1 at the end)
             budget = cache.layers[index].budget  # BUDGET, or the layer's share of it (pyramidkv)
-            assert pos.shape[-1] == min(seen, budget), f"{spec}: holds {pos.shape[-1]} after {seen} tokens"
-            assert bool((pos.diff(dim=-1) > 0).all()) and bool((pos < seen).all())
-            held = [set(head.tolist()) for head in pos[0]]
+            heads = [head[head >= 0] for head in pos[0]]
+            if policy.varies_by_head:  # the heads share H x budget; each keeps at least its floor
+                assert sum(h.numel() for h in heads) == len(heads) * min(seen, budget), f"{spec}: layer over budget"
+                assert all(h.numel() >= min(seen, policy.head_floor(budget)) for h in heads), f"{spec}: below floor"
+            else:
+                assert pos.shape[-1] == min(seen, budget), f"{spec}: holds {pos.shape[-1]} after {seen} tokens"
+            assert all(bool((h.diff() > 0).all()) and bool((h < seen).all()) for h in heads)
+            held = [set(head.tolist()) for head in heads]
             assert all(set(range(min(policy.pinned, seen))) <= h for h in held), f"{spec}: pinned token evicted"
             if isinstance(policy, SinkAuto) and policy.sinks(index) is not None:
                 for h, sinks in zip(held, policy.sinks(index)[0]):

@@ -110,7 +110,7 @@ def plan(config: SweepConfig) -> list[Cell]:
         cells.append(Cell("oracle", "oracle", "oracle", budget))
         seen = set()
         for label in config.policies:
-            if check_policy(label, budget).unbounded:
+            if check_policy(label, budget, config.positions).unbounded:
                 continue  # the full cache is always a row of the table
             spec = canonical(label, config.seed)
             if spec not in seen:

@@ -25,6 +25,7 @@ from .layer import EvictingLayer
 from .layer_settings import LayerSettings
 from .observers import KeptTracker, Observer, SinkTracker, held_pinned_lost, held_sink_loss
 from .positions import MODES, POSITION_MODES
+from .ragged_layer import RaggedLayer
 from .rotary import Rotary
 from .rows import RowLayout
 from .sliding import SlidingLayer
@@ -32,6 +33,8 @@ from .sliding import SlidingLayer
 #: the layer class for each kind of attention layer a model declares (`config.layer_types`);
 #: a new kind is one class and one line here
 LAYER_KINDS: dict[str, type[EvictingLayer]] = {"full_attention": EvictingLayer, "sliding_attention": SlidingLayer}
+#: the layer class of a kind when the batch's policies give each KV head its own budget (`adakv:P`)
+PER_HEAD_KINDS: dict[str, type[EvictingLayer]] = {"full_attention": RaggedLayer}
 
 
 @dataclass
@@ -40,13 +43,18 @@ class CacheMemory:
 
     `held`: kind -> the most entries one layer of that kind holds (per row and KV head);
     `layers`: kind -> how many layers; bytes count keys and values of every layer, row
-    and KV head at the model's dtype (un-rotated key copies and statistics left out).
+    and KV head at the model's dtype (un-rotated key copies and statistics left out):
+    `kv_bytes` the entries held, `allocated_kv_bytes` what the buffers take (held plus
+    the slack a forward writes into). `per_head`: per layer, `[B][H_kv]` entries each
+    head holds, when the heads hold different numbers (`adakv:P`), else None.
     """
 
     held: dict[str, int]
     layers: dict[str, int]
     kv_bytes: int
     full_kv_bytes: int
+    allocated_kv_bytes: int = 0
+    per_head: list[list[list[int]]] | None = None
 
 
 class EvictingCache(Cache):
@@ -79,7 +87,7 @@ class EvictingCache(Cache):
         specs = list(policy) if isinstance(policy, (list, tuple)) else [policy]
         if not specs:
             raise KvevictError("no policy given: pass a spec such as 'streamingllm' or a list, one per row")
-        self.policies = [check_policy(spec, None) for spec in specs]
+        self.policies = [check_policy(spec, None, positions) for spec in specs]
         bounded = [not p.unbounded for p in self.policies]
         if budget is not None and any(bounded) and not all(bounded):
             raise KvevictError(
@@ -127,7 +135,10 @@ class EvictingCache(Cache):
         if per_kind:  # one position mode per kind, sharing everything else (budgets, rows, observers)
             settings = {kind: replace(self.settings, mode=MODES[positions](rotary(kind))) for kind in set(kinds)}
         self.kinds = kinds
-        super().__init__(layers=[LAYER_KINDS[kind](i, settings[kind]) for i, kind in enumerate(kinds)])
+        classes = dict(LAYER_KINDS)
+        if any(p.varies_by_head for p in self.policies):
+            classes.update(PER_HEAD_KINDS)  # sliding-window layers run no policy: they stay as they are
+        super().__init__(layers=[classes[kind](i, settings[kind]) for i, kind in enumerate(kinds)])
 
     # --- budgets ------------------------------------------------------------------------
     @property
@@ -207,15 +218,23 @@ class EvictingCache(Cache):
         """Entries held per kind of layer and the KV bytes, against a full cache of the tokens seen."""
         held: dict[str, int] = {}
         layers: dict[str, int] = {}
-        kv = full = 0
+        kv = full = allocated = 0
+        per_head = []
         for kind, layer in zip(self.kinds, self.layers):
             layers[kind] = layers.get(kind, 0) + 1
             held[kind] = max(held.get(kind, 0), layer.n)
             if layer.is_initialized:
-                cell = 2 * layer.batch_size * layer.heads * layer.head_dim * layer.storage.kv.element_size()
-                kv += cell * layer.n
-                full += cell * layer.seen
-        return CacheMemory(held=held, layers=layers, kv_bytes=kv, full_kv_bytes=full)
+                entry = 2 * layer.head_dim * layer.storage.kv.element_size()  # one key and its value
+                lengths = layer.head_lengths()  # [B, H_kv]
+                kv += entry * int(lengths.sum())
+                full += entry * layer.batch_size * layer.heads * layer.seen
+                allocated += layer.storage.kv.numel() * layer.storage.kv.element_size()
+                per_head.append(lengths.tolist())
+        ragged = any(isinstance(layer, RaggedLayer) for layer in self.layers)
+        return CacheMemory(
+            held=held, layers=layers, kv_bytes=kv, full_kv_bytes=full, allocated_kv_bytes=allocated,
+            per_head=per_head if ragged else None,
+        )
 
     def _observer(self, kind: type) -> Observer:
         found = next((o for o in self.observers if isinstance(o, kind)), None)

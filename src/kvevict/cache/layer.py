@@ -72,13 +72,19 @@ class EvictingLayer(CacheLayerMixin):
         batch = s.layout.rows_for(key_states.shape[0])
         self.dtype, self.device = key_states.dtype, key_states.device
         self.batch_size, self.heads, self.head_dim = batch, heads, dim
-        capacity = (self.budget or 0) + s.slack
-        self.storage = SlotStorage(batch, heads, dim, self.dtype, self.device, s.stat_names, s.mode.raw_keys, capacity)
+        self.storage = self._new_storage()
         self.is_initialized = True
         if s.layout.bind(batch):
             pinned = [p.pinned for p in s.layout.row_policies()]
             for observer in s.observers:
                 observer.on_bind(pinned)
+
+    def _new_storage(self) -> SlotStorage:
+        s = self.settings
+        capacity = (self.budget or 0) + s.slack
+        return SlotStorage(
+            self.batch_size, self.heads, self.head_dim, self.dtype, self.device, s.stat_names, s.mode.raw_keys, capacity
+        )
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -114,20 +120,27 @@ class EvictingLayer(CacheLayerMixin):
                     f"{int(used[0])}: call cache.reset() (or make a new EvictingCache) before reusing it for another "
                     "sequence"
                 )
-        storage = self.storage
-        end = self.n + q
-        if end > storage.capacity:
-            # Only a prefill longer than the slack, or a frozen (growing) cache, gets here.
-            grow = 2 * storage.capacity if self.budget is None else 0
-            storage.ensure(end, self.n, max(end + self.settings.slack, grow))
-        storage.open(self.n, value_states, self.seen)
-        mode.store_keys(storage, key_states, used, self.n)
+        out = self._store(key_states, value_states, used)
         model_kwargs[LAYER_KEY] = self
         if handoff is not None:
             handoff.layer = self
         self.new = q
         self.seen += q
         self.pending = True
+        return out
+
+    def _store(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, used: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the forward's new entries after the kept ones; return `[kept | new]` keys and values."""
+        storage = self.storage
+        end = self.n + key_states.shape[2]
+        if end > storage.capacity:
+            # Only a prefill longer than the slack, or a frozen (growing) cache, gets here.
+            grow = 2 * storage.capacity if self.budget is None else 0
+            storage.ensure(end, self.n, max(end + self.settings.slack, grow))
+        storage.open(self.n, value_states, self.seen)
+        self.settings.mode.store_keys(storage, key_states, used, self.n)
         # A shared forward (one row standing for all) attends with row 0; writes above broadcast.
         rows = key_states.shape[0]
         return storage.keys[:rows, :, :end], storage.values[:rows, :, :end]
@@ -337,3 +350,7 @@ class EvictingLayer(CacheLayerMixin):
     def kept_positions(self) -> torch.Tensor:
         """`[B, H_kv, n]` original positions of the entries held, ascending."""
         return self.storage.pos[:, :, : self.n].sort(dim=-1).values
+
+    def head_lengths(self) -> torch.Tensor:
+        """`[B, H_kv]` entries each (row, KV head) holds: `n` everywhere (per-head budgets: `RaggedLayer`)."""
+        return torch.full((self.batch_size, self.heads), self.n, dtype=torch.long)

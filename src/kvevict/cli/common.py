@@ -92,12 +92,12 @@ def check_positions(positions: str) -> None:
         raise KvevictError(f"--positions must be one of {', '.join(POSITION_MODES)}, got '{positions}'")
 
 
-def check_policies(specs: list[str], budget: int | None) -> None:
-    """Every spec parses and can run at `budget` (None: parse only)."""
+def check_policies(specs: list[str], budget: int | None, positions: str = "original") -> None:
+    """Every spec parses and can run at `budget` (None: parse only) in the position mode `positions`."""
     from ..policies import check_policy
 
     for spec in specs:
-        check_policy(spec, budget)
+        check_policy(spec, budget, positions)
 
 
 def save_json(path: str | None, data: dict) -> None:

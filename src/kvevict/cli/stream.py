@@ -57,7 +57,7 @@ def ppl(
     from ..models import load_model, load_tokenizer
 
     check_positions(positions)
-    check_policies([policy], budget)
+    check_policies([policy], budget, positions)
     chunk_size = parse_chunk(chunk)
     if tokens < 2:
         raise KvevictError(f"need at least 2 tokens to score a prediction, got --tokens {tokens}")
@@ -99,7 +99,7 @@ def compare(
     check_positions(positions)
     if not specs:
         raise KvevictError("--policies is empty: give comma-separated specs such as window,streamingllm")
-    check_policies(specs, budget)
+    check_policies(specs, budget, positions)
     chunk_size = parse_chunk(chunk)
     ids, _ = load_tokens(text, load_tokenizer(model, allow_download), tokens)
     lm, _ = load_model(model, allow_download=allow_download)

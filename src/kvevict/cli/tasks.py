@@ -37,12 +37,12 @@ def _budgets(text: str) -> list:
     return [parse_budget(part) for part in split_specs(text)]
 
 
-def _specs(text: str) -> list[str]:
+def _specs(text: str, positions: str = "original") -> list[str]:
     """The `--policies` of a task: parsed now; their budgets are checked against each prompt later."""
     specs = split_specs(text)
     if not specs:
         raise KvevictError("--policies is empty: give comma-separated specs such as full,streamingllm,h2o")
-    check_policies(specs, None)
+    check_policies(specs, None, positions)
     return specs
 
 
@@ -76,7 +76,7 @@ def needle(
     length_list = _numbers(lengths, "--lengths", int)
     depth_list = _numbers(depths, "--depths", float)
     check_grid(length_list, depth_list, trials)
-    specs = _specs(policies)
+    specs = _specs(policies, positions)
     budget_list = _budgets(budgets)
     lm, tokenizer = load_model(model, allow_download=allow_download)
     result = run_needle(
@@ -115,7 +115,7 @@ def generation(
     check_positions(positions)
     if trials < 1:
         raise KvevictError(f"--trials must be at least 1, got {trials}")
-    specs = _specs(policies)
+    specs = _specs(policies, positions)
     budget_list = _budgets(budgets)
     lm, tokenizer = load_model(model, allow_download=allow_download)
     result = run_generation(

@@ -299,6 +299,7 @@ def compare(
         per_row = {
             "held": memory.held, "kv_bytes": memory.kv_bytes // rows, "full_kv_bytes": memory.full_kv_bytes // rows
         }
+        per_head = memory.per_head  # adakv: per layer [B][H_kv] entries each head holds
         results = [
             RowResult(
                 policy=policy.spec(),
@@ -314,7 +315,7 @@ def compare(
                 sink_loss=float(loss[row]),
                 sink_lost_at=lost_at[:, row].tolist(),
                 seconds=lane.seconds,
-                memory=per_row,
+                memory=per_row if per_head is None else {**per_row, "held_per_head": [lay[row] for lay in per_head]},
                 layer_budgets=cache.layer_budgets() if policy.varies_by_layer else None,
             )
             for row, policy in enumerate(cache.row_policies())

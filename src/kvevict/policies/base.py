@@ -112,6 +112,21 @@ class Policy:
     #: gives each layer its own budget (`layer_budgets`, PyramidKV). The storage of a layer
     #: is one budget for all rows, so such a policy runs in a batch of its own
     varies_by_layer: ClassVar[bool] = False
+    #: gives each KV head of a layer its own share of the layer's entries (`head_floor`, Ada-KV).
+    #: The layer then stores ragged per-head segments and attends by hand (`cache/ragged_layer.py`),
+    #: so such a policy runs in a batch of its own beside the uniform ones
+    varies_by_head: ClassVar[bool] = False
+
+    @property
+    def own_batch(self) -> bool:
+        """Whether this policy cannot share a batch with uniform-budget policies: a layer stores one
+        budget for all its rows (`varies_by_layer`), and one storage layout (`varies_by_head`)."""
+        return self.varies_by_layer or self.varies_by_head
+
+    def head_floor(self, budget: int) -> int:
+        """The fewest entries each KV head keeps when a layer shares `KV heads x budget` entries
+        among its heads (Ada-KV's safeguard). A uniform policy keeps exactly `budget` per head."""
+        return budget
 
     def spec(self) -> str:
         raise NotImplementedError

@@ -1,7 +1,10 @@
 """Policy spec strings, parsed in one place for the API and the CLI.
 
-Grammar: `[sinkN+]name[:key=value,...]`, e.g. `window`, `sink4+h2o:recent=0.25`,
-`snapkv:window=32,kernel=7,pooling=max`. Options may also be separated by `;`
+Grammar: `[sinkN+][adakv[:alpha=A]:]name[:key=value,...]`, e.g. `window`,
+`sink4+h2o:recent=0.25`, `snapkv:window=32,kernel=7,pooling=max`, `adakv:snapkv`,
+`sink4+adakv:alpha=0.1:snapkv:window=16`. `adakv:` (head-wise budgets, `adakv.py`) is a
+wrapper like `sinkN+`: its own options come first, as the `:`-field that holds `=`;
+the rest is the inner policy's spec. Options may also be separated by `;`
 (`snapkv:window=32;kernel=7`), for places that split at commas themselves (lm-eval's
 `model_args`). Aliases: `streamingllm` = `sink4+window`,
 `local` / `fifo` = `window`. A new policy registers its class here; its options are
@@ -15,6 +18,7 @@ import re
 from collections.abc import Callable
 
 from ..errors import KvevictError
+from .adakv import AdaKV
 from .base import Policy
 from .full import Full
 from .h2o import H2O
@@ -42,6 +46,7 @@ REGISTRY: dict[str, Callable[..., Policy]] = {
 ALIASES = {"streamingllm": "sink4+window", "local": "window", "fifo": "window"}
 _SINK = re.compile(r"^sink(\d+)\+(.+)$")
 _SINKAUTO = re.compile(r"^sinkauto(\d*)\+(.+)$")
+_ADAKV = "adakv"
 
 
 def register(name: str, factory: Callable[..., Policy]) -> None:
@@ -50,7 +55,7 @@ def register(name: str, factory: Callable[..., Policy]) -> None:
 
 
 def known_specs() -> str:
-    return ", ".join([*REGISTRY, *ALIASES, "sinkN+<policy>", "sinkauto+<policy>"])
+    return ", ".join([*REGISTRY, *ALIASES, "sinkN+<policy>", "sinkauto+<policy>", "adakv:<policy>"])
 
 
 def parse_policy(spec: str | Policy) -> Policy:
@@ -70,6 +75,8 @@ def parse_policy(spec: str | Policy) -> Policy:
     if text.startswith("sink"):
         raise KvevictError(f"cannot parse '{spec}': sink pinning is written sinkN+<policy>, e.g. sink4+h2o")
     name, _, options = text.partition(":")
+    if name == _ADAKV:
+        return _parse_adakv(spec, options)
     if name in ALIASES and not options:
         return parse_policy(ALIASES[name])
     if name not in REGISTRY:
@@ -78,13 +85,38 @@ def parse_policy(spec: str | Policy) -> Policy:
     return factory(**_parse_options(factory, name, options))
 
 
-def check_policy(spec: str | Policy, budget: int | None) -> Policy:
-    """Parse `spec` and check it can run at `budget` (None: unbounded, nothing to check).
+def _parse_adakv(spec: str, rest: str) -> Policy:
+    """`adakv[:alpha=A]:P`: the wrapper's options (a `:`-field holding `=`), then the inner spec."""
+    first, _, inner = rest.partition(":")
+    options = ""
+    if "=" in first:
+        options = first
+    else:
+        inner = rest
+    if not inner.strip():
+        raise KvevictError(
+            f"'{spec}' names no policy for adakv to allocate across heads: write adakv:<policy>, e.g. adakv:snapkv "
+            "or adakv:alpha=0.1:h2o"
+        )
+    parsed = _parse_options(AdaKV, _ADAKV, options)
+    if "inner" in parsed:
+        raise KvevictError(f"unknown option 'inner' for adakv in '{spec}': its one option is alpha (adakv:alpha=0.2:P)")
+    return AdaKV(inner=parse_policy(inner), **parsed)
+
+
+def check_policy(spec: str | Policy, budget: int | None, positions: str = "original") -> Policy:
+    """Parse `spec` and check it can run at `budget` (None: unbounded, nothing to check) in
+    the position mode `positions`.
 
     The one place a (policy, budget) pair is validated, for the cache, the CLI and the
     sweep planner, so every entry point refuses the same inputs with the same words.
     """
     policy = parse_policy(spec)
+    if policy.varies_by_head and positions != "original":
+        raise KvevictError(
+            f"'{policy.spec()}' gives each KV head its own number of entries, so positions='{positions}' would "
+            "need a position per head for every query: use positions='original' (--positions original)"
+        )
     if budget is not None and not policy.unbounded:
         if budget < 1:
             raise KvevictError(f"budget must be a positive number of entries, got {budget}")
@@ -94,10 +126,12 @@ def check_policy(spec: str | Policy, budget: int | None) -> Policy:
 
 def shared_batches(specs: list[str]) -> list[list[str]]:
     """`specs` split into batches that can run as rows of one cache: every policy with a
-    uniform budget together, each per-layer-budget policy (`pyramidkv`) alone, because a
-    layer stores one budget for all its rows."""
-    uniform = [s for s in specs if not parse_policy(s).varies_by_layer]
-    return ([uniform] if uniform else []) + [[s] for s in specs if parse_policy(s).varies_by_layer]
+    uniform budget together; each policy that declares `own_batch` alone: a per-layer
+    budget (`pyramidkv`) because a layer stores one budget for all its rows, per-head
+    budgets (`adakv:P`) because its layers store ragged per-head segments and attend by
+    hand, which would slow the uniform rows down."""
+    uniform = [s for s in specs if not parse_policy(s).own_batch]
+    return ([uniform] if uniform else []) + [[s] for s in specs if parse_policy(s).own_batch]
 
 
 def _parse_options(factory: Callable[..., Policy], name: str, options: str) -> dict:

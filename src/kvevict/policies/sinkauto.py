@@ -91,8 +91,9 @@ class SinkAuto(SinkWrapper):
         if acc is None:
             acc = torch.zeros(*mass.shape[:2], self.calib, dtype=torch.float64, device=mass.device)
             self._mass[view.layer] = acc
-        inside = view.positions < self.calib
-        index = view.positions.clamp(max=self.calib - 1)
+        # padded views of ragged per-head storage (adakv) mark empty slots with position -1
+        inside = (view.positions >= 0) & (view.positions < self.calib)
+        index = view.positions.clamp(0, self.calib - 1)
         acc.scatter_add_(2, index, torch.where(inside, mass.to(torch.float64), 0.0))
         if self._closing.get(view.layer):
             self._close(view.layer, min(self.calib, view.seen))

@@ -58,6 +58,14 @@ class SinkWrapper(Policy):
     def varies_by_layer(self) -> bool:
         return self.inner.varies_by_layer
 
+    @property
+    def varies_by_head(self) -> bool:
+        return self.inner.varies_by_head
+
+    def head_floor(self, budget: int) -> int:
+        """The inner policy's floor on the unpinned part, plus the sinks every head keeps."""
+        return self.n_sinks + self.inner.head_floor(budget - self.n_sinks)
+
     def layer_budgets(self, budget: int, layers: int) -> list[int] | None:
         """The inner policy's per-layer budgets on the unpinned part, plus the sinks in every layer."""
         inner = self.inner.layer_budgets(budget - self.n_sinks, layers)

@@ -1,0 +1,205 @@
+"""Ada-KV (`adakv:P`): the allocation, the cache's exactness and its real memory, each
+against a computation written here (Python sorting, eager attention with a per-head mask)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AttentionInterface, DynamicCache
+
+from kvevict import EvictingCache, KvevictError, parse_policy
+from kvevict.cache.head_allocation import allocate
+from kvevict.eval.forward import body
+
+from conftest import make_tiny, random_tokens
+from helpers import attn
+
+
+def reference_keep(alive: list[list[int]], score, total: int, floor: int) -> list[set[int]]:
+    """Ada-KV by hand: each head its best `floor`, then the best of the rest over all heads.
+
+    `alive[h]` the positions head h holds, `score(h, p)`. Ties: the later token, then the lower head.
+    """
+    keep = [set(sorted(a, key=lambda p, h=h: (score(h, p), p), reverse=True)[:floor]) for h, a in enumerate(alive)]
+    pool = sorted(
+        ((score(h, p), p, -h) for h, a in enumerate(alive) for p in a if p not in keep[h]), reverse=True
+    )
+    for _, p, minus_h in pool[: max(0, total - sum(len(k) for k in keep))]:
+        keep[-minus_h].add(p)
+    return keep
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_allocation_is_floor_then_joint_top_k(seed):
+    g = torch.Generator().manual_seed(seed)
+    b, h, width = 2, 3, 9
+    lengths = torch.randint(0, width + 1, (b, h), generator=g)
+    valid = torch.arange(width) < lengths[..., None]
+    pos = torch.stack([torch.stack([torch.randperm(40, generator=g)[:width] for _ in range(h)]) for _ in range(b)])
+    scores = torch.randint(0, 4, (b, h, width), generator=g).float()  # few values: many ties
+    floor = torch.tensor([2, 0])
+    total = 8
+    keep = allocate(scores.masked_fill(~valid, float("-inf")), pos, valid, total, floor)
+    for row in range(b):
+        alive = [pos[row, head, : lengths[row, head]].tolist() for head in range(h)]
+        where = {(head, int(pos[row, head, j])): float(scores[row, head, j]) for head in range(h) for j in range(width)}
+        expected = reference_keep(alive, lambda hh, p, w=where: w[(hh, p)], total, int(floor[row]))
+        got = [set(pos[row, head][keep[row, head]].tolist()) for head in range(h)]
+        assert got == expected
+        assert not bool((keep & ~valid).any())
+
+
+def test_a_head_whose_scores_are_low_keeps_its_floor_and_the_rest_goes_to_the_others():
+    scores = torch.tensor([[[9.0, 8, 7, 6], [1, 1, 1, 1]]])
+    pos = torch.tensor([[[0, 1, 2, 3], [0, 1, 2, 3]]])
+    valid = torch.ones(1, 2, 4, dtype=torch.bool)
+    keep = allocate(scores, pos, valid, 4, torch.tensor([1]))
+    assert keep.sum(-1).tolist() == [[3, 1]]
+    assert keep[0, 1].tolist() == [False, False, False, True]  # the later token among equals
+
+
+# --- the cache against eager attention with a per-(layer, KV head) mask and Ada-KV by hand ---
+
+
+class AdaH2OReference:
+    """Full cache + eager attention + an evicted mask per (layer, KV head); Ada-KV over H2O by hand.
+
+    Per head: recent tokens and pinned sinks score +inf, the others their attention summed
+    over every query so far (and the query heads of the group). The layer keeps `H x budget`.
+    """
+
+    def __init__(self, budget: int, recent_share: float, sinks: int, alpha: float) -> None:
+        self.budget, self.sinks = budget, sinks
+        self.recent = int(round(recent_share * (budget - sinks)))
+        self.floor = sinks + int(alpha * (budget - sinks) + 1e-9)
+        self.acc: dict[int, torch.Tensor] = {}
+        self.evicted: dict[int, torch.Tensor] = {}
+
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
+        layer = module.layer_idx
+        b, hq, q, d = query.shape
+        hkv, total = key.shape[1], key.shape[2]
+        group = hq // hkv
+        acc = torch.cat([self.acc.get(layer, torch.zeros(b, hkv, 0)), torch.zeros(b, hkv, q)], dim=2)
+        before = self.evicted.get(layer, torch.zeros(b, hkv, 0, dtype=torch.bool))
+        evicted = torch.cat([before, torch.zeros(b, hkv, q, dtype=torch.bool)], dim=2)
+        k = key.repeat_interleave(group, dim=1)
+        v = value.repeat_interleave(group, dim=1)
+        logits = (query @ k.transpose(-1, -2)).float() * scaling
+        allowed = torch.arange(total)[None, :] <= torch.arange(total - q, total)[:, None]
+        allowed = allowed[None, None] & ~evicted.repeat_interleave(group, dim=1)[:, :, None, :]
+        probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
+        out = probs.to(value.dtype) @ v
+        acc += probs.view(b, hkv, group, q, total).sum(dim=(2, 3))
+        for row in range(b):
+            alive = [(~evicted[row, head]).nonzero()[:, 0].tolist() for head in range(hkv)]
+            if sum(len(a) for a in alive) <= hkv * self.budget:
+                continue
+
+            def score(head, p, row=row):
+                protected = p < self.sinks or p >= total - self.recent
+                return float("inf") if protected else float(acc[row, head, p])
+
+            keep = reference_keep(alive, score, hkv * self.budget, self.floor)
+            for head in range(hkv):
+                for p in alive[head]:
+                    evicted[row, head, p] = p not in keep[head]
+        self.acc[layer], self.evicted[layer] = acc, evicted
+        return out.transpose(1, 2).contiguous(), probs
+
+
+@pytest.mark.parametrize("budget,recent,sinks,alpha", [(12, 0.25, 0, 0.2), (14, 0.5, 2, 0.0), (16, 0.25, 2, 0.2)])
+def test_adakv_h2o_matches_masked_reference(budget, recent, sinks, alpha):
+    model = make_tiny(seed=12)
+    tokens = random_tokens(90, seed=budget)
+    spec = f"adakv:alpha={alpha}:h2o:recent={recent}"
+    spec = spec if sinks == 0 else f"sink{sinks}+{spec}"
+    chunks = [tokens[:budget]] + [tokens[t : t + 1] for t in range(budget, tokens.numel())]
+    cache = EvictingCache(model, spec, budget=budget)
+    ours = []
+    with torch.inference_mode():
+        for chunk in chunks:
+            ours.append(model.get_output_embeddings()(body(model, chunk[None], cache))[0])
+    reference = AdaH2OReference(budget, recent, sinks, alpha)
+    AttentionInterface.register("adakv_reference", reference)
+    theirs = []
+    with attn(model, "adakv_reference"), torch.inference_mode():
+        full = DynamicCache(config=model.config)
+        for chunk in chunks:
+            theirs.append(model(chunk[None], past_key_values=full, use_cache=True).logits[0])
+    assert torch.allclose(torch.cat(ours), torch.cat(theirs), atol=1e-4, rtol=1e-4)
+    unequal = False
+    for index, layer in enumerate(cache.layers):
+        kept = layer.kept_positions()[0]
+        for head in range(kept.shape[0]):
+            expected = (~reference.evicted[index][0, head]).nonzero()[:, 0].tolist()
+            assert kept[head][kept[head] >= 0].tolist() == expected, f"layer {index} head {head}"
+            unequal |= len(expected) != budget
+    assert unequal, "every head kept exactly the budget: the test does not exercise head-wise budgets"
+
+
+# --- real memory ------------------------------------------------------------------------
+
+
+def test_storage_holds_the_layer_allowance_not_the_longest_head_times_heads():
+    model = make_tiny(seed=5)
+    tokens = random_tokens(80, seed=6)
+    budget, slack = 10, 4
+    cache = EvictingCache(model, ["adakv:knorm"] * 2, budget=budget, slack=slack, per_token=True)
+    with torch.inference_mode():
+        for start in range(0, 80, 16):
+            body(model, tokens[None, start : start + 16].expand(2, -1), cache)
+    memory = cache.memory()
+    unbalanced = False
+    for layer, lengths in zip(cache.layers, memory.per_head):
+        lengths = torch.tensor(lengths)  # [B, H]
+        rows, heads = lengths.shape
+        assert lengths.sum(-1).tolist() == [heads * budget] * rows
+        allocated = layer.storage.kv.numel() // (2 * layer.head_dim)  # entries the buffers hold room for
+        assert allocated <= rows * heads * (budget + slack)
+        padded = rows * heads * (int(lengths.max()) + slack)  # every head padded to the longest
+        unbalanced |= int(lengths.max()) > budget
+        if int(lengths.max()) > budget:
+            assert allocated < padded
+    assert unbalanced, "the heads stayed balanced: the test shows nothing about padding"
+    entry = 2 * model.config.head_dim * 4  # a float32 key and value
+    assert memory.kv_bytes == entry * sum(torch.tensor(p).sum().item() for p in memory.per_head)
+    assert memory.allocated_kv_bytes == sum(layer.storage.kv.numel() * 4 for layer in cache.layers)
+
+
+# --- bad input ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "spec,budget,needle",
+    [
+        ("adakv", 16, "names no policy"),
+        ("adakv:alpha=0.3", 16, "names no policy"),
+        ("adakv:full", 16, "scores entries"),
+        ("adakv:random", 16, "scores entries"),
+        ("adakv:alpha=1.5:h2o", 16, "[0, 1]"),
+        ("adakv:alpha=-0.1:h2o", 16, "[0, 1]"),
+        ("adakv:adakv:h2o", 16, "nests adakv"),
+        ("adakv:sink4+h2o", 16, "sink4+adakv:h2o"),
+        ("adakv:alpha=0.2:h2o", 4, "at least 5"),
+        ("adakv:snapkv:window=8", 8, "smaller than the budget"),
+    ],
+)
+def test_bad_adakv_specs_are_refused(spec, budget, needle):
+    from kvevict.policies import check_policy
+
+    with pytest.raises(KvevictError) as caught:
+        check_policy(spec, budget)
+    assert needle in str(caught.value)
+
+
+def test_cache_positions_are_refused():
+    with pytest.raises(KvevictError, match="positions='original'"):
+        EvictingCache(make_tiny(), "adakv:h2o", budget=16, positions="cache")
+
+
+def test_spec_round_trips():
+    policy = parse_policy("sink4+adakv:alpha=0.1:snapkv:window=16")
+    assert policy.spec() == "sink4+adakv:alpha=0.1:snapkv:window=16,kernel=7,pooling=max,interval=16"
+    assert parse_policy(policy.spec()).spec() == policy.spec()
+    assert policy.head_floor(104) == 4 + 10 and policy.own_batch
