@@ -24,18 +24,16 @@ e.g. `adakv:alpha=0.1:snapkv:window=16`); sinks pin in every head: `sink4+adakv:
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
-import torch
-
 from ..errors import KvevictError
-from .base import AttentionRequest, Policy, SlotView
+from .base import Policy
 from .sinks import SinkWrapper
+from .wrapper import Wrapper
 
 
 @dataclass(eq=False)
-class AdaKV(Policy):
+class AdaKV(Wrapper):
     inner: Policy
     alpha: float = 0.2
 
@@ -61,29 +59,9 @@ class AdaKV(Policy):
                 "across heads): use adakv:snapkv, adakv:h2o, adakv:tova, adakv:knorm, adakv:keydiff or adakv:window"
             )
 
-    # what the wrapper declares is what its inner policy declares, plus the head-wise budgets
-    @property
-    def stats(self) -> tuple[str, ...]:
-        return self.inner.stats
-
-    @property
-    def query_window(self) -> int:
-        return self.inner.query_window
-
-    @property
-    def needs_attention(self) -> bool:
-        return self.inner.needs_attention
-
-    @property
-    def reads_keys(self) -> bool:
-        return self.inner.reads_keys
-
-    @property
-    def varies_by_layer(self) -> bool:
-        return self.inner.varies_by_layer
-
-    def layer_budgets(self, budget: int, layers: int) -> list[int] | None:
-        return self.inner.layer_budgets(budget, layers)
+    # the declarations, hooks and state are the inner policy's (`Wrapper`); what adakv adds is the
+    # allocation across heads, done by the layer (`cache/head_allocation.py`), and the floor
+    static_scores = False  # the ragged layer steps every forward itself: no closed-form replay
 
     def spec(self) -> str:
         return f"adakv:alpha={self.alpha:g}:{self.inner.spec()}"
@@ -100,17 +78,3 @@ class AdaKV(Policy):
             )
         self.inner.check_budget(budget)
 
-    def with_seed(self, seed: int) -> AdaKV:
-        return dataclasses.replace(self, inner=self.inner.with_seed(seed))
-
-    def request(self, view: SlotView, will_evict: bool) -> AttentionRequest | None:
-        return self.inner.request(view, will_evict)
-
-    def absorb(self, view: SlotView, request: AttentionRequest, mass: torch.Tensor) -> torch.Tensor:
-        return self.inner.absorb(view, request, mass)
-
-    def scores(self, view: SlotView) -> torch.Tensor:
-        return self.inner.scores(view)
-
-    def reset(self) -> None:
-        self.inner.reset()

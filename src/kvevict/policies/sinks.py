@@ -12,17 +12,17 @@ the first N tokens; `sinkauto+P` (`sinkauto.py`) pins the measured sinks.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import KvevictError
 from .base import AttentionRequest, Policy, SlotView
+from .wrapper import Wrapper
 
 
 @dataclass(eq=False)
-class SinkWrapper(Policy):
+class SinkWrapper(Wrapper):
     n_sinks: int
     inner: Policy
 
@@ -32,35 +32,6 @@ class SinkWrapper(Policy):
                 f"'{self.prefix()}+{self.inner.spec()}' nests sink wrappers: pin sinks once, "
                 f"e.g. {self.prefix()}+{self.inner.inner.spec()}"
             )
-
-    # what the wrapper declares is what its inner policy declares
-    @property
-    def stats(self) -> tuple[str, ...]:
-        return self.inner.stats
-
-    @property
-    def query_window(self) -> int:
-        return self.inner.query_window
-
-    @property
-    def needs_attention(self) -> bool:
-        return self.inner.needs_attention
-
-    @property
-    def static_scores(self) -> bool:
-        return self.inner.static_scores
-
-    @property
-    def reads_keys(self) -> bool:
-        return self.inner.reads_keys
-
-    @property
-    def varies_by_layer(self) -> bool:
-        return self.inner.varies_by_layer
-
-    @property
-    def varies_by_head(self) -> bool:
-        return self.inner.varies_by_head
 
     def head_floor(self, budget: int) -> int:
         """The inner policy's floor on the unpinned part, plus the sinks every head keeps."""
@@ -100,9 +71,6 @@ class SinkWrapper(Policy):
                 f"beside its {self.n_sinks} sinks: {exc}"
             ) from None
 
-    def with_seed(self, seed: int) -> SinkWrapper:
-        return dataclasses.replace(self, inner=self.inner.with_seed(seed))
-
     def request(self, view: SlotView, will_evict: bool) -> AttentionRequest | None:
         return self.inner.request(self.inner_view(view), will_evict)
 
@@ -112,9 +80,6 @@ class SinkWrapper(Policy):
     def scores(self, view: SlotView) -> torch.Tensor:
         # pinned slots tie at +inf but are never the lowest: the budget exceeds the sinks
         return self.inner.scores(self.inner_view(view)).masked_fill(self.pinned_mask(view), float("inf"))
-
-    def reset(self) -> None:
-        self.inner.reset()
 
 
 @dataclass(eq=False)
