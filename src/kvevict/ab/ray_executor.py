@@ -33,7 +33,7 @@ from .plan import SweepConfig
 from .worker import Batch, Worker
 
 #: seconds to reach a Ray address before giving up with a clear error (no hang)
-CONNECT_TIMEOUT = 60.0
+CONNECT_TIMEOUT = 10.0
 INSTALL = "pip install kvevict[ray]"
 HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 HTTP2_SETTINGS = bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # an empty SETTINGS frame: length 0, type 4, stream 0
