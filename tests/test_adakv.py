@@ -167,6 +167,30 @@ def test_storage_holds_the_layer_allowance_not_the_longest_head_times_heads():
     assert memory.allocated_kv_bytes == sum(layer.storage.kv.numel() * 4 for layer in cache.layers)
 
 
+# --- prefill compression ----------------------------------------------------------------
+
+
+def test_prompt_compression_with_head_budgets():
+    """`eval/compress.py` with adakv: alpha=1 is the uniform policy (floor = budget), so its
+    continuation scores equal plain h2o's, which tests/test_compress.py checks against eager
+    attention; alpha=0.2 compresses to the layer's allowance, split unevenly, and scores differently."""
+    from kvevict.eval.compress import compress, continuation_nll
+
+    model = make_tiny(seed=8)
+    tokens = random_tokens(100, seed=9)
+    budget = 24
+    uniform = [continuation_nll(model, tokens[:80], tokens[80:], spec, budget)[0]
+               for spec in ("h2o", "adakv:alpha=1:h2o")]  # separate caches: adakv's layers are ragged
+    torch.testing.assert_close(uniform[1], uniform[0], rtol=1e-5, atol=1e-5)
+    state = compress(model, tokens[:80], "adakv:h2o", budget)
+    memory = state.cache.memory()
+    heads = model.config.num_key_value_heads
+    assert all(torch.tensor(p).sum().item() == heads * budget for p in memory.per_head)
+    assert any(max(max(row) for row in p) > budget for p in memory.per_head)  # the heads did not split evenly
+    adaptive = continuation_nll(model, tokens[:80], tokens[80:], "adakv:h2o", budget)[0]
+    assert (adaptive - uniform[0]).abs().max() > 1e-3
+
+
 # --- bad input ----------------------------------------------------------------------------
 
 
