@@ -167,6 +167,21 @@ def test_storage_holds_the_layer_allowance_not_the_longest_head_times_heads():
     assert memory.allocated_kv_bytes == sum(layer.storage.kv.numel() * 4 for layer in cache.layers)
 
 
+def test_streaming_records_say_what_each_head_holds():
+    """What a user reads: the row's JSON (`kvevict ppl --json`, `kvevict ab`'s records) lists the
+    entries each KV head of each layer holds; they fill the allowance and the bytes add up."""
+    from kvevict import compare
+
+    model = make_tiny(seed=5)
+    rows, _ = compare(model, random_tokens(80, seed=6), ["adakv:knorm"], 10, reference=False, progress=False)
+    data = rows[0].to_dict()
+    heads = model.config.num_key_value_heads
+    held = data["held_per_head"]
+    assert len(held) == model.config.num_hidden_layers and all(len(layer) == heads for layer in held)
+    assert all(sum(layer) == heads * 10 for layer in held)
+    assert data["kv_bytes"] == 2 * model.config.head_dim * 4 * sum(map(sum, held))
+
+
 # --- prefill compression ----------------------------------------------------------------
 
 

@@ -118,6 +118,8 @@ class RowResult:
             data["held_per_layer_kind"] = self.memory["held"]
             data["kv_bytes"] = self.memory["kv_bytes"]
             data["full_kv_bytes"] = self.memory["full_kv_bytes"]
+            if "held_per_head" in self.memory:  # adakv: [layer][KV head] entries each head holds
+                data["held_per_head"] = self.memory["held_per_head"]
         if self.baseline_nll is not None:
             data["full_ppl_same_tokens"] = math.exp(self.baseline_nll)
         if self.kl is not None:
