@@ -65,10 +65,11 @@ class Settings:
             known["allow_download"] = str(known["allow_download"]).lower() in ("1", "true", "yes")
         settings = cls(**{k: (str(v) if k in ("pretrained", "policy", "positions", "protocol") else v)
                           for k, v in known.items()})
-        check_policy(settings.policy, settings.budget if isinstance(settings.budget, int) else None)
         if settings.positions not in POSITION_MODES:
             raise KvevictError(f"model_args positions must be one of {', '.join(POSITION_MODES)}, "
                                f"got '{settings.positions}'")
+        check_policy(settings.policy, settings.budget if isinstance(settings.budget, int) else None,
+                     settings.positions)
         if settings.protocol not in PROTOCOLS:
             raise KvevictError(f"model_args protocol must be one of {', '.join(PROTOCOLS)} (compress: compress the "
                                f"context, then score; stream: evict while reading it), got '{settings.protocol}'")
