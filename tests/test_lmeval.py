@@ -230,6 +230,7 @@ def test_kvevict_lm_eval_prints_the_metrics_and_saves_them(tasks, tiny_dir, tmp_
     ("pretrained=x,policy=h2o,budget=20%,size=3", ("unknown model_args size",)),
     ("pretrained=x,policy=snapkv:window=8,kernel=3,budget=50%", ("unknown model_args kernel",
                                                                  "separate the policy's own options with ';'")),
+    ("pretrained=x,policy=adakv:h2o,budget=50%,positions=cache", ("positions='cache'", "--positions original")),
 ])
 def test_bad_model_args_are_one_line_before_any_loading(args, needles):
     cli_error("lm-eval", "--tasks", "copa", "--model-args", args, needles=needles)
