@@ -174,7 +174,7 @@ def test_streaming_records_say_what_each_head_holds():
 
     model = make_tiny(seed=5)
     rows, _ = compare(model, random_tokens(80, seed=6), ["adakv:knorm"], 10, reference=False, progress=False)
-    data = rows[0].to_dict()
+    data = rows[0].summary()
     heads = model.config.num_key_value_heads
     held = data["held_per_head"]
     assert len(held) == model.config.num_hidden_layers and all(len(layer) == heads for layer in held)

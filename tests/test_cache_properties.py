@@ -7,8 +7,9 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from kvevict import EvictingCache
+from kvevict.errors import KvevictError
 from kvevict.eval.forward import body
-from kvevict.policies import Policy, SlotView
+from kvevict.policies import Policy, SlotView, check_policy, parse_policy
 
 from conftest import make_tiny
 from policy_matrix import base_specs
@@ -20,6 +21,7 @@ VOCAB = MODEL.config.vocab_size
 def feed_and_check(spec: str, budget: int, sinks: int, length: int, chunks: list[int], positions: str) -> None:
     """`sinks`: the leading tokens `spec` pins (0 for `sinkauto`, whose sinks are measured)."""
     cache = EvictingCache(MODEL, spec, budget=budget, positions=positions)
+    policy = parse_policy(spec)
     tokens = torch.arange(length) % VOCAB
     seen = 0
     # tokens seen when token 0 left each (layer, head), from the kept positions alone
@@ -31,14 +33,20 @@ def feed_and_check(spec: str, budget: int, sinks: int, length: int, chunks: list
             body(MODEL, tokens[None, seen : seen + q], cache)
             seen += q
             for i, layer in enumerate(cache.layers):
-                kept = layer.kept_positions()[0]  # [H, n]
+                kept = layer.kept_positions()[0]  # [H, n] (adakv: padded with -1 after each head's entries)
                 gone = (kept != 0).all(dim=-1) & (lost_at[i] < 0)
                 lost_at[i] = torch.where(gone, seen, lost_at[i])
                 held = layer.budget  # the cache's budget, or this layer's share of it (pyramidkv)
-                assert kept.shape[-1] <= held, "cache holds more than the budget"
-                assert kept.shape[-1] == min(seen, held), "cache did not fill up to the budget"
-                assert bool((kept < seen).all()) and bool((kept.diff(dim=-1) > 0).all())
-                for head in kept:
+                lengths = layer.head_lengths()[0]  # [H]
+                if policy.varies_by_head:  # the heads share H x budget; each keeps at least its floor
+                    assert int(lengths.sum()) == len(lengths) * min(seen, held), "layer allowance not kept"
+                    assert bool((lengths >= min(seen, policy.head_floor(held))).all()), "a head fell below its floor"
+                else:
+                    assert kept.shape[-1] <= held, "cache holds more than the budget"
+                    assert kept.shape[-1] == min(seen, held), "cache did not fill up to the budget"
+                for head, n in zip(kept, lengths.tolist()):
+                    head = head[:n]
+                    assert bool((head < seen).all()) and bool((head.diff() > 0).all())
                     present = set(head.tolist())
                     assert set(range(min(sinks, seen))) <= present, f"pinned sink evicted at {seen} tokens"
                     if spec.endswith("window") and not spec.startswith("sinkauto"):
@@ -75,6 +83,12 @@ def test_budget_sinks_and_window_invariants(data, inner, budget, length, positio
         spec, sinks = f"sinkauto{sinks}+{inner}", 0
     else:
         spec = inner if sinks == 0 else f"sink{sinks}+{inner}"
+    if parse_policy(spec).varies_by_head:  # adakv: original positions only, and a floor of at least 1
+        assume(positions == "original")
+        try:
+            check_policy(spec, budget)
+        except KvevictError:
+            assume(False)
     chunks = data.draw(st.lists(st.integers(1, 2 * budget), min_size=0, max_size=4), label="chunks")
     feed_and_check(spec, budget, sinks, length, chunks, positions)
 
