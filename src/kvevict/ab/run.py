@@ -73,12 +73,13 @@ def run_sweep(
     executor = executor or LocalExecutor()
     cells = plan(config)
     store = prepare_folder(config)
-    record_stream_start(config, tokenizer or load_tokenizer(config.model, allow_download))
     done = store.done()
     todo = batches(config, [c for c in cells if c.key not in done])
     task_kinds = tasks.pending(config, done)
     if model is None and todo and executor.in_process:  # one model for the cells and the tasks
         model, tokenizer = load_model(config.model, allow_download=allow_download)
+    # the loaded model's tokenizer when there is one (GGUF tokenizers take seconds to read twice)
+    record_stream_start(config, tokenizer or load_tokenizer(config.model, allow_download))
     if todo:
         with executor.session(), bars(progress) as bar:
             sweep_task = bar.add_task(f"sweep {config.name}: cells", total=len(cells),
