@@ -3,9 +3,16 @@
 Peak memory is the resident set's high-water mark of the process running the batch (a
 local sweep's process, or a Ray worker). On Linux the mark is reset before each batch
 (`/proc/self/clear_refs`, value 5), so each batch gets its own peak, not the largest of
-every batch before it. Some kernels and sandboxes accept the write and keep the old mark,
-so the reset is checked (after it the mark must equal the resident set); where it did not
-take, a thread samples the resident set every few milliseconds while the batch runs
+every batch before it.
+
+Some kernels and sandboxes accept the write and keep the old mark, and "after the write
+the mark equals the resident set" cannot tell a reset that took from a process that
+simply stands at its peak (an allocator that keeps freed memory keeps it resident). So
+the reset is *proved* on every use: a probe maps `PROBE_MB` of anonymous memory, touches
+it and unmaps it (the kernel takes it back whatever the allocator does), which leaves
+the mark at least `PROBE_MB` above the resident set; only a reset that brings the mark
+back down to the resident set counts. Where the gap does not appear or does not close,
+a thread samples the resident set every few milliseconds while the batch runs
 (`peak_mb_scope` "sampled": it can miss a spike shorter than the interval). Without
 `/proc` the process-lifetime peak (`getrusage`) is recorded, marked "process". On a CUDA
 device the peak of memory allocated by torch is recorded beside it.
@@ -13,6 +20,7 @@ device the peak of memory allocated by torch is recorded beside it.
 
 from __future__ import annotations
 
+import mmap
 import re
 import resource
 import sys
@@ -58,14 +66,34 @@ def _status_mb() -> tuple[float, float] | None:
     return (int(hwm.group(1)) / 1024, int(rss.group(1)) / 1024) if hwm and rss else None
 
 
+#: the probe's mapping: the gap it opens between the mark and the resident set must close on a reset
+PROBE_MB = 32
+
+
+def _open_gap() -> bool:
+    """Raise the mark `PROBE_MB` above the resident set; True if the gap is there to see."""
+    size = PROBE_MB * 2**20
+    block = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        step = mmap.PAGESIZE
+        for offset in range(0, size, step):  # touch every page: resident now
+            block[offset] = 1
+    finally:
+        block.close()  # munmap: resident no more, but the mark remembers it
+    now = _status_mb()
+    return now is not None and now[0] - now[1] >= PROBE_MB / 2
+
+
 def _reset_hwm() -> bool:
-    """Reset the high-water mark; True only if it took (the mark now equals the resident set)."""
+    """Reset the high-water mark; True only if the reset is proved to have moved the mark down."""
+    if not _open_gap():
+        return False  # the mark does not show the probe: nothing this process can prove
     try:
         CLEAR_REFS.write_text("5")
     except OSError:
         return False
     now = _status_mb()
-    return now is not None and now[0] - now[1] <= 2.0
+    return now is not None and now[0] - now[1] < PROBE_MB / 4
 
 
 class _RssSampler:
