@@ -85,8 +85,10 @@ def expected_rows() -> list[list[str]]:
 HEADERS = ["policy", "budget", "model-a ppl", "model-a ppl / full", "model-a sink loss", "model-a pass-key",
            "model-b ppl", "model-b ppl / full", "model-b sink loss"]
 SENTENCES = {
-    "model-a": ["At budget 8 ship h2o (PPL 21.00 vs 20.00 full), but it lost token 0 on 1 of 4 heads; the closest "
-                "policy that kept it on every head is sink4+window (PPL 22.00); avoid window (collapsed)."],
+    # these records carry no per-window curves: nothing separates h2o from sink4+window, so the cheaper one
+    # (no attention statistics) is recommended
+    "model-a": ["At budget 8 ship sink4+window (PPL 22.00 vs 20.00 full); not told apart from it by the data: h2o, "
+                "and it is the cheapest (4 pinned slots, no attention statistics); avoid window (collapsed)."],
     "model-b": ["At budget 8 ship sink4+window (PPL 11.00 vs 10.00 full); avoid window (collapsed).",
                 "At budget 16 ship h2o (PPL 10.50 vs 10.00 full)."],
 }

@@ -1,23 +1,47 @@
-"""The verdict at the top of the report, fed hand-made records: every branch checked against facts written by hand."""
+"""The verdict at the top of the report, fed hand-made records: every branch checked against facts written by hand,
+and its uncertainty against independent computations (Wilson's interval from its formula's published values,
+paired differences built to be separated or tied by construction)."""
 
 from __future__ import annotations
 
+import math
+
+import pytest
+
+from kvevict.errors import KvevictError
 from kvevict.report.html import render
 from kvevict.report.records import PplRecord, TaskRecord
 from kvevict.report.sections import SECTIONS
 from kvevict.report.store import ResultStore
-from kvevict.report.verdict import markdown, verdict
+from kvevict.report.uncertainty import blocks, mean_interval, paired_difference, wilson
+from kvevict.report.verdict import HOW, markdown, verdict
 
 from helpers import cli
 
 FULL = PplRecord("full|full|None", "full", "full", None, 20.0, label="full")
+WINDOWS = 20  # blocks of 10 predictions each
 
 
-def row(name: str, budget: int, ppl: float, kl: float | None, lost: int = 0, kind: str = "policy") -> PplRecord:
-    """A policy row on a 2-layer x 2-head model; `lost` of its 4 (layer, head) pairs evicted token 0."""
+def curve(ppl: float, wobble: float = 0.0, key: str = "ppl") -> list[dict]:
+    """Per-window values whose weighted mean is `ppl`'s NLL (or the KL `ppl` with key "kl"); `wobble` alternates
+    +/- around it, so two curves with different wobble signs differ per block but not on average."""
+    centre = math.log(ppl) if key == "ppl" else ppl
+    out = []
+    for i in range(WINDOWS):
+        value = centre + (wobble if i % 2 else -wobble)
+        out.append({"start": 1 + 10 * i, "end": 10 * (i + 1), "n": 10,
+                    key: math.exp(value) if key == "ppl" else value})
+    return out
+
+
+def row(name: str, budget: int, ppl: float, kl: float | None, lost: int = 0, kind: str = "policy",
+        wobble: float = 0.0, kl_wobble: float | None = None) -> PplRecord:
+    """A policy row on a 2-layer x 2-head model; `lost` of its 4 (layer, head) pairs evicted token 0. Its curves
+    are flat at its PPL and KL (plus `wobble`): rows with flat curves at different values are separated."""
     flat = [7] * lost + [-1] * (4 - lost)
     return PplRecord(f"{kind}|{name}|{budget}", kind, name, budget, ppl, label=name, kl_to_full=kl,
-                     sink_lost_at=[flat[:2], flat[2:]])
+                     sink_lost_at=[flat[:2], flat[2:]], curve=curve(ppl, wobble),
+                     kl_curve=None if kl is None else curve(kl, wobble if kl_wobble is None else kl_wobble, "kl"))
 
 
 def needle(policy: str, budget: str, hits: list[int]) -> list[TaskRecord]:
@@ -30,49 +54,104 @@ def by_budget(records) -> dict:
     return {v.budget: v for v in verdict(records)}
 
 
+def test_wilson_matches_the_published_values():
+    # Wilson's 95% score interval, computed by hand from p=0.8, n=10, z=1.96: centre (0.8+0.192)/1.384
+    low, high = wilson(8, 10).low, wilson(8, 10).high
+    centre = (0.8 + 1.96**2 / 20) / (1 + 1.96**2 / 10)
+    half = 1.96 * math.sqrt(0.8 * 0.2 / 10 + 1.96**2 / 400) / (1 + 1.96**2 / 10)
+    assert (low, high) == pytest.approx((centre - half, centre + half), abs=1e-4)
+    assert (low, high) == pytest.approx((0.490, 0.943), abs=1e-3)
+    assert wilson(0, 5).low == 0.0 and wilson(5, 5).high == 1.0
+    assert wilson(0, 0) is None
+
+
+def test_block_bootstrap_of_flat_and_paired_curves():
+    flat = blocks(curve(30.0), "ppl")
+    assert mean_interval(flat, exp=True).low == pytest.approx(30.0)
+    assert mean_interval(flat, exp=True).high == pytest.approx(30.0)
+    # a constant per-block offset is exactly that offset in every resample: separated
+    gap = paired_difference(blocks(curve(33.0), "ppl"), flat)
+    assert gap.low == pytest.approx(math.log(33 / 30)) and gap.high == pytest.approx(math.log(33 / 30))
+    # the same mean with opposite wobbles: per block they differ, on average not; the interval straddles 0
+    tied = paired_difference(blocks(curve(30.0, 0.2), "ppl"), blocks(curve(30.0, -0.2), "ppl"))
+    assert tied.low < 0 < tied.high
+    noisy = mean_interval(blocks(curve(30.0, 0.2), "ppl"), exp=True)
+    assert noisy.low < 30.0 < noisy.high
+
+
 def test_closest_is_lowest_kl_not_lowest_ppl():
-    # b has the lower PPL but the higher KL: the verdict ranks by KL and shows PPL beside it
-    v = by_budget([FULL, row("a", 8, 25.0, 0.10), row("b", 8, 24.0, 0.30)])[8]
-    assert v.closest.name == "a"
+    # snapkv has the lower PPL but the higher KL: the verdict ranks by KL and shows PPL beside it
+    v = by_budget([FULL, row("h2o", 8, 25.0, 0.10), row("snapkv", 8, 24.0, 0.30)])[8]
+    assert v.closest.name == "h2o" and v.recommended.name == "h2o"
+    assert v.tied == [v.closest]
     assert v.collapsed == [] and v.lost_sink == []
-    assert v.sentence == "At budget 8 ship a (KL 0.100, PPL 25.00 vs 20.00 full)."
+    assert v.sentence == ("At budget 8 ship h2o (KL 0.100 [0.100, 0.100], PPL 25.00 [25.00, 25.00] vs 20.00 full).")
 
 
 def test_without_kl_the_closest_is_the_lowest_ppl():
-    v = by_budget([FULL, row("a", 8, 25.0, None), row("b", 8, 24.0, None)])[8]
-    assert v.closest.name == "b"
-    assert v.sentence == "At budget 8 ship b (PPL 24.00 vs 20.00 full)."
+    v = by_budget([FULL, row("h2o", 8, 25.0, None), row("snapkv", 8, 24.0, None)])[8]
+    assert v.closest.name == "snapkv"
+    assert v.sentence == "At budget 8 ship snapkv (PPL 24.00 [24.00, 24.00] vs 20.00 full)."
 
 
-def test_collapse_by_ppl_starts_at_twice_the_full_cache():
-    v = by_budget([FULL, row("ok", 8, 39.9, 0.2), row("edge", 8, 40.0, 0.3), row("bad", 8, 90.0, 0.9)])[8]
-    assert [(c.name, why) for c, why in v.collapsed] == [("edge", "PPL 2.0× full"), ("bad", "PPL 4.5× full")]
-    assert v.sentence == "At budget 8 ship ok (KL 0.200, PPL 39.90 vs 20.00 full); avoid bad, edge (collapsed)."
-
-
-def test_collapse_by_needle_below_half_of_full_and_the_next_safe_policy_is_recommended():
-    # "close" is nearest by KL but finds the pass key in 1 of 4 trials where full finds 4 of 4
-    records = [FULL, row("close", 8, 21.0, 0.01), row("far", 8, 22.0, 0.05),
-               *needle("full", "full", [1, 1, 1, 1]), *needle("close", "8", [1, 0, 0, 0]),
-               *needle("far", "8", [1, 1, 0, 0])]  # exactly half: not collapsed
+def test_inside_the_noise_the_cheapest_tied_policy_is_recommended():
+    # h2o is closest on the point estimates, but its difference from the window rows is noise (opposite wobbles):
+    # the cheapest of the three is recommended: no attention statistics first, then the fewest pinned slots
+    records = [FULL, row("h2o", 8, 21.10, 0.050, wobble=0.04), row("sink8+window", 8, 21.16, 0.051, wobble=-0.04),
+               row("sink1+window", 8, 21.20, 0.052, wobble=-0.04)]
     v = by_budget(records)[8]
-    assert v.closest.name == "close"
-    assert [(c.name, why) for c, why in v.collapsed] == [("close", "pass-key 25% vs full 100%")]
-    assert v.sentence.startswith("At budget 8 ship far (KL 0.050")
-    assert v.sentence.endswith("; avoid close (collapsed).")
+    assert v.closest.name == "h2o"
+    assert [c.name for c in v.tied] == ["h2o", "sink8+window", "sink1+window"]
+    assert v.recommended.name == "sink1+window"
+    assert v.sentence.startswith("At budget 8 ship sink1+window (KL 0.052")
+    assert "not told apart from it by the data: h2o, sink8+window" in v.sentence
+    assert "it is the cheapest (1 pinned slot, no attention statistics)" in v.sentence
+
+
+def test_a_difference_beyond_the_noise_names_the_better_policy_whatever_it_costs():
+    records = [FULL, row("h2o", 8, 21.0, 0.040), row("sink1+window", 8, 23.0, 0.090)]
+    v = by_budget(records)[8]
+    assert v.tied == [v.closest] and v.recommended.name == "h2o"
+    assert "not told apart" not in v.sentence
+
+
+def test_collapse_by_ppl_needs_the_whole_interval_at_twice_the_full_cache():
+    records = [FULL, row("h2o", 8, 39.9, 0.2), row("window", 8, 40.0, 0.3), row("random", 8, 90.0, 0.9),
+               # point estimate 2.05x, but the interval reaches below 2x: not called collapsed
+               row("knorm", 8, 41.0, 0.35, wobble=0.3, kl_wobble=0.0)]
+    v = by_budget(records)[8]
+    assert [(c.name, why) for c, why in v.collapsed] == [("window", "PPL 2.0× full"), ("random", "PPL 4.5× full")]
+    assert v.sentence.startswith("At budget 8 ship h2o (KL 0.200")
+    assert v.sentence.endswith("; avoid random, window (collapsed).")
+
+
+def test_collapse_by_needle_needs_the_whole_wilson_interval_below_half_of_full():
+    # "h2o" is nearest by KL but finds the pass key in 0 of 20 trials where full finds 20 of 20
+    records = [FULL, row("h2o", 8, 21.0, 0.01), row("snapkv", 8, 22.0, 0.05),
+               *needle("full", "full", [1] * 20), *needle("h2o", "8", [0] * 20),
+               *needle("snapkv", "8", [1] * 5 + [0] * 15)]  # 25%, but its interval reaches above 50%? no: [11%, 47%]
+    v = by_budget(records)[8]
+    assert [(c.name, why) for c, why in v.collapsed] == [("h2o", "pass-key 0% vs full 100%"),
+                                                         ("snapkv", "pass-key 25% vs full 100%")]
+    # 1 of 4 has an interval reaching above half: not enough trials to call it collapsed
+    records = [FULL, row("h2o", 8, 21.0, 0.01), *needle("full", "full", [1] * 4), *needle("h2o", "8", [1, 0, 0, 0])]
+    v = by_budget(records)[8]
+    assert v.collapsed == []
+    assert "pass-key hits (95% Wilson interval): h2o 1/4 [0.05, 0.70]" in markdown([v])
 
 
 def test_lost_sink_lists_every_policy_and_how_many_heads():
     v = by_budget([FULL, row("h2o", 8, 22.0, 0.05, lost=1), row("window", 8, 30.0, 0.4, lost=4),
                    row("sink4+window", 8, 23.0, 0.08)])[8]
     assert [(c.name, c.heads_lost, c.heads) for c in v.lost_sink] == [("h2o", 1, 4), ("window", 4, 4)]
-    assert v.sentence == ("At budget 8 ship h2o (KL 0.050, PPL 22.00 vs 20.00 full), but it lost token 0 on 1 of 4 "
-                          "heads; the closest policy that kept it on every head is sink4+window (KL 0.080, PPL 23.00).")
+    assert v.sentence.startswith("At budget 8 ship h2o (KL 0.050")
+    assert v.sentence.endswith("but it lost token 0 on 1 of 4 heads; the closest policy that kept it on every head "
+                               "is sink4+window (KL 0.080 [0.080, 0.080], PPL 23.00 [23.00, 23.00]).")
     # with no policy that kept token 0 everywhere (a collapsed one does not count), the advice is to pin sinks
     v = by_budget([FULL, row("h2o", 8, 22.0, 0.05, lost=1), row("window", 8, 30.0, 0.4, lost=4),
                    row("sink4+random", 8, 45.0, 0.9)])[8]
-    assert v.sentence == ("At budget 8 ship h2o (KL 0.050, PPL 22.00 vs 20.00 full), but it lost token 0 on 1 of 4 "
-                          "heads: pin sinks (sinkN+h2o); avoid sink4+random (collapsed).")
+    assert v.sentence.endswith("but it lost token 0 on 1 of 4 heads: pin sinks (sinkN+h2o); "
+                               "avoid sink4+random (collapsed).")
 
 
 def test_every_policy_collapsed_says_raise_the_budget():
@@ -81,16 +160,20 @@ def test_every_policy_collapsed_says_raise_the_budget():
                           "any of them.")
 
 
-def test_budget_with_only_the_oracle_has_nothing_to_recommend():
+def test_budget_with_only_the_oracle_has_no_verdict():
     oracle = PplRecord("oracle|oracle|8", "oracle", "oracle", 8, 21.0)
-    v = by_budget([FULL, oracle])[8]
-    assert v.closest is None
-    assert v.sentence == "At budget 8 the run holds no policy rows: nothing to recommend."
+    assert verdict([FULL, oracle]) == []
+
+
+def test_a_policy_the_report_cannot_read_is_an_error_not_pins_zero():
+    foreign = PplRecord("policy|mine:x=1|8", "policy", "mine:x=1", 8, 21.0, kl_to_full=0.1)
+    with pytest.raises(KvevictError, match="policy 'mine:x=1'.*kvevict.register"):
+        verdict([FULL, foreign])
 
 
 def test_one_verdict_per_budget_smallest_first_and_sink_rows_counted_once():
-    records = [FULL, row("b", 16, 21.0, 0.02), row("a", 8, 25.0, 0.1),
-               row("a", 8, 25.0, 0.1, kind="sinks")]
+    records = [FULL, row("h2o", 16, 21.0, 0.02), row("window", 8, 25.0, 0.1),
+               row("window", 8, 25.0, 0.1, kind="sinks")]
     found = verdict(records)
     assert [v.budget for v in found] == [8, 16]
     assert len(found[0].candidates) == 1
@@ -101,13 +184,15 @@ def test_verdict_tops_the_html_report_and_the_markdown(tmp_path):
     assert SECTIONS[0].__name__ == "decision"
     page = render(records, {"name": "v"}, tmp_path / "report.html").read_text()
     assert page.index("<h2>Verdict</h2>") < page.index("<h2>Streaming perplexity")
-    assert "At budget 8 ship sink4+window" in page
+    assert "At budget 8 ship sink4+window" in page and "How the verdict decides" in page
     text = markdown(verdict(records))
     assert text.splitlines()[:3] == [
         "## Verdict", "",
-        "**Budget 8.** At budget 8 ship sink4+window (KL 0.040, PPL 22.00 vs 20.00 full); avoid window (collapsed).",
+        "**Budget 8.** At budget 8 ship sink4+window (KL 0.040 [0.040, 0.040], PPL 22.00 [22.00, 22.00] vs 20.00 "
+        "full); avoid window (collapsed).",
     ]
     assert "- lost token 0: window on 4 of 4 heads" in text
+    assert text.endswith(HOW)
     # `kvevict report --markdown` prints the verdict before the tables
     folder = tmp_path / "run"
     folder.mkdir()

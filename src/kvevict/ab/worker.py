@@ -68,6 +68,7 @@ def ppl_record(cell: Cell, result: RowResult, config: SweepConfig, cost: Cost, t
         # the full cache and the oracle hold every position they see: the mode does not apply to them
         positions=config.positions if cell.kind in ("policy", "sinks") else "original",
         curve=result.ppl_windows(width),
+        kl_curve=result.kl_windows(width) or None,
         sink_lost_at=result.sink_lost_at,
         layer_budgets=result.layer_budgets,
         **cost.fields(tokens),

@@ -6,7 +6,6 @@ matplotlib, which `kvevict --help` and a mistyped option should not wait for.
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from pathlib import Path
 
 import typer
@@ -40,21 +39,21 @@ def run_ab(config, allow_download: bool = False, executor=None) -> None:
 
     Batches an `executor` gave up on are named on stderr after the summary, and the
     command exits with code 1 (after writing the report): a rerun finishes them."""
-    from ..ab import plan, prepare_folder, run_sweep
+    from ..ab import run_sweep
     from ..ab.executors import LocalExecutor
-    from ..report.html import render
     from ..report.records import ppl_records
+    from ..report.runs import load_run
     from ..report.tables import summary_table
     from ..report.verdict import verdict
 
     check_positions(config.positions)
-    plan(config)  # every spec, budget and the run name are checked before the model is loaded
-    prepare_folder(config)
     executor = executor or LocalExecutor()
-    store, records = run_sweep(config, allow_download=allow_download, executor=executor)
-    if store.skipped_lines:
-        err.print(f"note: skipped {store.skipped_lines} unreadable line(s) in {store.path}")
-    report = render(records, asdict(config), config.folder / "report.html")
+    # run_sweep checks every spec, budget and the run name (plan) before any model is loaded
+    run_sweep(config, allow_download=allow_download, executor=executor)
+    # the report, the table and the sentences are drawn from the run folder, exactly as `kvevict report` draws them
+    run = load_run(config.folder)
+    records = run.records
+    report = _render_run(run, config.folder / "report.html")
     title = f"kvevict A/B: {config.model} on {config.text}, {config.tokens} tokens, {config.positions}"
     show(summary_table(ppl_records(records)), title)
     for found in verdict(records):
@@ -66,6 +65,20 @@ def run_ab(config, allow_download: bool = False, executor=None) -> None:
     print(report.resolve())
     if executor.failed:
         raise typer.Exit(1)
+
+
+def _note_skipped(run) -> None:
+    if run.skipped_lines:
+        err.print(f"note: skipped {run.skipped_lines} unreadable line(s) in {run.folder / 'results.jsonl'}",
+                  markup=False, highlight=False)
+
+
+def _render_run(run, path: Path) -> Path:
+    """One run folder's HTML report (`kvevict ab` and `kvevict report` both draw it here, from the folder)."""
+    from ..report.html import render
+
+    _note_skipped(run)
+    return render(run.records, run.config, path)
 
 
 @one_line_errors
@@ -117,7 +130,7 @@ def report(
     markdown: bool = typer.Option(False, "--markdown", help="print the tables as Markdown"),
 ) -> None:
     """Redraw a run's HTML report from its results.jsonl (no model needed); several runs go in one report."""
-    from ..report.html import render, render_compare
+    from ..report.html import render_compare
     from ..report.markdown import compare_markdown, run_markdown
     from ..report.runs import load_run
 
@@ -131,15 +144,13 @@ def report(
     if target is not None and target.is_dir():
         raise KvevictError(f"--out '{out}' is a folder: give a file path, e.g. {target / COMPARE_REPORT}")
     loaded = [load_run(r) for r in runs]
-    for run in loaded:
-        if run.skipped_lines:
-            err.print(f"note: skipped {run.skipped_lines} unreadable line(s) in {run.folder / 'results.jsonl'}",
-                      markup=False, highlight=False)
     if len(loaded) == 1:
         run = loaded[0]
-        path = render(run.records, run.config, target or run.folder / "report.html")
+        path = _render_run(run, target or run.folder / "report.html")
         text = run_markdown(run.records)
     else:
+        for run in loaded:
+            _note_skipped(run)
         path = render_compare(loaded, target or Path(COMPARE_REPORT))
         text = compare_markdown(loaded)
     if markdown:

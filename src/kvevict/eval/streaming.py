@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache import EvictingCache, KeptTracker, SinkTracker
-from ..cache.observers import held_pinned_lost, held_sink_loss
+from ..cache.observers import held_pinned_lost
 from ..defaults import DEFAULT_CHUNK
 from ..errors import KvevictError
 from ..progress import bars
 from .forward import body, log_probs
+from .sink_loss import sink_loss
 
 # Elements of `[rows, tokens, vocab]` log-probabilities held at once: NLL and KL are
 # computed in sub-blocks of predictions so a long chunk never holds more.
@@ -50,7 +51,9 @@ class RowResult:
     pinned_sink_evicted: bool = False
     first_token_evicted: bool = False
     sink_loss: float = 0.0
-    sink_lost_at: list = field(default_factory=list)  # [layer][kv head] tokens seen when token 0 left, -1 never
+    # [layer][kv head] tokens seen when token 0 left, -1 never; None for a layer the budget does not bound
+    sink_lost_at: list = field(default_factory=list)
+    sliding_window: int | None = None  # the model's own window, when it has sliding-window layers
     seconds: float = 0.0
     scored: torch.Tensor | None = None  # [T-1] which predictions were scored (None: all)
     head: int = 0  # with `scored`: the first `head` predictions are all scored, the rest sampled
@@ -88,17 +91,27 @@ class RowResult:
     def ppl(self) -> float:
         return math.exp(self.nll_mean)
 
-    def ppl_windows(self, width: int) -> list[dict]:
-        """PPL of consecutive windows of predictions, keyed by the window's last target position."""
+    def _windows(self, values: torch.Tensor, width: int) -> list[tuple[int, int, int, float]]:
+        """(first target, last target, scored predictions, mean) of consecutive windows of `width` predictions."""
         out = []
-        for start in range(0, self.nll.numel(), width):
-            chunk = self.nll[start : start + width].double()
+        for start in range(0, values.numel(), width):
+            chunk = values[start : start + width].double()
             if self.scored is not None:
                 chunk = chunk[self.scored[start : start + width]]
             if chunk.numel():
-                end = min(start + width, self.nll.numel())
-                out.append({"start": start + 1, "end": end, "ppl": math.exp(float(chunk.mean()))})
+                out.append((start + 1, min(start + width, values.numel()), chunk.numel(), float(chunk.mean())))
         return out
+
+    def ppl_windows(self, width: int) -> list[dict]:
+        """PPL of consecutive windows of predictions, keyed by the window's last target position; `n` the
+        predictions scored in it (the blocks of the report's bootstrap)."""
+        return [{"start": a, "end": b, "n": n, "ppl": math.exp(m)} for a, b, n, m in self._windows(self.nll, width)]
+
+    def kl_windows(self, width: int) -> list[dict]:
+        """KL(full ‖ policy) of the same windows (empty without a full-cache reference)."""
+        if self.kl is None:
+            return []
+        return [{"start": a, "end": b, "n": n, "kl": m} for a, b, n, m in self._windows(self.kl, width)]
 
     def summary(self) -> dict:
         data = {
@@ -114,6 +127,8 @@ class RowResult:
             "sink_loss": self.sink_loss,
             "seconds": self.seconds,
         }
+        if self.sliding_window is not None:
+            data["sliding_window"] = self.sliding_window
         if self.memory is not None:
             data["held_per_layer_kind"] = self.memory["held"]
             data["kv_bytes"] = self.memory["kv_bytes"]
@@ -295,7 +310,9 @@ def compare(
                     on_step(stop)
             bar.remove_task(task)
         lost_at = sinks.lost_at(len(cache.layers), cache.layers[0].heads)  # [layers, rows, heads]
-        loss = held_sink_loss(cache.kept_positions())
+        sliding = [layer.is_sliding for layer in cache.layers]  # bounded by the model's window, not the budget
+        window = next((layer.window for layer in cache.layers if layer.is_sliding), None)
+        grids = [[None if slides else at[row].tolist() for slides, at in zip(sliding, lost_at)] for row in range(rows)]
         pinned_lost = held_pinned_lost(cache.kept_positions(), [p.pinned for p in cache.row_policies()])
         memory = cache.memory()
         per_row = {
@@ -314,8 +331,9 @@ def compare(
                 max_kept=kept.most,
                 pinned_sink_evicted=bool(pinned_lost[row]),
                 first_token_evicted=bool((lost_at[:, row] >= 0).any()),
-                sink_loss=float(loss[row]),
-                sink_lost_at=lost_at[:, row].tolist(),
+                sink_loss=sink_loss(grids[row]).share or 0.0,
+                sink_lost_at=grids[row],
+                sliding_window=window,
                 seconds=lane.seconds,
                 memory=per_row if per_head is None else {**per_row, "held_per_head": [lay[row] for lay in per_head]},
                 layer_budgets=cache.layer_budgets() if policy.varies_by_layer else None,

@@ -2,7 +2,7 @@
 
 Typically the same sweep on two models. Each run's cells are its own summary rows
 (`tables.summary_rows`: PPL and PPL / full against that run's full cache), its sink
-loss (share of (layer, KV head) pairs that lost token 0, from `sink_lost_at`) and, when
+loss (`PplRecord.sink_share`: the share of bounded (layer, KV head) pairs that lost token 0) and, when
 the run holds a needle test, its mean pass-key accuracy. The table is an ordinary
 `Table` of `Column`s, so HTML and Markdown render it like every other table.
 """
@@ -13,10 +13,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .columns import Column, Table, number
-from .records import PplRecord, ppl_records, task_records
+from .records import ppl_records, task_records
 from .runs import Run
 from .tables import KIND_ORDER, SummaryRow, summary_rows
-from .verdict import needle_means, sink_heads
+from .verdict import needle_means
 
 
 @dataclass(frozen=True)
@@ -39,16 +39,10 @@ class CompareRow:
     cells: dict[int, RunCell] = field(default_factory=dict)
 
 
-def _sink_loss(record: PplRecord) -> float | None:
-    """Share of (layer, KV head) pairs that evicted token 0; the recorded share for rows without the grid."""
-    lost, heads = sink_heads(record)
-    return lost / heads if heads else record.sink_loss
-
-
 def _cell(row: SummaryRow, passkeys: dict[tuple[str, str], float]) -> RunCell:
     r = row.record
     budget = "full" if r.budget is None else str(r.budget)
-    return RunCell(r.ppl, row.ppl_over_full, _sink_loss(r), passkeys.get((r.name, budget)))
+    return RunCell(r.ppl, row.ppl_over_full, r.sink_share, passkeys.get((r.name, budget)))
 
 
 def compare_rows(runs: Sequence[Run]) -> list[CompareRow]:

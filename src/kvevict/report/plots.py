@@ -129,11 +129,13 @@ def sink_loss_heatmaps(records: list[PplRecord]) -> Figure | None:
     fig.subplots_adjust(hspace=0.55, wspace=0.35)
     image = None
     for ax, r in zip(axes.flat, rows):
-        lost = np.array(r.sink_lost_at, dtype=float)  # [layers, heads], -1 = never
+        heads = max(len(layer) for layer in r.sink_lost_at if layer is not None)
+        # [layers, heads], -1 = never; NaN (drawn blank) = a sliding layer the budget does not bound
+        lost = np.array([[np.nan] * heads if layer is None else layer for layer in r.sink_lost_at], dtype=float)
         total = r.n_predictions + 1
-        share = np.where(lost < 0, 0.0, (total - lost) / total)
+        share = np.where(np.isnan(lost), np.nan, np.where(lost < 0, 0.0, (total - lost) / total))
         image = ax.imshow(share, aspect="auto", cmap="magma_r", vmin=0, vmax=1, interpolation="nearest")
-        ax.set_title(f"{r.name}\nbudget {r.budget}: {r.sink_loss:.0%} lost", fontsize=8)
+        ax.set_title(f"{r.name}\nbudget {r.budget}: {r.sink_share:.0%} lost", fontsize=8)
         ax.set_xlabel("KV head", fontsize=7)
         ax.set_ylabel("layer", fontsize=7)
         ax.set_xticks(range(share.shape[1]))

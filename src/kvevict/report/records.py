@@ -14,6 +14,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
+from ..errors import KvevictError
+from ..eval.sink_loss import SinkLoss, sink_loss
+
 #: kinds of perplexity rows: the full cache, the recompute oracle, a policy, a sink-count sweep row
 PPL_KINDS = ("full", "oracle", "policy", "sinks")
 #: kinds of per-trial records of the protocols beyond perplexity
@@ -47,7 +50,8 @@ class PplRecord:
     `policy` is the canonical spec (what the cell ran), `label` what the user wrote
     (what the tables show). `curve` is the PPL per window along the stream
     (`[{"start", "end", "ppl"}]`); `sink_lost_at` is `[layers][kv_heads]` of the token
-    count at which token 0 was evicted (-1: never).
+    count at which token 0 was evicted (-1: never; a null row: a layer the budget does
+    not bound). `sink()` is the one sink-loss figure every table and the verdict show.
     """
 
     key: str
@@ -73,7 +77,11 @@ class PplRecord:
     device_peak_mb: float | None = None
     seed: int | None = None
     curve: list[dict] = field(default_factory=list)
+    #: KL(full ‖ policy) over the same windows as `curve` (`[{"start", "end", "n", "kl"}]`)
+    kl_curve: list[dict] | None = None
     sink_lost_at: list | None = None
+    #: the model's own window when it has sliding-window layers (their rows of `sink_lost_at` are null)
+    sliding_window: int | None = None
     model: str | None = None
     text: str | None = None
     tokens: int | None = None
@@ -89,7 +97,8 @@ class PplRecord:
     OPTIONAL: ClassVar[tuple[str, ...]] = (
         "label", "nll_mean", "max_kept", "sink_evicted", "first_token_evicted", "sink_loss", "seconds", "tokens_per_s",
         "peak_mb", "peak_mb_scope", "device_peak_mb", "seed",
-        "sink_lost_at", "model", "text", "tokens", "full_ppl_same_tokens", "kl_to_full", "top1_agreement",
+        "kl_curve", "sink_lost_at", "sliding_window", "model", "text", "tokens", "full_ppl_same_tokens",
+        "kl_to_full", "top1_agreement",
         "layer_budgets",
     )
 
@@ -105,6 +114,16 @@ class PplRecord:
     def name(self) -> str:
         """What a table or a legend calls this row: the user's spelling when there is one."""
         return self.label or self.policy
+
+    def sink(self) -> SinkLoss | None:
+        """The row's sink loss counted from its grid (`eval.sink_loss`); None for a row recorded without one."""
+        return sink_loss(self.sink_lost_at)
+
+    @property
+    def sink_share(self) -> float | None:
+        """The share every table shows: from the grid, or the recorded share of a row without one."""
+        found = self.sink()
+        return self.sink_loss if found is None else found.share
 
 
 @dataclass
@@ -170,7 +189,7 @@ Record = PplRecord | TaskRecord | SinkMapRecord | DoneMarker
 
 
 def from_dict(data: dict) -> Record:
-    """The typed record of one line of `results.jsonl` (a line of unknown kind stays a `TaskRecord`)."""
+    """The typed record of one line of `results.jsonl`; a line of a kind no class declares is an error."""
     kind = data.get("kind")
     if kind in PPL_KINDS:
         return PplRecord.from_dict(data)
@@ -178,7 +197,13 @@ def from_dict(data: dict) -> Record:
         return SinkMapRecord.from_dict(data)
     if isinstance(kind, str) and kind.endswith("-done"):
         return DoneMarker.from_dict(data)
-    return TaskRecord.from_dict(data)
+    if kind in TASK_KINDS:
+        return TaskRecord.from_dict(data)
+    raise KvevictError(
+        f"results.jsonl holds a line of kind {kind!r} (key {data.get('key')!r}), which this kvevict does not know "
+        f"(known: {', '.join((*PPL_KINDS, *TASK_KINDS, 'sinkmap', '*-done'))}): it was written by another "
+        "version; redraw with that version, or remove the line"
+    )
 
 
 def load(lines: Iterable[dict]) -> list[Record]:

@@ -23,7 +23,9 @@ Section = Callable[[Sequence[Record]], tuple[str, str] | None]
 PPL_INTRO = (
     "<p>Each policy keeps at most <em>budget</em> entries per layer and KV head. KL is "
     "KL(full ‖ policy) of the next-token distributions on the same tokens; sink loss is the share "
-    "of (layer, KV head) pairs that no longer hold token 0 at the end. The oracle re-computes each "
+    "of (layer, KV head) pairs the budget bounds that no longer hold token 0 at the end (a model's own "
+    "sliding-window layers are not counted: they lose token 0 by design once the stream passes their window). "
+    "The oracle re-computes each "
     "scored token from its previous <em>budget</em> tokens; with a stride it scores every K-th token, so its "
     "PPL is a sampled estimate and its <em>ppl / full</em> compares it with the full cache on the very same "
     "tokens. <em>seconds</em> is the wall time of the batch a row ran in (the policies of one budget share a "

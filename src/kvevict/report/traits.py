@@ -4,8 +4,8 @@ The report groups and sorts rows by what a policy is (does it steer by attention
 many leading tokens does it pin?), never by substrings of its name: `parse_policy`
 rebuilds the policy from the canonical spec stored in each record and the answer is
 whatever that policy declares. A spec this process cannot parse (a policy registered
-by another program with `kvevict.register`) gets the plain answers: not attention
-driven, nothing pinned, so a foreign run folder still redraws.
+by another program with `kvevict.register`) is an error naming it: guessing "pins
+nothing" would rank it wrongly in the verdict.
 """
 
 from __future__ import annotations
@@ -17,27 +17,30 @@ from ..policies import Policy, parse_policy
 
 
 @lru_cache(maxsize=256)
-def _policy(spec: str) -> Policy | None:
+def _policy(spec: str) -> Policy:
     try:
         return parse_policy(spec)
-    except KvevictError:
-        return None
+    except KvevictError as exc:
+        raise KvevictError(
+            f"the results name policy '{spec}', which this kvevict cannot read ({exc}): redraw the report in a "
+            "program that registers it first (kvevict.register(name, cls), then kvevict.report.html.render)"
+        ) from None
 
 
 def needs_attention(spec: str) -> bool:
     """The policy chooses by the attention its slots received (h2o, snapkv, sinkauto, their sink wrappers)."""
     policy = _policy(spec)
-    return bool(policy is not None and policy.needs_attention)
+    return bool(policy.needs_attention)
 
 
 def content_driven(spec: str) -> bool:
     """The policy chooses by what slots hold (attention or keys), so it can keep token 0 on
     some heads and lose it on others (h2o, snapkv, tova, knorm, keydiff, ...)."""
     policy = _policy(spec)
-    return bool(policy is not None and (policy.needs_attention or policy.reads_keys))
+    return bool(policy.needs_attention or policy.reads_keys)
 
 
 def pinned(spec: str) -> int:
     """Leading tokens the policy always keeps (`sinkK+window`: K; `window`: 0)."""
     policy = _policy(spec)
-    return 0 if policy is None else int(policy.pinned)
+    return int(policy.pinned)

@@ -1,15 +1,21 @@
 """The verdict at the top of an A/B report: per budget, which policy to ship and which to avoid.
 
-A person should not have to read every table to reach the decision. For each budget the
-verdict names, from the records alone:
+A person should not have to read every table to reach the decision, and the decision
+must not rest on a difference the data cannot carry. For each budget the verdict names,
+from the records alone:
 
-* the policy closest to the full cache (lowest KL(full ‖ policy), PPL beside it; a run
-  without KL is ranked by PPL);
-* every policy that collapsed: PPL at least `COLLAPSE_PPL` times the full cache's, or a
-  mean pass-key accuracy below `COLLAPSE_NEEDLE` of the full cache's at that budget;
-* every policy that lost token 0 (the attention sink) on some (layer, KV head), and on
-  how many;
-* one sentence of recommendation built from those facts.
+* the *closest* policy: lowest KL(full ‖ policy) (lowest PPL for a run without KL);
+* the policies *tied* with it: those whose paired difference from it (a bootstrap over
+  blocks of tokens, `uncertainty.paired_difference`) has a 95% interval that holds 0.
+  A row without per-window data cannot be separated from anything, so it is tied;
+* the *recommendation*: the cheapest of the tied policies that did not collapse:
+  no attention statistics, then fewest pinned slots, then closest. A policy is named
+  better than another only where the intervals separate;
+* every policy that collapsed: the lower end of its PPL interval at least `COLLAPSE_PPL`
+  times the full cache's PPL, or the upper end of its pass-key hit rate's Wilson interval
+  below `COLLAPSE_NEEDLE` of the full cache's rate;
+* every policy that lost token 0 (the attention sink) on some bounded (layer, KV head),
+  and on how many (`eval.sink_loss`, the one definition of sink loss).
 
 The oracle is left out: it re-computes every token and is a reference, not a policy
 one can serve with.
@@ -24,11 +30,40 @@ from dataclasses import dataclass, field
 
 from .columns import number
 from .records import PplRecord, Record, ppl_records, task_records
+from .traits import needs_attention, pinned
+from .uncertainty import Blocks, Interval, blocks, mean_interval, paired_difference, wilson
 
-#: a policy whose PPL is at least this multiple of the full cache's has collapsed
+#: a policy whose PPL is at least this multiple of the full cache's (its whole interval) has collapsed
 COLLAPSE_PPL = 2.0
-#: ... as has one whose pass-key accuracy is below this share of the full cache's
+#: ... as has one whose pass-key accuracy is below this share of the full cache's (its whole interval)
 COLLAPSE_NEEDLE = 0.5
+
+#: how the verdict decides, said in the report under the verdict
+HOW = (
+    "How the verdict decides: policies are ranked by KL(full ‖ policy) (by PPL when the run has no KL). "
+    "Every figure carries a 95% interval: a bootstrap over blocks of consecutive tokens for PPL and KL (two "
+    "policies are compared paired, on the same resampled blocks), Wilson's interval for pass-key hit rates. "
+    "A policy is named better than another only where the interval of their difference excludes 0; among the "
+    "policies tied with the closest one, the cheapest is recommended (no attention statistics, then the fewest "
+    "pinned slots). A policy collapsed when its whole PPL interval lies at or above 2× the full cache's PPL, or "
+    "its whole pass-key interval below half of the full cache's rate."
+)
+
+
+@dataclass(frozen=True)
+class Needle:
+    """Pass-key trials of one policy at one budget."""
+
+    hits: float
+    trials: int
+
+    @property
+    def rate(self) -> float:
+        return self.hits / self.trials
+
+    @property
+    def interval(self) -> Interval | None:
+        return wilson(self.hits, self.trials)
 
 
 @dataclass(frozen=True)
@@ -38,25 +73,45 @@ class Candidate:
     name: str
     ppl: float
     kl: float | None
-    needle: float | None  # mean pass-key accuracy at this budget (None: no needle test)
-    heads_lost: int  # (layer, KV head) pairs that evicted token 0 at some point
-    heads: int  # (layer, KV head) pairs in the model
+    needle: Needle | None  # pass-key trials at this budget (None: no needle test)
+    heads_lost: int  # bounded (layer, KV head) pairs that evicted token 0 at some point
+    heads: int  # bounded (layer, KV head) pairs in the model
+    pins: int = 0  # leading tokens the policy always keeps
+    reads_attention: bool = False  # needs attention statistics (costs a second pass on some paths)
+    nll_blocks: Blocks | None = None
+    kl_blocks: Blocks | None = None
 
     @property
     def rank(self) -> tuple[float, float]:
         return (math.inf if self.kl is None else self.kl, self.ppl)
 
+    @property
+    def ppl_interval(self) -> Interval | None:
+        return None if self.nll_blocks is None else mean_interval(self.nll_blocks, exp=True)
+
+    @property
+    def kl_interval(self) -> Interval | None:
+        return None if self.kl_blocks is None else mean_interval(self.kl_blocks)
+
+    @property
+    def cost(self) -> tuple[bool, int]:
+        """What serving it costs beyond a window: attention statistics first (they rule out a fused attention
+        kernel and cost a pass per step), then pinned slots (a few entries of memory)."""
+        return (self.reads_attention, self.pins)
+
 
 @dataclass
 class BudgetVerdict:
-    """The verdict at one budget: every `candidate`, the `closest` (None without policy
-    rows), `collapsed` as (candidate, reason), `lost_sink`, and the recommendation sentence."""
+    """The verdict at one budget: every `candidate` (closest first), the ones `tied` with the closest,
+    the `recommended` one, `collapsed` as (candidate, reason), `lost_sink`, and the sentence."""
 
     budget: int
     full_ppl: float | None
     candidates: list[Candidate]
     collapsed: list[tuple[Candidate, str]] = field(default_factory=list)
     lost_sink: list[Candidate] = field(default_factory=list)
+    tied: list[Candidate] = field(default_factory=list)
+    recommended: Candidate | None = None
     sentence: str = ""
 
     @property
@@ -64,40 +119,55 @@ class BudgetVerdict:
         return self.candidates[0] if self.candidates else None
 
 
-def sink_heads(record: PplRecord) -> tuple[int, int]:
-    """(pairs that lost token 0, all pairs) from `sink_lost_at` `[layers][kv_heads]` (-1: never)."""
-    grid = record.sink_lost_at or []
-    cells = [value for layer in grid for value in layer]
-    return sum(1 for value in cells if value >= 0), len(cells)
-
-
-def needle_means(records: Sequence[Record]) -> dict[tuple[str, str], float]:
-    """Mean pass-key hit rate per (policy as written, budget as written: `64` or `full`)."""
+def needle_trials(records: Sequence[Record]) -> dict[tuple[str, str], Needle]:
+    """Pass-key trials per (policy as written, budget as written: `64` or `full`)."""
     hits: dict[tuple[str, str], list[float]] = {}
     for trial in task_records(records, "needle"):
         f = trial.fields
         hits.setdefault((str(f["policy"]), str(f["budget"])), []).append(float(f["hit"]))
-    return {key: sum(values) / len(values) for key, values in hits.items()}
+    return {key: Needle(sum(values), len(values)) for key, values in hits.items()}
 
 
-def _candidates(records: list[PplRecord], budget: int, needle: dict[tuple[str, str], float]) -> list[Candidate]:
+def needle_means(records: Sequence[Record]) -> dict[tuple[str, str], float]:
+    """Mean pass-key hit rate per (policy as written, budget as written)."""
+    return {key: n.rate for key, n in needle_trials(records).items()}
+
+
+def _candidates(records: list[PplRecord], budget: int, needle: dict[tuple[str, str], Needle]) -> list[Candidate]:
     """The policy rows at `budget` (a sink-sweep row that repeats a policy row counts once)."""
     seen: dict[str, Candidate] = {}
     for r in records:
         if r.budget != budget or r.kind not in ("policy", "sinks") or r.policy in seen:
             continue
-        lost, heads = sink_heads(r)
-        seen[r.policy] = Candidate(r.name, r.ppl, r.kl_to_full, needle.get((r.name, str(budget))), lost, heads)
+        sink = r.sink()
+        seen[r.policy] = Candidate(
+            r.name, r.ppl, r.kl_to_full, needle.get((r.name, str(budget))),
+            sink.lost if sink else 0, sink.bounded if sink else 0,
+            pinned(r.policy), needs_attention(r.policy), blocks(r.curve, "ppl"), blocks(r.kl_curve, "kl"),
+        )
     return list(seen.values())
 
 
-def _collapse(c: Candidate, full_ppl: float | None, full_needle: float | None) -> str | None:
-    """Why `c` collapsed, or None."""
-    if full_ppl and c.ppl >= COLLAPSE_PPL * full_ppl:
-        return f"PPL {c.ppl / full_ppl:.1f}× full"
-    if c.needle is not None and full_needle and c.needle < COLLAPSE_NEEDLE * full_needle:
-        return f"pass-key {c.needle:.0%} vs full {full_needle:.0%}"
+def _collapse(c: Candidate, full_ppl: float | None, full_needle: Needle | None) -> str | None:
+    """Why `c` collapsed (its whole interval beyond the line), or None."""
+    if full_ppl:
+        low = c.ppl_interval.low if c.ppl_interval else c.ppl
+        if low >= COLLAPSE_PPL * full_ppl * (1 - 1e-9):  # exp(log(x)) may round x down in its last bit
+            return f"PPL {c.ppl / full_ppl:.1f}× full"
+    if c.needle is not None and full_needle is not None and full_needle.rate:
+        high = c.needle.interval.high if c.needle.interval else c.needle.rate
+        if high < COLLAPSE_NEEDLE * full_needle.rate:
+            return f"pass-key {c.needle.rate:.0%} vs full {full_needle.rate:.0%}"
     return None
+
+
+def _tied(best: Candidate, other: Candidate, by_kl: bool) -> bool:
+    """True unless the paired interval of (other - best) excludes 0 (no data: cannot be separated)."""
+    a, b = (other.kl_blocks, best.kl_blocks) if by_kl else (other.nll_blocks, best.nll_blocks)
+    if a is None or b is None:
+        return True
+    found = paired_difference(a, b)
+    return found is None or found.contains(0.0)
 
 
 def _names(candidates: Sequence[Candidate]) -> str:
@@ -105,24 +175,34 @@ def _names(candidates: Sequence[Candidate]) -> str:
 
 
 def _scores(c: Candidate) -> str:
-    return ("" if c.kl is None else f"KL {c.kl:.3f}, ") + f"PPL {c.ppl:.2f}"
+    kl = "" if c.kl is None else f"KL {c.kl:.3f}" + (f" {c.kl_interval.text(3)}" if c.kl_interval else "") + ", "
+    return kl + f"PPL {c.ppl:.2f}" + (f" {c.ppl_interval.text()}" if c.ppl_interval else "")
+
+
+def _cost_text(c: Candidate) -> str:
+    pins = "no pinned slots" if not c.pins else f"{c.pins} pinned slot{'s' if c.pins > 1 else ''}"
+    return pins + (", attention statistics" if c.reads_attention else ", no attention statistics")
 
 
 def _sentence(v: BudgetVerdict) -> str:
-    """The recommendation: the closest policy that did not collapse; if it lost token 0 somewhere, the closest
-    one that kept it everywhere beside it (or the advice to pin sinks); else why nothing can be shipped."""
+    """The recommendation: the cheapest policy tied with the closest that did not collapse; if it lost token 0
+    somewhere, the closest one that kept it everywhere beside it (or the advice to pin sinks)."""
     if v.closest is None:
         return f"At budget {v.budget} the run holds no policy rows: nothing to recommend."
     bad = {c.name for c, _ in v.collapsed}
-    safe = [c for c in v.candidates if c.name not in bad]
-    if not safe:
+    if v.recommended is None:
         return (f"At budget {v.budget} every policy collapsed ({_names([c for c, _ in v.collapsed])}): "
                 "raise the budget before shipping any of them.")
-    best = safe[0]
+    best = v.recommended
     full = f" vs {v.full_ppl:.2f} full" if v.full_ppl else ""
     text = f"At budget {v.budget} ship {best.name} ({_scores(best)}{full})"
+    others = [c for c in v.tied if c is not best]
+    if others:
+        text += (f"; not told apart from it by the data: {_names(others)}, "
+                 f"and it is the cheapest ({_cost_text(best)})")
     if best.heads_lost:
         text += f", but it lost token 0 on {best.heads_lost} of {best.heads} heads"
+        safe = [c for c in v.candidates if c.name not in bad]
         keeper = next((c for c in safe if not c.heads_lost), None)
         if keeper is None:
             text += f": pin sinks (sinkN+{best.name})"
@@ -138,11 +218,11 @@ def verdict(records: Sequence[Record]) -> list[BudgetVerdict]:
     rows = ppl_records(records)
     full = next((r for r in rows if r.kind == "full"), None)
     full_ppl = full.ppl if full else None
-    needle = needle_means(records)
+    needle = needle_trials(records)
+    full_needle = needle.get(("full", "full"))
     out = []
-    for budget in sorted({r.budget for r in rows if r.budget is not None}):
+    for budget in sorted({r.budget for r in rows if r.budget is not None and r.kind != "oracle"}):
         candidates = _candidates(rows, budget, needle)
-        full_needle = needle.get(("full", "full"))
         v = BudgetVerdict(budget, full_ppl, sorted(candidates, key=lambda c: c.rank))
         for c in v.candidates:
             reason = _collapse(c, full_ppl, full_needle)
@@ -150,6 +230,12 @@ def verdict(records: Sequence[Record]) -> list[BudgetVerdict]:
                 v.collapsed.append((c, reason))
             if c.heads_lost:
                 v.lost_sink.append(c)
+        bad = {c.name for c, _ in v.collapsed}
+        safe = [c for c in v.candidates if c.name not in bad]
+        if safe:
+            by_kl = all(c.kl is not None for c in safe)
+            v.tied = [c for c in safe if c is safe[0] or _tied(safe[0], c, by_kl)]
+            v.recommended = min(v.tied, key=lambda c: (c.cost, c.rank))
         v.sentence = _sentence(v)
         out.append(v)
     return out
@@ -159,7 +245,31 @@ def _closest_text(v: BudgetVerdict) -> str:
     c = v.closest
     if c is None:
         return "-"
-    return f"{c.name} (KL {number(c.kl, 3)}, PPL {c.ppl:.2f})"
+    kl = "" if c.kl is None else f"KL {number(c.kl, 3)}, "
+    return f"{c.name} ({kl}PPL {c.ppl:.2f})"
+
+
+def _needle_text(v: BudgetVerdict) -> str | None:
+    found = [c for c in v.candidates if c.needle is not None]
+    if not found:
+        return None
+    parts = []
+    for c in found:
+        interval = c.needle.interval
+        parts.append(f"{c.name} {c.needle.hits:g}/{c.needle.trials}" + (f" {interval.text()}" if interval else ""))
+    return "; ".join(parts)
+
+
+def _facts(v: BudgetVerdict) -> list[tuple[str, str]]:
+    collapsed = "; ".join(f"{c.name} ({why})" for c, why in v.collapsed) or "none"
+    lost = "; ".join(f"{c.name} on {c.heads_lost} of {c.heads} heads" for c in v.lost_sink) or "none"
+    facts = [("closest to full", _closest_text(v)),
+             ("tied with it (paired 95% block bootstrap)", _names(v.tied[1:]) or "none"),
+             ("collapsed", collapsed), ("lost token 0", lost)]
+    needle = _needle_text(v)
+    if needle:
+        facts.append(("pass-key hits (95% Wilson interval)", needle))
+    return facts
 
 
 def markdown(verdicts: Sequence[BudgetVerdict], title: str = "Verdict") -> str:
@@ -171,20 +281,17 @@ def markdown(verdicts: Sequence[BudgetVerdict], title: str = "Verdict") -> str:
         for label, text in _facts(v):
             lines.append(f"- {label}: {text}")
         lines.append("")
+    if verdicts:
+        lines.append(HOW)
     return "\n".join(lines).rstrip()
 
 
-def _facts(v: BudgetVerdict) -> list[tuple[str, str]]:
-    collapsed = "; ".join(f"{c.name} ({why})" for c, why in v.collapsed) or "none"
-    lost = "; ".join(f"{c.name} on {c.heads_lost} of {c.heads} heads" for c in v.lost_sink) or "none"
-    return [("closest to full", _closest_text(v)), ("collapsed", collapsed), ("lost token 0", lost)]
-
-
 def section_html(verdicts: Sequence[BudgetVerdict]) -> str:
-    """The verdict as HTML: per budget the sentence in bold, then the three facts."""
+    """The verdict as HTML: per budget the sentence in bold, then the facts; how it decides at the end."""
     parts = []
     for v in verdicts:
         items = "".join(f"<li>{html.escape(label)}: {html.escape(text)}</li>" for label, text in _facts(v))
         parts.append(f'<div class="verdict" data-budget="{v.budget}"><p><strong>{html.escape(v.sentence)}'
                      f"</strong></p><ul>{items}</ul></div>")
+    parts.append(f'<p class="how">{html.escape(HOW)}</p>')
     return "".join(parts)
