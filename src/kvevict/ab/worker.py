@@ -57,6 +57,7 @@ def batches(config: SweepConfig, todo: list[Cell]) -> list[Batch]:
 def ppl_record(cell: Cell, result: RowResult, config: SweepConfig, cost: Cost, tokens: int) -> PplRecord:
     """The record of one finished cell: the row's summary, its curve, what it was measured on and what it cost."""
     data = result.summary()
+    del data["seconds"]  # a row's share of a batched forward is not measured: the batch's time is recorded
     width = max(1, result.nll.numel() // CURVE_POINTS)
     data.update(
         key=cell.key,

@@ -31,7 +31,7 @@ COMPARE_REPORT = "report-compare.html"
 
 #: The default A/B that `make demo` runs: sized to finish in under 10 minutes on 2 cores.
 DEMO = dict(tokens=2000, budgets=[64, 128, 256], policies=["window", "streamingllm", "h2o", "snapkv"],
-            sinks=[0, 1, 2, 4, 8], oracle_stride=64, name="demo")
+            sinks=[0, 1, 2, 4, 8], oracle_stride=48, name="demo")
 
 
 def run_ab(config, allow_download: bool = False, executor=None) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from .columns import Column, Table, number
 from .records import ppl_records, task_records
 from .runs import Run
-from .tables import KIND_ORDER, SummaryRow, summary_rows
+from .tables import KIND_ORDER, SummaryRow, ppl_text, summary_rows
 from .verdict import needle_means
 
 
@@ -23,7 +23,7 @@ from .verdict import needle_means
 class RunCell:
     """One run's numbers for one row of the comparison (None: the run has no such number)."""
 
-    ppl: float
+    ppl: str  # as the tables show it (`tables.ppl_text`)
     ppl_over_full: float | None
     sink_loss: float | None
     passkey: float | None
@@ -42,7 +42,7 @@ class CompareRow:
 def _cell(row: SummaryRow, passkeys: dict[tuple[str, str], float]) -> RunCell:
     r = row.record
     budget = "full" if r.budget is None else str(r.budget)
-    return RunCell(r.ppl, row.ppl_over_full, r.sink_share, passkeys.get((r.name, budget)))
+    return RunCell(ppl_text(r), row.ppl_over_full if r.enough else None, r.sink_share, passkeys.get((r.name, budget)))
 
 
 def compare_rows(runs: Sequence[Run]) -> list[CompareRow]:
@@ -65,7 +65,7 @@ def _run_columns(index: int, name: str, needle: bool) -> list[Column[CompareRow]
         return None if cell is None else getattr(cell, attribute)
 
     columns = [
-        Column(f"{name} ppl", lambda row: number(value(row, "ppl"))),
+        Column(f"{name} ppl", lambda row: value(row, "ppl") or "-"),
         Column(f"{name} ppl / full", lambda row: number(value(row, "ppl_over_full"))),
         Column(f"{name} sink loss", lambda row: number(value(row, "sink_loss"))),
     ]

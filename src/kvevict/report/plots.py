@@ -75,7 +75,7 @@ def ppl_vs_budget(records: list[PplRecord]) -> Figure:
     """One line per policy (and the oracle) over the budgets, the full cache as a horizontal line."""
     series: dict[str, list[tuple[int, float]]] = defaultdict(list)
     for r in records:
-        if r.kind in ("policy", "oracle"):
+        if r.kind in ("policy", "oracle") and r.enough:
             series[r.name].append((r.budget, r.ppl))
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for name, points in sorted(series.items()):

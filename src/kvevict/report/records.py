@@ -19,6 +19,8 @@ from ..eval.sink_loss import SinkLoss, sink_loss
 
 #: kinds of perplexity rows: the full cache, the recompute oracle, a policy, a sink-count sweep row
 PPL_KINDS = ("full", "oracle", "policy", "sinks")
+#: an oracle row shows a PPL only from this many re-computed predictions on ("n too small" below it)
+MIN_ORACLE_PREDICTIONS = 30
 #: kinds of per-trial records of the protocols beyond perplexity
 TASK_KINDS = ("needle", "generation")
 
@@ -67,7 +69,9 @@ class PplRecord:
     sink_evicted: bool | None = None
     first_token_evicted: bool | None = None
     sink_loss: float | None = None
-    seconds: float | None = None
+    #: wall seconds of the whole batch the row ran in (the policies of one budget share one batch);
+    #: lines written before it had this name call it `seconds`, which meant the same
+    batch_seconds: float | None = None
     #: stream tokens per second of the batch the row ran in (every row of a batch reads the stream at once)
     tokens_per_s: float | None = None
     #: peak resident memory (MiB) of the process while the batch ran;
@@ -95,7 +99,8 @@ class PplRecord:
 
     #: keys written only when they hold a value (older lines, and the full row, lack them)
     OPTIONAL: ClassVar[tuple[str, ...]] = (
-        "label", "nll_mean", "max_kept", "sink_evicted", "first_token_evicted", "sink_loss", "seconds", "tokens_per_s",
+        "label", "nll_mean", "max_kept", "sink_evicted", "first_token_evicted", "sink_loss", "batch_seconds",
+        "tokens_per_s",
         "peak_mb", "peak_mb_scope", "device_peak_mb", "seed",
         "kl_curve", "sink_lost_at", "sliding_window", "model", "text", "tokens", "full_ppl_same_tokens",
         "kl_to_full", "top1_agreement",
@@ -104,11 +109,26 @@ class PplRecord:
 
     @classmethod
     def from_dict(cls, data: dict) -> PplRecord:
+        if "seconds" in data and "batch_seconds" not in data:  # the older name of the same figure
+            data = {("batch_seconds" if k == "seconds" else k): v for k, v in data.items()}
         known, extra = _split(cls, data)
         return cls(**known, extra=extra)
 
     def to_dict(self) -> dict:
         return _join(self, self.OPTIONAL)
+
+    @property
+    def recomputed(self) -> int | None:
+        """The oracle's predictions that were re-computed from a bounded window (the rest saw their whole past)."""
+        if self.kind != "oracle" or self.budget is None:
+            return None
+        head = min(self.budget, (self.tokens or self.n_predictions + 1) - 1)
+        return max(0, self.n_predictions - head)
+
+    @property
+    def enough(self) -> bool:
+        """Whether the row has the predictions its figures need (`MIN_ORACLE_PREDICTIONS` for the oracle)."""
+        return self.recomputed is None or self.recomputed >= MIN_ORACLE_PREDICTIONS
 
     @property
     def name(self) -> str:

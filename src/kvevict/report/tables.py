@@ -2,8 +2,9 @@
 
 `SUMMARY` is the A/B summary (`kvevict ab`, the report's first table, `kvevict report
 --markdown`). Its `drop` numbers are the documented order in which a narrow terminal
-leaves columns out: peak MB, tokens/s, seconds, kept, top-1 agree, sink loss, KL to
-full, ppl / full; policy, budget and ppl always stay.
+leaves columns out: peak MB, ppl 95% CI, tokens/s, batch seconds, kept, top-1 agree,
+sink loss, KL to full, ppl / full; policy, budget and ppl always stay. An oracle row
+with fewer than `MIN_ORACLE_PREDICTIONS` re-computed predictions shows "n too small".
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from . import traits
 from .columns import Column, Table, number
 from .records import PplRecord
+from .uncertainty import blocks, mean_interval
 
 KIND_ORDER = {"full": 0, "oracle": 1, "policy": 2, "sinks": 3}
 
@@ -33,17 +35,32 @@ class SummaryRow:
         return self.record.ppl / (self.record.full_ppl_same_tokens or self.full_ppl)
 
 
+def ppl_text(r: PplRecord) -> str:
+    """A row's PPL as every table shows it: "n too small (k)" for an oracle of too few re-computed predictions."""
+    return number(r.ppl) if r.enough else f"n too small ({r.recomputed})"
+
+
+def _ppl_interval(s: SummaryRow) -> str:
+    found = blocks(s.record.curve, "ppl") if s.record.enough else None
+    return "-" if found is None else mean_interval(found, exp=True).text()
+
+
+def _when_enough(value, digits: int = 2):
+    return lambda s: number(value(s) if s.record.enough else None, digits)
+
+
 SUMMARY: list[Column[SummaryRow]] = [
     Column("policy", lambda s: s.record.name, align="left"),
     Column("budget", lambda s: number(s.record.budget)),
-    Column("ppl", lambda s: number(s.record.ppl)),
-    Column("ppl / full", lambda s: number(s.ppl_over_full), drop=6),
-    Column("KL to full", lambda s: number(s.record.kl_to_full, 3), drop=5),
-    Column("top-1 agree", lambda s: number(s.record.top1_agreement, 3), drop=3),
-    Column("sink loss", lambda s: number(s.record.sink_share), drop=4),
-    Column("kept", lambda s: number(s.record.max_kept), drop=2),
-    Column("seconds", lambda s: number(s.record.seconds, 1), drop=1),
-    Column("tokens/s", lambda s: number(s.record.tokens_per_s, 0), drop=0),
+    Column("ppl", lambda s: ppl_text(s.record)),
+    Column("ppl 95% CI", _ppl_interval, drop=0),
+    Column("ppl / full", _when_enough(lambda s: s.ppl_over_full), drop=7),
+    Column("KL to full", _when_enough(lambda s: s.record.kl_to_full, 3), drop=6),
+    Column("top-1 agree", _when_enough(lambda s: s.record.top1_agreement, 3), drop=4),
+    Column("sink loss", lambda s: number(s.record.sink_share), drop=5),
+    Column("kept", lambda s: number(s.record.max_kept), drop=3),
+    Column("batch seconds", lambda s: number(s.record.batch_seconds, 1), drop=2),
+    Column("tokens/s", lambda s: number(s.record.tokens_per_s, 0), drop=1),
     Column("peak MB", lambda s: number(s.record.peak_mb, 0), drop=-1),
 ]
 #: what a cell cost, recorded since timing and memory joined the records: left out for older run folders
