@@ -360,3 +360,27 @@ def test_report_never_imports_the_harness():
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert loaded.returncode == 0, loaded.stderr
     assert loaded.stdout.strip() == "[]"
+
+
+def test_the_report_ab_writes_is_the_report_that_report_redraws(tmp_path, tiny_dir):
+    """`kvevict ab` and `kvevict report` draw from the same recorded run metadata (stream start included)."""
+    import re
+
+    from helpers import cli
+    from test_ab import TEXT
+
+    text_file = tmp_path / "t.txt"
+    text_file.write_text(TEXT)
+    result = cli("ab", "--model", str(tiny_dir), "--text", str(text_file), "--tokens", "120", "--budgets", "16",
+                 "--policies", "window,h2o", "--oracle-stride", "0", "--name", "same", "--out", str(tmp_path))
+    assert result.exit_code == 0, result.stderr
+    written = (tmp_path / "same" / "report.html").read_text()
+    assert "stream start not recorded" not in written
+    redraw = tmp_path / "redrawn.html"
+    result = cli("report", str(tmp_path / "same"), "--out", str(redraw))
+    assert result.exit_code == 0, result.stderr
+
+    def stamp(page: str) -> str:
+        return re.sub(r"generated \d{4}-\d\d-\d\d \d\d:\d\d UTC", "generated", page)
+
+    assert stamp(written) == stamp(redraw.read_text())

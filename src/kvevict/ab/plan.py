@@ -95,8 +95,8 @@ def plan(config: SweepConfig) -> list[Cell]:
         raise KvevictError("--policies is empty: give comma-separated specs such as window,streamingllm,h2o")
     if config.tokens < 2:
         raise KvevictError(f"need at least 2 tokens to score a prediction, got --tokens {config.tokens}")
-    if config.oracle_stride < 1:
-        raise KvevictError(f"--oracle-stride must be >= 1, got {config.oracle_stride}")
+    if config.oracle_stride < 0:
+        raise KvevictError(f"--oracle-stride must be >= 1 (0: no oracle), got {config.oracle_stride}")
     run_folder(config.out, config.name)  # the run name is checked with the rest, before any work
     cells = [Cell("full", "full", "full", None)]
     for budget in config.budgets:
@@ -107,7 +107,8 @@ def plan(config: SweepConfig) -> list[Cell]:
                 f"budget {budget} is not smaller than the {config.tokens} tokens of the stream: nothing would be "
                 "evicted; lower the budget or raise --tokens"
             )
-        cells.append(Cell("oracle", "oracle", "oracle", budget))
+        if config.oracle_stride:
+            cells.append(Cell("oracle", "oracle", "oracle", budget))
         seen = set()
         for label in config.policies:
             if check_policy(label, budget, config.positions).unbounded:

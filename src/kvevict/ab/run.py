@@ -17,6 +17,7 @@ from functools import partial
 
 from ..data import load_tokens, stream_start
 from ..errors import KvevictError
+from ..eval.oracle import oracle_refusal
 from ..models import load_model, load_tokenizer
 from ..progress import bars
 from ..report.records import Record, load
@@ -78,6 +79,10 @@ def run_sweep(
     task_kinds = tasks.pending(config, done)
     if model is None and todo and executor.in_process:  # one model for the cells and the tasks
         model, tokenizer = load_model(config.model, allow_download=allow_download)
+    if model is not None and any(c.kind == "oracle" for b in todo for c in b.cells):
+        refusal = oracle_refusal(model)  # before any batch runs (a Ray worker refuses it in its batch)
+        if refusal:
+            raise KvevictError(refusal)
     # the loaded model's tokenizer when there is one (GGUF tokenizers take seconds to read twice)
     record_stream_start(config, tokenizer or load_tokenizer(config.model, allow_download))
     if todo:

@@ -89,7 +89,8 @@ def ab(
     budgets: str = typer.Option("64,128,256", help="comma-separated budgets"),
     policies: str = typer.Option("window,streamingllm,h2o,snapkv", help="comma-separated policy specs"),
     sinks: str = typer.Option("", help="sink counts K: adds sinkK+window at each budget, e.g. 0,1,2,4,8"),
-    oracle_stride: int = typer.Option(8, help="the recompute oracle scores every K-th token"),
+    oracle_stride: int = typer.Option(8, help="the recompute oracle scores every K-th token (0: no oracle; "
+                                      "hybrid models such as gemma3-270m need 0)"),
     positions: str = typer.Option("original", help="original | cache"),
     chunk: str = typer.Option(str(DEFAULT_CHUNK), help=CHUNK_HELP),
     seed: int = typer.Option(0, help="seed of random policies (recorded in every result)"),

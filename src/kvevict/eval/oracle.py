@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from ..errors import KvevictError
 from ..progress import bars
 from .forward import log_probs
 from .streaming import Reference, RowResult
@@ -21,12 +22,33 @@ from .streaming import Reference, RowResult
 TOKENS_PER_BATCH = 4096
 
 
+def oracle_refusal(model) -> str | None:
+    """Why the oracle is not defined for `model`, or None.
+
+    On a hybrid model (Gemma 3) eviction bounds only the full-attention layers and the
+    sliding layers keep the model's own window; re-computing from the last `budget`
+    tokens would bound every layer, so it would not be the oracle of the policies beside it.
+    """
+    config = model.config.get_text_config()
+    kinds = getattr(config, "layer_types", None) or []
+    if "sliding_attention" in kinds:
+        window = getattr(config, "sliding_window", None)
+        return (f"the recompute oracle is not defined on this hybrid model: eviction bounds its "
+                f"{kinds.count('full_attention')} full-attention layers while its {kinds.count('sliding_attention')} "
+                f"sliding layers keep their own window of {window}, and re-computing from the last budget tokens "
+                "would bound them all; rerun with --oracle-stride 0")
+    return None
+
+
 def recompute_oracle(
     model, tokens: torch.Tensor, budget: int, stride: int, reference: Reference, progress=True
 ) -> RowResult:
     """NLL (NaN where not scored), KL to the full cache and top-1 agreement of the oracle."""
     if stride < 1:
         raise ValueError("stride must be >= 1")
+    refusal = oracle_refusal(model)
+    if refusal:
+        raise KvevictError(refusal)
     targets = tokens[1:]
     steps = targets.numel()
     nll = torch.full((steps,), float("nan"))

@@ -27,8 +27,9 @@ PPL_INTRO = (
     "sliding-window layers are not counted: they lose token 0 by design once the stream passes their window). "
     "The oracle re-computes each "
     "scored token from its previous <em>budget</em> tokens; with a stride it scores every K-th token, so its "
-    "PPL is a sampled estimate and its <em>ppl / full</em> compares it with the full cache on the very same "
-    "tokens. <em>seconds</em> is the wall time of the batch a row ran in (the policies of one budget share a "
+    "PPL is a sampled estimate (shown only from 30 re-computed predictions on) and its <em>ppl / full</em> "
+    "compares it with the full cache on the very same "
+    "tokens. <em>batch seconds</em> is the wall time of the batch a row ran in (the policies of one budget share a "
     "batch), <em>tokens/s</em> the stream tokens that batch read per second, and <em>peak MB</em> the peak "
     "resident memory of the process (the sweep, or its Ray worker) while the batch ran.</p>"
 )

@@ -28,6 +28,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ..eval.sink_loss import unbounded_note
 from .columns import number
 from .records import PplRecord, Record, ppl_records, task_records
 from .traits import needs_attention, pinned
@@ -80,6 +81,7 @@ class Candidate:
     reads_attention: bool = False  # needs attention statistics (costs a second pass on some paths)
     nll_blocks: Blocks | None = None
     kl_blocks: Blocks | None = None
+    layers_note: str | None = None  # what happened in the layers the budget does not bound (sliding windows)
 
     @property
     def rank(self) -> tuple[float, float]:
@@ -144,6 +146,7 @@ def _candidates(records: list[PplRecord], budget: int, needle: dict[tuple[str, s
             r.name, r.ppl, r.kl_to_full, needle.get((r.name, str(budget))),
             sink.lost if sink else 0, sink.bounded if sink else 0,
             pinned(r.policy), needs_attention(r.policy), blocks(r.curve, "ppl"), blocks(r.kl_curve, "kl"),
+            unbounded_note(sink, r.sliding_window),
         )
     return list(seen.values())
 
@@ -266,6 +269,9 @@ def _facts(v: BudgetVerdict) -> list[tuple[str, str]]:
     facts = [("closest to full", _closest_text(v)),
              ("tied with it (paired 95% block bootstrap)", _names(v.tied[1:]) or "none"),
              ("collapsed", collapsed), ("lost token 0", lost)]
+    note = next((c.layers_note for c in v.candidates if c.layers_note), None)
+    if note:
+        facts.append(("not counted", note))
     needle = _needle_text(v)
     if needle:
         facts.append(("pass-key hits (95% Wilson interval)", needle))
