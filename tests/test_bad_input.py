@@ -462,3 +462,24 @@ def test_nested_sink_wrappers_are_refused(spec):
     with pytest.raises(KvevictError, match="nests sink wrappers: pin sinks once"):
         parse_policy(spec)
     cli_error("ppl", "--policy", spec, needles=("nests sink wrappers", "pin sinks once"))
+
+
+def test_cli_budget_never_reached_is_said_on_stderr(tiny_dir, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("a few words of text, long enough for five tokens at least")
+    result = cli("ppl", "--model", str(tiny_dir), "--text", str(text), "--tokens", "5", "--budget", "32", "--policy", "window", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert "budget 32 ≥ 5 tokens: nothing was evicted; this row is the full cache" in result.stderr
+    result = cli("ppl", "--model", str(tiny_dir), "--text", str(text), "--tokens", "5", "--budget", "3", "--policy", "window", "--json")
+    assert result.exit_code == 0 and "nothing was evicted" not in result.stderr
+
+
+def test_cli_text_that_is_not_text_is_refused(tiny_dir, tmp_path):
+    binary = tmp_path / "random.bin"
+    binary.write_bytes(bytes(range(256)) * 80)  # 20 KB of every byte value: not UTF-8
+    cli_error("ppl", "--model", str(tiny_dir), "--text", str(binary), "--tokens", "50",
+              needles=("random.bin' is not UTF-8 text", "iconv"))
+    controls = tmp_path / "controls.txt"
+    controls.write_text("\x01\x02\x03 ok \x04\x05" * 100)  # valid UTF-8, but mostly control characters
+    cli_error("ppl", "--model", str(tiny_dir), "--text", str(controls), "--tokens", "50",
+              needles=("does not look like text", "give a text file"))

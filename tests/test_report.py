@@ -384,3 +384,13 @@ def test_the_report_ab_writes_is_the_report_that_report_redraws(tmp_path, tiny_d
         return re.sub(r"generated \d{4}-\d\d-\d\d \d\d:\d\d UTC", "generated", page)
 
     assert stamp(written) == stamp(redraw.read_text())
+
+
+def test_a_line_of_unknown_kind_is_refused(tmp_path):
+    from helpers import cli, one_line_error
+
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "results.jsonl").write_text(json.dumps({"key": "x|1", "kind": "mystery", "hit": 1}) + "\n")
+    result = cli("report", str(folder))
+    one_line_error(result.exit_code, result.stderr, "kind 'mystery'", "remove the line")

@@ -24,6 +24,29 @@ def essay_files() -> list[Path]:
     return sorted(root.glob("*.txt"), key=lambda p: p.name)
 
 
+#: a text where more than this share of characters are replacement or control characters is not text
+NOT_TEXT_SHARE = 0.1
+
+
+def read_text_file(path: Path) -> str:
+    """A file's text, refused in one line if it is not UTF-8 text (a binary file would get a perplexity)."""
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise KvevictError(
+            f"'{path}' is not UTF-8 text (invalid byte at offset {exc.start}): give a text file, or convert it "
+            "first (iconv -t UTF-8)"
+        ) from None
+    odd = sum(1 for c in text if c == "\ufffd" or (ord(c) < 32 and c not in "\n\r\t\f"))
+    if text and odd > NOT_TEXT_SHARE * len(text):
+        raise KvevictError(
+            f"'{path}' does not look like text ({odd / len(text):.0%} replacement or control characters): "
+            "give a text file"
+        )
+    return text
+
+
 def load_text(source: str = "pg-essays") -> str:
     """Text of the embedded corpus, a .txt file, a folder of .txt files, or a .jsonl file."""
     if source in EMBEDDED_TEXTS:
@@ -37,10 +60,10 @@ def load_text(source: str = "pg-essays") -> str:
         files = sorted(path.glob("*.txt"))
         if not files:
             raise KvevictError(f"folder '{source}' holds no .txt files")
-        text = "\n\n".join(p.read_text(encoding="utf-8") for p in files)
+        text = "\n\n".join(read_text_file(p) for p in files)
     elif path.suffix == ".jsonl":
         rows = []
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        for number, line in enumerate(read_text_file(path).splitlines(), 1):
             if line.strip():
                 try:
                     rows.append(json.loads(line)["text"])
@@ -48,7 +71,7 @@ def load_text(source: str = "pg-essays") -> str:
                     raise KvevictError(f"{source}:{number} is not a JSON object with a 'text' field") from None
         text = "\n\n".join(rows)
     else:
-        text = path.read_text(encoding="utf-8", errors="replace")
+        text = read_text_file(path)
     if not text.strip():
         raise KvevictError(f"text '{source}' is empty: give a file with some text in it")
     return text

@@ -37,6 +37,13 @@ PPL: list[Column[dict]] = [
 ]
 
 
+def note_unreached(budget: int, tokens: int) -> None:
+    """Say when a budget is never reached: such a row is the full cache, not a test of the policy."""
+    if budget >= tokens:
+        err.print(f"note: budget {budget} ≥ {tokens} tokens: nothing was evicted; this row is the full cache",
+                  markup=False, highlight=False)
+
+
 @one_line_errors
 def ppl(
     model: str = typer.Option("smollm2-135m", help=MODEL_HELP),
@@ -65,6 +72,7 @@ def ppl(
     lm, _ = load_model(model, allow_download=allow_download)
     if repeated:
         err.print(f"note: '{text}' is shorter than {tokens} tokens; it was repeated to fill the stream")
+    note_unreached(budget, ids.numel())
     result = streaming_ppl(lm, ids, policy=policy, budget=budget, positions=positions, chunk=chunk_size)
     summary = result.summary()
     summary.update(model=model, text=text, tokens=tokens, text_repeated=repeated, sink_lost_at=result.sink_lost_at)
@@ -103,6 +111,7 @@ def compare(
     chunk_size = parse_chunk(chunk)
     ids, _ = load_tokens(text, load_tokenizer(model, allow_download), tokens)
     lm, _ = load_model(model, allow_download=allow_download)
+    note_unreached(budget, ids.numel())
     rows, full = run_compare(lm, ids, specs, budget, positions, chunk=chunk_size)
     summaries = [full.summary()] + [r.summary() for r in rows]
     if as_json:
