@@ -467,10 +467,11 @@ def test_nested_sink_wrappers_are_refused(spec):
 def test_cli_budget_never_reached_is_said_on_stderr(tiny_dir, tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("a few words of text, long enough for five tokens at least")
-    result = cli("ppl", "--model", str(tiny_dir), "--text", str(text), "--tokens", "5", "--budget", "32", "--policy", "window", "--json")
+    args = ("ppl", "--model", str(tiny_dir), "--text", str(text), "--tokens", "5", "--policy", "window", "--json")
+    result = cli(*args, "--budget", "32")
     assert result.exit_code == 0, result.stderr
     assert "budget 32 ≥ 5 tokens: nothing was evicted; this row is the full cache" in result.stderr
-    result = cli("ppl", "--model", str(tiny_dir), "--text", str(text), "--tokens", "5", "--budget", "3", "--policy", "window", "--json")
+    result = cli(*args, "--budget", "3")
     assert result.exit_code == 0 and "nothing was evicted" not in result.stderr
 
 

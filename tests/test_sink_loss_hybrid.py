@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from architectures import BUILDERS, GEMMA_WINDOW
 from kvevict.ab import SweepConfig, run_sweep
 from kvevict.errors import KvevictError
 from kvevict.report.compare import compare_table
@@ -16,7 +17,6 @@ from kvevict.report.runs import load_run
 from kvevict.report.tables import summary_table
 from kvevict.report.verdict import markdown, verdict
 
-from architectures import BUILDERS, GEMMA_WINDOW
 from test_ab import TEXT, CharTokenizer
 
 
