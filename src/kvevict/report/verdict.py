@@ -165,8 +165,11 @@ def _collapse(c: Candidate, full_ppl: float | None, full_needle: Needle | None) 
 
 
 def _tied(best: Candidate, other: Candidate, by_kl: bool) -> bool:
-    """True unless the paired interval of (other - best) excludes 0 (no data: cannot be separated)."""
-    a, b = (other.kl_blocks, best.kl_blocks) if by_kl else (other.nll_blocks, best.nll_blocks)
+    """True unless the paired interval of (other - best) excludes 0, on KL's blocks when both rows have them
+    (ranked by KL), else on NLL's (older records carry no per-window KL); no blocks at all: cannot be separated."""
+    a, b = (other.kl_blocks, best.kl_blocks) if by_kl else (None, None)
+    if a is None or b is None:
+        a, b = other.nll_blocks, best.nll_blocks
     if a is None or b is None:
         return True
     found = paired_difference(a, b)
