@@ -11,6 +11,7 @@ batch: the numbers depend only on the model, the stream and the batch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -55,27 +56,29 @@ def batches(config: SweepConfig, todo: list[Cell]) -> list[Batch]:
 
 
 def ppl_record(cell: Cell, result: RowResult, config: SweepConfig, cost: Cost, tokens: int) -> PplRecord:
-    """The record of one finished cell: the row's summary, its curve, what it was measured on and what it cost."""
-    data = result.summary()
-    del data["seconds"]  # a row's share of a batched forward is not measured: the batch's time is recorded
+    """The record of one finished cell, field by field: the row's measurements, its curves, what it was
+    measured on and what its batch cost."""
     width = max(1, result.nll.numel() // CURVE_POINTS)
-    data.update(
-        key=cell.key,
-        kind=cell.kind,
-        policy=cell.spec,
-        label=cell.label,
-        budget=cell.budget,
-        seed=config.seed,
+    memory = result.memory or {}
+    identity = config.identity()
+    return PplRecord(
+        key=cell.key, kind=cell.kind, policy=cell.spec, budget=cell.budget, ppl=result.ppl, label=cell.label,
         # the full cache and the oracle hold every position they see: the mode does not apply to them
         positions=config.positions if cell.kind in ("policy", "sinks") else "original",
-        curve=result.ppl_windows(width),
-        kl_curve=result.kl_windows(width) or None,
-        sink_lost_at=result.sink_lost_at,
-        layer_budgets=result.layer_budgets,
+        n_predictions=result.n_predictions, nll_mean=result.nll_mean, max_kept=result.max_kept,
+        sink_evicted=result.pinned_sink_evicted, first_token_evicted=result.first_token_evicted,
+        sink_loss=result.sink_loss, seed=config.seed,
+        curve=result.ppl_windows(width), kl_curve=result.kl_windows(width) or None,
+        sink_lost_at=result.sink_lost_at, sliding_window=result.sliding_window,
+        model=identity["model"], text=identity["text"], tokens=identity["tokens"],
+        full_ppl_same_tokens=None if result.baseline_nll is None else math.exp(result.baseline_nll),
+        kl_to_full=None if result.kl is None else result.mean(result.kl),
+        top1_agreement=None if result.agree is None else result.mean(result.agree),
+        layer_budgets=result.layer_budgets, held_per_layer_kind=memory.get("held"),
+        kv_bytes=memory.get("kv_bytes"), full_kv_bytes=memory.get("full_kv_bytes"),
+        held_per_head=memory.get("held_per_head"),
         **cost.fields(tokens),
-        **{k: v for k, v in config.identity().items() if k != "positions"},
     )
-    return PplRecord.from_dict(data)
 
 
 class Worker:

@@ -72,8 +72,8 @@ def ppl(
     lm, _ = load_model(model, allow_download=allow_download)
     if repeated:
         err.print(f"note: '{text}' is shorter than {tokens} tokens; it was repeated to fill the stream")
-    note_unreached(budget, ids.numel())
     result = streaming_ppl(lm, ids, policy=policy, budget=budget, positions=positions, chunk=chunk_size)
+    note_unreached(budget, ids.numel())
     summary = result.summary()
     summary.update(model=model, text=text, tokens=tokens, text_repeated=repeated, sink_lost_at=result.sink_lost_at)
     if window:
@@ -111,8 +111,8 @@ def compare(
     chunk_size = parse_chunk(chunk)
     ids, _ = load_tokens(text, load_tokenizer(model, allow_download), tokens)
     lm, _ = load_model(model, allow_download=allow_download)
-    note_unreached(budget, ids.numel())
     rows, full = run_compare(lm, ids, specs, budget, positions, chunk=chunk_size)
+    note_unreached(budget, ids.numel())
     summaries = [full.summary()] + [r.summary() for r in rows]
     if as_json:
         print(json.dumps({"rows": summaries}))

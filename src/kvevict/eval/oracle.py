@@ -83,5 +83,5 @@ def recompute_oracle(
         max_kept=budget, seconds=time.perf_counter() - t0, scored=mask, head=head,
     )
     # A strided sample's PPL is noisy: the full cache on the very same predictions is its fair baseline.
-    result.baseline_nll = result._mean(reference.result.nll)
+    result.baseline_nll = result.mean(reference.result.nll)
     return result

@@ -63,7 +63,7 @@ class RowResult:
     memory: dict | None = None
     layer_budgets: list[int] | None = None  # entries each layer kept when they differ by layer (pyramidkv)
 
-    def _mean(self, values: torch.Tensor) -> float:
+    def mean(self, values: torch.Tensor) -> float:
         """Mean over all predictions; for a strided sample, a stratified estimate.
 
         The head (every prediction scored) counts exactly and the sampled tail's mean
@@ -85,7 +85,7 @@ class RowResult:
 
     @property
     def nll_mean(self) -> float:
-        return self._mean(self.nll)
+        return self.mean(self.nll)
 
     @property
     def ppl(self) -> float:
@@ -138,8 +138,8 @@ class RowResult:
         if self.baseline_nll is not None:
             data["full_ppl_same_tokens"] = math.exp(self.baseline_nll)
         if self.kl is not None:
-            data["kl_to_full"] = self._mean(self.kl)
-            data["top1_agreement"] = self._mean(self.agree)
+            data["kl_to_full"] = self.mean(self.kl)
+            data["top1_agreement"] = self.mean(self.agree)
         return data
 
 

@@ -95,6 +95,12 @@ class PplRecord:
     top1_agreement: float | None = None
     #: entries each layer kept, bottom first, when the policy gives layers their own budget (pyramidkv)
     layer_budgets: list[int] | None = None
+    #: at the end of the stream: entries per layer and KV head by layer kind, KV bytes held and what a full
+    #: cache holds for the same tokens; `held_per_head` `[layer][KV head]` where heads differ (adakv)
+    held_per_layer_kind: dict[str, int] | None = None
+    kv_bytes: int | None = None
+    full_kv_bytes: int | None = None
+    held_per_head: list | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     #: keys written only when they hold a value (older lines, and the full row, lack them)
@@ -104,7 +110,7 @@ class PplRecord:
         "peak_mb", "peak_mb_scope", "device_peak_mb", "seed",
         "kl_curve", "sink_lost_at", "sliding_window", "model", "text", "tokens", "full_ppl_same_tokens",
         "kl_to_full", "top1_agreement",
-        "layer_budgets",
+        "layer_budgets", "held_per_layer_kind", "kv_bytes", "full_kv_bytes", "held_per_head",
     )
 
     @classmethod
