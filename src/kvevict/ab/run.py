@@ -17,7 +17,7 @@ from functools import partial
 
 from ..data import load_tokens, stream_start
 from ..errors import KvevictError
-from ..models import load_model, load_tokenizer
+from ..loading import load_model, load_tokenizer
 from ..progress import bars
 from ..report.records import Record, load
 from ..report.store import ResultStore

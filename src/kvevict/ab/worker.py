@@ -18,7 +18,7 @@ import torch
 from ..data import load_tokens
 from ..eval.oracle import recompute_oracle
 from ..eval.streaming import Reference, RowResult, compare, full_reference
-from ..models import load_model
+from ..loading import load_model
 from ..policies import shared_batches
 from ..report.records import PplRecord
 from .meter import Cost, measure

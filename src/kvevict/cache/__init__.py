@@ -4,6 +4,9 @@
 |---|---|
 | `cache.py` | `EvictingCache`: dispatches to layers; policies, rows, position mode, budgets |
 | `layer.py` | `EvictingLayer`: coordinates one layer's update, statistics and eviction |
+| `sliding.py` | `SlidingLayer`: a sliding-window layer keeps the model's own window |
+| `per_head/` | `RaggedLayer` and its storage and allocation: per-head budgets (Ada-KV) |
+| `model_info.py` | what the engine reads off a model's config; `check_model` |
 | `layer_settings.py` | `LayerSettings`: what every layer of one cache shares |
 | `storage.py` | slot buffers: in-place writes, gather, hole filling |
 | `positions.py` | the two position modes (original, shifted) as strategy objects |

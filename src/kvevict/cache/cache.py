@@ -23,9 +23,10 @@ from ..policies import Policy, check_policy
 from .attention import attach, handoffs
 from .layer import EvictingLayer
 from .layer_settings import LayerSettings
+from .model_info import check_model, layer_kinds, text_config
 from .observers import KeptTracker, Observer, SinkTracker, held_pinned_lost, held_sink_loss
+from .per_head import PER_HEAD_KINDS, RaggedLayer
 from .positions import MODES, POSITION_MODES
-from .ragged_layer import RaggedLayer
 from .rotary import Rotary
 from .rows import RowLayout
 from .sliding import SlidingLayer
@@ -33,8 +34,6 @@ from .sliding import SlidingLayer
 #: the layer class for each kind of attention layer a model declares (`config.layer_types`);
 #: a new kind is one class and one line here
 LAYER_KINDS: dict[str, type[EvictingLayer]] = {"full_attention": EvictingLayer, "sliding_attention": SlidingLayer}
-#: the layer class of a kind when the batch's policies give each KV head its own budget (`adakv:P`)
-PER_HEAD_KINDS: dict[str, type[EvictingLayer]] = {"full_attention": RaggedLayer}
 
 
 @dataclass
@@ -79,8 +78,6 @@ class EvictingCache(Cache):
         observers: Sequence[Observer] | None = None,
         per_token: bool = False,
     ) -> None:
-        from ..models import check_model, layer_kinds, text_config
-
         config = check_model(model)
         if positions not in POSITION_MODES:
             raise KvevictError(f"positions must be one of {', '.join(POSITION_MODES)}, got '{positions}'")

@@ -18,6 +18,7 @@ import torch
 
 from .layer import EvictingLayer
 from .layer_settings import LayerSettings
+from .model_info import text_config
 
 
 class SlidingLayer(EvictingLayer):
@@ -27,8 +28,6 @@ class SlidingLayer(EvictingLayer):
 
     def __init__(self, index: int, settings: LayerSettings) -> None:
         super().__init__(index, settings)
-        from ..models import text_config
-
         self.window = int(text_config(settings.config).sliding_window)
 
     @property

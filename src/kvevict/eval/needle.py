@@ -23,12 +23,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..cache.model_info import text_config
 from ..data import load_text, tokenize
 from ..errors import KvevictError
-from ..models import text_config
 from ..policies import check_policy, shared_batches
+from ..policies.budget import Budget, budget_label, parse_budget, resolve_budget
 from ..progress import bars
-from .compress import Budget, budget_label, compress_prompt, greedy, parse_budget, resolve_budget
+from .compress import compress_prompt, greedy
 from .prompts import Frame, essay_span, frame, question_ids, sentence_start, stop_ids
 
 NEEDLE = "The secret pass key is {key}."

@@ -113,7 +113,7 @@ class Policy:
     #: is one budget for all rows, so such a policy runs in a batch of its own
     varies_by_layer: ClassVar[bool] = False
     #: gives each KV head of a layer its own share of the layer's entries (`head_floor`, Ada-KV).
-    #: The layer then stores ragged per-head segments and attends by hand (`cache/ragged_layer.py`),
+    #: The layer then stores ragged per-head segments and attends by hand (`cache/per_head/layer.py`),
     #: so such a policy runs in a batch of its own beside the uniform ones
     varies_by_head: ClassVar[bool] = False
 

