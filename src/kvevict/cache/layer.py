@@ -27,7 +27,7 @@ from ..errors import KvevictError
 from ..policies import SlotView
 from . import selection
 from .inputs import attach_error, model_positions
-from .layer_settings import LayerSettings
+from .layer_settings import Forward, LayerSettings
 from .observers import Eviction
 from .replay import replay_static, replay_steps
 from .rows import RowGroup
@@ -60,10 +60,17 @@ class EvictingLayer(CacheLayerMixin):
         # forward may stand for all of them.
         self.identical = True
         self.ordered = True  # slots sit in positional order (until a hole is filled in place)
+        self._budget: int | None = None
+        self.forward = Forward()  # the forward in flight, handed over by the cache at `update`
 
     @property
     def budget(self) -> int | None:
-        return self.settings.budgets[self.index]
+        """Entries this layer keeps between forwards (None: never evict)."""
+        return self._budget
+
+    def set_budget(self, budget: int | None) -> None:
+        """Called by the cache alone (`EvictingCache.budget`, `freeze`): lowering it evicts at the next forward."""
+        self._budget = budget
 
     # --- transformers' layer API -------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -86,13 +93,17 @@ class EvictingLayer(CacheLayerMixin):
             self.batch_size, self.heads, self.head_dim, self.dtype, self.device, s.stat_names, s.mode.raw_keys, capacity
         )
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, forward: Forward | None = None, **kwargs
+    ):
+        """Store the forward's keys and values; `forward` is the cache's record of the forward in flight."""
+        self.forward = forward if forward is not None else Forward()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         model_kwargs = kwargs.get("kwargs")
         handoff = None
         if not isinstance(model_kwargs, dict):  # GPT-NeoX: the layer goes through its attention module instead
-            handoff = self.settings.handoffs.get(self.index)
+            handoff = self.settings.handoff
             if handoff is None:
                 raise KvevictError(
                     "this model does not hand its attention arguments to the cache (cache.update(..., kwargs=...)) "
@@ -113,7 +124,7 @@ class EvictingLayer(CacheLayerMixin):
             start = mode.seq_length(self.n, self.seen)
             used = self._positions(model_kwargs, q, start, check_rows=self.index == 0)
             if self.index == 0:
-                self.settings.forward["positions"] = used
+                self.forward.positions = used
             if self.index == 0 and self.seen and not mode.continues(int(used[0]), self.n, self.seen):
                 raise KvevictError(
                     f"this cache already holds {self.seen} tokens of a sequence, but the new tokens start at position "
@@ -211,7 +222,7 @@ class EvictingLayer(CacheLayerMixin):
     def _positions(self, kwargs: dict, q: int, start: int, check_rows: bool) -> torch.Tensor:
         """`[q]` positions the model used: its `position_ids`, or else layer 0's (every layer of
         a forward shares them; a layer's own count can differ from layer 0's in position-shift mode)."""
-        shared = self.settings.forward.get("positions")
+        shared = self.forward.positions
         if "position_ids" not in kwargs and self.index and shared is not None and shared.numel() == q:
             return shared
         return model_positions(kwargs, q, start, self.device, check_rows=check_rows)

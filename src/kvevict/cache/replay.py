@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from ..policies import SlotView
 from . import selection
-from .layer_settings import LayerSettings
+from .layer_settings import Forward, LayerSettings
 from .probabilities import attention_mass
 from .rows import RowGroup
 from .statistics import Statistics
@@ -55,6 +55,7 @@ class ReplayingLayer(Protocol):
     budget: int | None
     storage: SlotStorage
     settings: LayerSettings
+    forward: Forward
     statistics: Statistics
 
     def report_eviction(self, seen: int, kept: torch.Tensor | None, victims: torch.Tensor | None) -> None: ...
@@ -69,6 +70,7 @@ class StaticPlan:
     It depends only on the held positions, the scores and the chunk's place in the
     stream, which are the same in every layer for position-decided policies (`window`,
     `sinkN+window`), so the first layer of a chunk computes it and the others reuse it
+    through the forward's record (`Forward.static_plan`)
     (checked by equality, never assumed): ~30x less bookkeeping per chunk.
     """
 
@@ -93,7 +95,7 @@ def _static_plan(layer: ReplayingLayer, pos: torch.Tensor, scores: torch.Tensor)
     budget", a cumulative count over the ranking.
     """
     key = (layer.n, layer.new, layer.seen, layer.budget)
-    memo = layer.settings.static_plan
+    memo = layer.forward.static_plan
     if memo is not None and memo.key == key and torch.equal(memo.pos, pos) and torch.equal(memo.scores, scores):
         return memo
     n0, q, budget = layer.n, layer.new, layer.budget
@@ -119,7 +121,7 @@ def _static_plan(layer: ReplayingLayer, pos: torch.Tensor, scores: torch.Tensor)
         evicting=steps >= max(0, budget - n0),
         keep=pos.masked_fill(~after[:, :, -1], selection.LATEST_LAST).argsort(dim=-1)[..., :budget],
     )
-    layer.settings.static_plan = plan
+    layer.forward.static_plan = plan
     return plan
 
 

@@ -18,7 +18,6 @@ import torch
 
 from .layer import EvictingLayer
 from .layer_settings import LayerSettings
-from .model_info import text_config
 
 
 class SlidingLayer(EvictingLayer):
@@ -28,7 +27,7 @@ class SlidingLayer(EvictingLayer):
 
     def __init__(self, index: int, settings: LayerSettings) -> None:
         super().__init__(index, settings)
-        self.window = int(text_config(settings.config).sliding_window)
+        self.window = int(settings.window)
 
     @property
     def budget(self) -> int:
