@@ -31,6 +31,7 @@ from ..layer import EvictingLayer
 from ..probabilities import attention_mass
 from ..rows import RowGroup
 from ..selection import LATEST_LAST
+from ..statistics import measure
 from .allocation import allocate
 from .storage import RaggedStorage
 
@@ -117,15 +118,14 @@ class RaggedLayer(EvictingLayer):
         for g, view, request in zip(groups, views, requests):
             if request is None:
                 continue
-            if request.kind == "new":
-                mass = new_mass
-            elif request.kind == "last":
-                mass = last_mass
-            else:  # "window": SnapKV's last queries, pads made invisible
-                queries, q_pos = self.statistics.window_queries(s.mode, request.size, seen, flat.shape[-1])
+
+            def window(size: int) -> torch.Tensor:  # SnapKV's last queries, pads made invisible
+                queries, q_pos = self.statistics.window_queries(s.mode, size, seen, flat.shape[-1])
                 key_pos = positions.masked_fill(~valid, LATEST_LAST)
                 keys_now = storage.take(storage.keys, flat)
-                mass = attention_mass(queries, q_pos, keys_now, key_pos, scaling).nan_to_num(0.0)
+                return attention_mass(queries, q_pos, keys_now, key_pos, scaling).nan_to_num(0.0)
+
+            mass = measure(request, new=lambda: new_mass, last=lambda: last_mass, window=window)
             stat = storage.stats[request.stat]
             padded = storage.take(stat, flat).masked_fill(~valid, 0.0)
             updated = g.policy.absorb(view, request, g.take(mass)).to(stat.dtype).masked_fill(~g.take(valid), 0.0)
