@@ -25,7 +25,6 @@ from transformers.cache_utils import CacheLayerMixin
 
 from ..errors import KvevictError
 from ..policies import SlotView
-from . import selection
 from .inputs import attach_error, model_positions
 from .layer_settings import Forward, LayerSettings
 from .observers import Eviction
@@ -89,8 +88,8 @@ class EvictingLayer(CacheLayerMixin):
     def _new_storage(self) -> SlotStorage:
         s = self.settings
         capacity = (self.budget or 0) + s.slack
-        return SlotStorage(
-            self.batch_size, self.heads, self.head_dim, self.dtype, self.device, s.stat_names, s.mode.raw_keys, capacity
+        return s.mode.new_storage(
+            self.batch_size, self.heads, self.head_dim, self.dtype, self.device, s.stat_names, capacity
         )
 
     def update(
@@ -209,10 +208,9 @@ class EvictingLayer(CacheLayerMixin):
         """The queries `[B, H_q, q, D]` rotated where this layer's keys expect them, and
         those positions `[q]` (None when nobody needs them: original positions and no
         policy that remembers queries)."""
-        mode = self.settings.mode
-        if not (mode.raw_keys or self.settings.query_window):
-            return query, None
-        return mode.align_query(query, self._query_positions(query, kwargs), self.n)
+        return self.settings.mode.align_query(
+            query, lambda: self._query_positions(query, kwargs), self.n, remember=bool(self.settings.query_window)
+        )
 
     def _query_positions(self, query: torch.Tensor, kwargs: dict) -> torch.Tensor:
         """`[q]` positions the model rotated this forward's queries at."""
@@ -321,20 +319,9 @@ class EvictingLayer(CacheLayerMixin):
         storage = self.storage
         parts = [group.policy.scores(view) for group, view in zip(layout.groups, views)]
         scores = layout.merge(parts, self.batch_size, self.heads, total)
-        pos = storage.pos[:, :, :total]
-        observers = self.settings.observers
-        victims = None
-        if total == budget + 1 and self.settings.mode.fills_holes:
-            victim = selection.victim(scores, pos, self.ordered)
-            if any(o.wants_victims for o in observers):
-                victims = pos.gather(-1, victim[..., None])[..., 0]
-            storage.fill_hole(victim, budget)
-            self.ordered = False
-        else:
-            keep = selection.keep_slots(scores, pos, budget, self.ordered)
-            storage.gather(keep, keys=not self.settings.mode.raw_keys)
-            self.settings.mode.after_compaction(storage, budget)
-            self.ordered = True
+        wanted = any(o.wants_victims for o in self.settings.observers)
+        # the mode decides how: a decode step in original positions fills the victim's slot in place
+        victims, self.ordered = self.settings.mode.evict(storage, scores, total, budget, self.ordered, wanted)
         self.n = budget
         self.report_eviction(self.seen, storage.pos[:, :, :budget], victims)
 

@@ -137,32 +137,40 @@ def replay_static(
     n0, q = layer.n, layer.new
     total = n0 + q
     first_seen = layer.seen - q
-    hkv = layer.heads
     pos = storage.pos[:, :, :total]
     plan = _static_plan(layer, pos, _scores(layer, pos, first_seen + q, total))
-    shifted = layer.settings.mode.raw_keys
-    if (layer.settings.observers or shifted) and plan.victims is None:
-        plan.victims = pos.gather(-1, (plan.alive & ~plan.after).float().argmax(dim=-1))
-    if shifted:
-        out = _shifted_static_attention(layer, query, used, scaling, plan)
-        if out is None:
-            return None
-    else:
-        group = query.shape[1] // hkv
-        if plan.query_mask is None:
-            plan.query_mask = plan.alive.repeat_interleave(group, dim=1) if group > 1 else plan.alive
-        out = F.scaled_dot_product_attention(
-            query, storage.keys[:, :, :total], storage.values[:, :, :total], attn_mask=plan.query_mask,
-            scale=scaling, enable_gqa=group > 1,
-        )
+    attention = layer.settings.mode.by_keys(_fixed_static_attention, _shifted_static_attention)
+    out = attention(layer, query, used, scaling, plan)
+    if out is None:
+        return None
     if layer.settings.observers:
         steps = plan.evicting.nonzero()[:, 0]
-        layer.report_evictions(first_seen + 1 + steps, plan.victims[:, :, steps])
-    storage.gather(plan.keep, keys=not shifted)
-    layer.settings.mode.after_compaction(storage, budget)
+        layer.report_evictions(first_seen + 1 + steps, _victims(plan)[:, :, steps])
+    layer.settings.mode.compact(storage, plan.keep, budget)
     layer.ordered = True
     layer.n = budget
     return out
+
+
+def _victims(plan: StaticPlan) -> torch.Tensor:
+    """`[B, H, q]` the position each step of the chunk evicts (made once per plan)."""
+    if plan.victims is None:
+        plan.victims = plan.pos.gather(-1, (plan.alive & ~plan.after).float().argmax(dim=-1))
+    return plan.victims
+
+
+def _fixed_static_attention(
+    layer: ReplayingLayer, query: torch.Tensor, used: torch.Tensor, scaling: float, plan: StaticPlan
+) -> torch.Tensor:
+    """Keys that keep their rotation: one SDPA for the chunk, each query masked to what was alive at its step."""
+    storage, total = layer.storage, layer.n + layer.new
+    group = query.shape[1] // layer.heads
+    if plan.query_mask is None:
+        plan.query_mask = plan.alive.repeat_interleave(group, dim=1) if group > 1 else plan.alive
+    return F.scaled_dot_product_attention(
+        query, storage.keys[:, :, :total], storage.values[:, :, :total], attn_mask=plan.query_mask,
+        scale=scaling, enable_gqa=group > 1,
+    )
 
 
 def _shift_terms(layer: ReplayingLayer, plan: StaticPlan) -> tuple:
@@ -180,10 +188,11 @@ def _shift_terms(layer: ReplayingLayer, plan: StaticPlan) -> tuple:
     device = plan.pos.device
     never = selection.LATEST_LAST
     step_of = (torch.arange(n0 + q, device=device) - n0).clamp(min=-1)
-    first_victim = plan.victims.masked_fill(~plan.evicting, never).amin(dim=-1)  # [B, H]
+    victims = _victims(plan)
+    first_victim = victims.masked_fill(~plan.evicting, never).amin(dim=-1)  # [B, H]
     pinned = (step_of < 0) & (plan.pos < first_victim[..., None])  # S: held, older than every victim
     oldest = plan.pos[:, :, None, :].masked_fill(~plan.alive | pinned[:, :, None, :], never).amin(dim=-1)
-    if not bool(((oldest == plan.victims) | ~plan.evicting).all()):
+    if not bool(((oldest == victims) | ~plan.evicting).all()):
         return ()
     steps = torch.arange(q, device=device)
     seen_before = (n0 + steps).clamp(max=budget)  # n_i
@@ -233,7 +242,7 @@ def replay_steps(layer: ReplayingLayer, query: torch.Tensor, used: torch.Tensor,
     query `[B, H_q, q, D]` as the model rotated it, at positions `used` `[q]`. Returns
     the output `[B, H_q, q, D]`.
     """
-    steps = _steps_renumbered if layer.settings.mode.raw_keys else _steps_fixed_keys
+    steps = layer.settings.mode.by_keys(_steps_fixed_keys, _steps_renumbered)
     return steps(layer, query, used, scaling)
 
 
@@ -348,7 +357,7 @@ def _steps_fixed_keys(layer: ReplayingLayer, query: torch.Tensor, used: torch.Te
     logits.masked_fill_(~alive[:, :, None], float("-inf"))
     probs = torch.softmax(logits, dim=-1).to(storage.values.dtype)  # [B, H_kv, g, q, n0 + q]
     result = torch.einsum("bhgqn,bhnd->bhgqd", probs, storage.values[:, :, :total_all]).reshape(b, hq, q, d)
-    storage.gather(step.vslot[:, :, : step.k])
+    layer.settings.mode.compact(storage, step.vslot[:, :, : step.k], step.k)
     if step.evicted:
         layer.ordered = False
     layer.n = step.k
@@ -381,8 +390,7 @@ def _steps_renumbered(layer: ReplayingLayer, query: torch.Tensor, used: torch.Te
         if victim is not None:  # compaction keeps positional order
             keep = torch.arange(budget, device=layer.device)
             step.vslot[:, :, :budget] = slots.gather(-1, keep + (keep >= victim[..., None]).long())
-    storage.gather(step.vslot[:, :, : step.k], keys=False)
-    mode.after_compaction(storage, step.k)
+    mode.compact(storage, step.vslot[:, :, : step.k], step.k)
     layer.n = step.k
     return torch.cat(outs, dim=2)
 
