@@ -25,7 +25,7 @@ from .layer import EvictingLayer
 from .layer_settings import Forward, LayerSettings
 from .model_info import check_model, layer_kinds, text_config
 from .observers import KeptTracker, Observer, SinkTracker, held_pinned_lost, held_sink_loss
-from .per_head import PER_HEAD_KINDS, RaggedLayer
+from .per_head import PER_HEAD_KINDS
 from .positions import MODES, POSITION_MODES
 from .rotary import Rotary
 from .rows import RowLayout
@@ -240,22 +240,20 @@ class EvictingCache(Cache):
         """Entries held per kind of layer and the KV bytes, against a full cache of the tokens seen."""
         held: dict[str, int] = {}
         layers: dict[str, int] = {}
-        kv = full = allocated = 0
-        per_head = []
+        figures = []
         for kind, layer in zip(self.kinds, self.layers):
             layers[kind] = layers.get(kind, 0) + 1
             held[kind] = max(held.get(kind, 0), layer.n)
-            if layer.is_initialized:
-                entry = 2 * layer.head_dim * layer.storage.kv.element_size()  # one key and its value
-                lengths = layer.head_lengths()  # [B, H_kv]
-                kv += entry * int(lengths.sum())
-                full += entry * layer.batch_size * layer.heads * layer.seen
-                allocated += layer.storage.kv.numel() * layer.storage.kv.element_size()
-                per_head.append(lengths.tolist())
-        ragged = any(isinstance(layer, RaggedLayer) for layer in self.layers)
+            answer = layer.memory()  # each layer counts its own storage
+            if answer is not None:
+                figures.append(answer)
         return CacheMemory(
-            held=held, layers=layers, kv_bytes=kv, full_kv_bytes=full, allocated_kv_bytes=allocated,
-            per_head=per_head if ragged else None,
+            held=held,
+            layers=layers,
+            kv_bytes=sum(f.kv_bytes for f in figures),
+            full_kv_bytes=sum(f.full_kv_bytes for f in figures),
+            allocated_kv_bytes=sum(f.allocated_kv_bytes for f in figures),
+            per_head=[f.per_head for f in figures] if any(layer.heads_differ for layer in self.layers) else None,
         )
 
     def _observer(self, kind: type) -> Observer:

@@ -20,6 +20,8 @@ queries see the kept entries plus the tokens of that forward.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -39,11 +41,30 @@ NAME = "kvevict"
 LAYER_KEY = "kvevict_layer"
 
 
+@dataclass(frozen=True)
+class LayerMemory:
+    """What one layer holds, as the layer itself counts it (`EvictingLayer.memory`).
+
+    `per_head` `[B][H_kv]` entries each (row, KV head) holds; bytes count keys and values
+    at the layer's dtype: `kv_bytes` the entries held, `full_kv_bytes` a full cache of
+    the tokens seen, `allocated_kv_bytes` the buffers. `heads_differ`: the heads may hold
+    different numbers of entries (per-head budgets).
+    """
+
+    per_head: list[list[int]]
+    kv_bytes: int
+    full_kv_bytes: int
+    allocated_kv_bytes: int
+    heads_differ: bool
+
+
 class EvictingLayer(CacheLayerMixin):
     """One layer's slots, its policies' statistics, and eviction down to its budget."""
 
     is_compileable = False
     is_sliding = False
+    #: the KV heads may hold different numbers of entries (per-head budgets: `per_head.RaggedLayer`)
+    heads_differ = False
 
     def __init__(self, index: int, settings: LayerSettings) -> None:
         super().__init__()
@@ -352,3 +373,18 @@ class EvictingLayer(CacheLayerMixin):
     def head_lengths(self) -> torch.Tensor:
         """`[B, H_kv]` entries each (row, KV head) holds: `n` everywhere (per-head budgets: `RaggedLayer`)."""
         return torch.full((self.batch_size, self.heads), self.n, dtype=torch.long)
+
+    def memory(self) -> LayerMemory | None:
+        """This layer's entries and KV bytes (None before its first forward); its storage's business alone."""
+        if not self.is_initialized:
+            return None
+        kv = self.storage.kv  # keys and values of every slot, whatever the layout
+        entry = 2 * self.head_dim * kv.element_size()  # one key and its value
+        lengths = self.head_lengths()  # [B, H_kv]
+        return LayerMemory(
+            per_head=lengths.tolist(),
+            kv_bytes=entry * int(lengths.sum()),
+            full_kv_bytes=entry * self.batch_size * self.heads * self.seen,
+            allocated_kv_bytes=kv.numel() * kv.element_size(),
+            heads_differ=self.heads_differ,
+        )

@@ -39,6 +39,8 @@ from .storage import RaggedStorage
 class RaggedLayer(EvictingLayer):
     """Per-head budgets: one allowance per layer and row, ragged storage, attention by hand."""
 
+    heads_differ = True
+
     def _new_storage(self) -> RaggedStorage:
         s = self.settings
         self._incoming: tuple[torch.Tensor, torch.Tensor] | None = None
