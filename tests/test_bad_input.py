@@ -52,6 +52,7 @@ def run(*args: str):
         (["--policy", "sink4+pyramidkv:window=8,beta=4", "--budget", "14"], ["too small for the pyramid"]),
         (["--policy", "adakv"], ["names no policy", "adakv:snapkv"]),
         (["--policy", "adakv:random"], ["scores entries"]),
+        (["--policy", "tova:per_group=on"], ["tova:per_group is true or false, got 'on'", "true/1/yes/false/0/no"]),
         (["--policy", "adakv:alpha=1.5:h2o"], ["alpha must be in [0, 1]"]),
         (["--policy", "adakv:h2o", "--budget", "4"], ["floor of 0", "at least 5"]),
         (["--policy", "adakv:h2o", "--positions", "cache"], ["positions='original'"]),
@@ -102,6 +103,37 @@ def test_cli_unreadable_gguf(tmp_path):
     bad.write_bytes(b"GGUF" + b"\0" * 64)
     code, text = run("ppl", "--model", str(bad), "--tokens", "50")
     one_line_error(code, text, "transformers cannot read", "broken.gguf")
+
+
+def test_boolean_options_take_only_their_spellings():
+    """Every spelling of true and false reads as it says; anything else is refused, never read as False."""
+    for raw, value in (("true", True), ("1", True), ("yes", True), ("YES", True), ("false", False), ("0", False),
+                       ("no", False)):
+        assert parse_policy(f"tova:per_group={raw}").per_group is value, raw
+    for raw in ("on", "off", "2", "y", ""):
+        with pytest.raises(KvevictError, match=f"per_group is true or false, got '{raw}'"):
+            parse_policy(f"tova:per_group={raw}")
+
+
+def test_truncated_gguf_is_one_line_and_a_bug_is_not_hidden(tmp_path, monkeypatch):
+    """What the GGUF reader raises for a bad file becomes one line; anything else (a bug) propagates as it is."""
+    import struct
+
+    from transformers import AutoTokenizer
+
+    from kvevict.loading import load_tokenizer
+
+    truncated = tmp_path / "truncated.gguf"  # magic, version 3, 1 tensor, 5 metadata entries, then nothing
+    truncated.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 1, 5))
+    with pytest.raises(KvevictError, match="transformers cannot read .*truncated.gguf as a GGUF model"):
+        load_tokenizer(str(truncated))
+
+    def bug(*args, **kwargs):
+        raise RuntimeError("a bug in the loader")
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", bug)
+    with pytest.raises(RuntimeError, match="a bug in the loader"):
+        load_tokenizer(str(truncated))
 
 
 def test_cli_missing_gguf_file():
