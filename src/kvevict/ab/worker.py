@@ -47,7 +47,7 @@ def batches(config: SweepConfig, todo: list[Cell]) -> list[Batch]:
     out = [Batch("full", None, [c]) for c in todo if c.kind == "full"]
     for budget in config.budgets:
         rows = [c for c in todo if c.budget == budget and c.kind in ("policy", "sinks")]
-        # one batch per budget; a per-layer-budget policy (pyramidkv) runs in its own
+        # one batch per budget; a policy that declares `own_batch` (pyramidkv, adakv:P) runs in its own
         for specs in shared_batches(list(dict.fromkeys(c.spec for c in rows))):
             out.append(Batch("rows", budget, [c for c in rows if c.spec in specs]))
         out += [Batch("oracle", budget, [c]) for c in todo if c.budget == budget and c.kind == "oracle"]

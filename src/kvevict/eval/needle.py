@@ -148,7 +148,7 @@ class NeedleResult:
 
 def _batches(policies: Sequence[str], budgets: Sequence[Budget]) -> list[tuple[list[str], Budget]]:
     """The full cache alone (once, whatever the budgets), then the bounded policies per budget
-    (one batch, plus one for each per-layer-budget policy: a layer stores one budget for all rows)."""
+    (one batch, plus one for each policy that declares `own_batch`: pyramidkv, adakv:P)."""
     full = [p for p in policies if p.strip().lower() == "full"]
     bounded = [p for p in policies if p.strip().lower() != "full"]
     plan: list[tuple[list[str], Budget]] = [([p], None) for p in full]
