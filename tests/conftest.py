@@ -52,7 +52,7 @@ def random_tokens(n: int, seed: int = 1) -> torch.Tensor:
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """A tiny Llama with the embedded tokenizer, saved as a local model directory (for CLI runs)."""
-    from kvevict.models import load_tokenizer
+    from kvevict.loading import load_tokenizer
 
     tokenizer = load_tokenizer("smollm2-135m")
     model = make_tiny()

@@ -237,7 +237,7 @@ def test_same_seed_same_results_and_seed_recorded(tmp_path, text_file):
 
 
 def test_ab_with_needle_generation_and_sink_map_sections(tmp_path, tiny_dir):
-    from kvevict.models import load_model
+    from kvevict.loading import load_model
 
     model, tokenizer = load_model(str(tiny_dir))
     cfg = SweepConfig(tokens=300, budgets=[32], policies=["streamingllm", "h2o"], oracle_stride=50,

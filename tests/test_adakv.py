@@ -8,7 +8,7 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 
 from kvevict import EvictingCache, KvevictError, parse_policy
-from kvevict.cache.head_allocation import allocate
+from kvevict.cache.per_head.allocation import allocate
 from kvevict.eval.forward import body
 
 from conftest import make_tiny, random_tokens

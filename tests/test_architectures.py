@@ -298,7 +298,7 @@ def test_gemma3_embedded_starts_with_bos_and_chunks_exactly(tmp_path):
     from kvevict.ab.run import prepare_folder, record_stream_start
     from kvevict.data import stream_start
     from kvevict.eval.prompts import frame
-    from kvevict.models import load_tokenizer
+    from kvevict.loading import load_tokenizer
     from kvevict.report.runs import stream_start_label
 
     assert stream_start(load_tokenizer("smollm2-135m")) == []

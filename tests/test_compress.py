@@ -11,9 +11,8 @@ from kvevict.eval.compress import (
     compress_prompt,
     continuation_nll,
     greedy,
-    parse_budget,
-    resolve_budget,
 )
+from kvevict.policies.budget import parse_budget, resolve_budget
 
 from conftest import random_tokens
 from helpers import attn, nll_from_logits

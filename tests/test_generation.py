@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from kvevict.cli import app
 from kvevict.eval.generation import GenPromptMaker, repetition_rate, run_generation
-from kvevict.models import load_model, load_tokenizer
+from kvevict.loading import load_model, load_tokenizer
 
 from helpers import cli_error
 

@@ -119,7 +119,7 @@ def full_results(tasks, tiny_dir) -> dict:
 
 
 def test_full_equals_plain_transformers_on_every_request_type(full_results, tiny_dir):
-    from kvevict.models import load_model
+    from kvevict.loading import load_model
 
     results = full_results
     model, tokenizer = load_model(str(tiny_dir))
@@ -177,7 +177,7 @@ def masked_greedy(model, tokenizer, context: str, steps: int, budget: int, until
 
 
 def test_generation_keeps_evicting_after_the_prompt(tasks, tiny_dir):
-    from kvevict.models import load_model
+    from kvevict.loading import load_model
 
     results = evaluate(f"pretrained={tiny_dir},policy=window,budget=6", tasks, ["kv_gen"])
     model, tokenizer = load_model(str(tiny_dir))

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from kvevict import KvevictError
 from kvevict.cli import app
 from kvevict.eval.needle import NeedleResult, PromptMaker, check_grid, run_needle
-from kvevict.models import load_tokenizer
+from kvevict.loading import load_tokenizer
 
 from helpers import close
 from helpers import one_line_error as _one_line_error
@@ -138,7 +138,7 @@ def test_cli_without_chat_template_falls_back(tiny_dir, tmp_path):
 
 @pytest.mark.model
 def test_embedded_model_finds_the_key_with_full_cache_and_loses_it_when_evicted():
-    from kvevict.models import load_model
+    from kvevict.loading import load_model
 
     model, tokenizer = load_model("smollm2-135m")
     # seed 0, trial 0 is a haystack the small model answers from (it misses about a third of them)

@@ -164,6 +164,25 @@ def test_pyramidkv_layers_hold_their_budgets_and_select_like_snapkv():
         assert torch.equal(layer.kept_positions(), alone.layers[index].kept_positions()), f"layer {index}"
 
 
+def test_a_budget_set_mid_run_reaches_every_layer_with_its_share():
+    """Compress, grow frozen, then restore a budget (lm-eval's generation: `cache.budget = entries`):
+    the next forward leaves each layer its pyramid share of the new budget."""
+    model = make_tiny(seed=25, layers=3)
+    tokens = random_tokens(60, seed=8)
+    spec = "pyramidkv:window=4,beta=3"
+    first = parse_policy(spec).layer_budgets(16, 3)
+    cache = EvictingCache(model, spec, budget=16)
+    with torch.inference_mode():
+        body(model, tokens[None, :30], cache)
+        cache.freeze()
+        body(model, tokens[None, 30:40], cache)  # frozen: every layer keeps what it had and grows
+        assert [layer.n for layer in cache.layers] == [min(30, b) + 10 for b in first]
+        cache.budget = 12
+        body(model, tokens[None, 40:41], cache)
+    shares = parse_policy(spec).layer_budgets(12, 3)
+    assert [layer.n for layer in cache.layers] == shares and cache.layer_budgets() == shares
+
+
 @pytest.mark.parametrize(
     "spec,budget,needle",
     [

@@ -12,9 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvevict import EvictingCache, parse_policy
+from kvevict import EvictingCache, KvevictError, parse_policy
 from kvevict.eval.forward import body
-from kvevict.policies import SlotView
+from kvevict.policies import AttentionRequest, SlotView
+from kvevict.policies.adakv import AdaKV
+from kvevict.policies.h2o import H2O
 from kvevict.policies.sinkauto import SinkAuto
 
 from conftest import make_tiny, random_tokens
@@ -101,3 +103,28 @@ def test_declared_flags_are_honest(spec):
     )
     policy.scores(keyed)
     assert bool(read) == policy.reads_keys, f"{spec}: reads_keys={policy.reads_keys} but keys read: {bool(read)}"
+
+
+class _AsksForNothingKnown(H2O):
+    """A policy whose request names a kind of attention no measurement exists for."""
+
+    def request(self, view: SlotView, will_evict: bool) -> AttentionRequest | None:
+        return AttentionRequest(kind="everything", stat=self.stats[0])
+
+
+@pytest.mark.parametrize(
+    "spec,per_token,chunk",
+    [
+        ("plain", False, 1),  # a decode step: Statistics.feed
+        ("plain", True, 6),  # a chunk replayed step by step: replay's stepping
+        ("adakv", False, 1),  # per-head budgets: the ragged layer
+    ],
+)
+def test_an_unknown_attention_request_is_refused_on_every_path(spec, per_token, chunk):
+    """One dispatch from a request's kind to its measurement: an unknown kind raises, never reads as a window."""
+    policy = _AsksForNothingKnown() if spec == "plain" else AdaKV(_AsksForNothingKnown())
+    cache = EvictingCache(MODEL, [policy], budget=5, per_token=per_token)
+    with torch.inference_mode(), pytest.raises(KvevictError, match="'everything'.*must be one of new, last, window"):
+        body(MODEL, TOKENS[None, :3], cache)
+        for start in range(3, 30, chunk):
+            body(MODEL, TOKENS[None, start : start + chunk], cache)

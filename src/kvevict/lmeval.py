@@ -65,7 +65,7 @@ def _model_class():
 
         def __init__(self, **args) -> None:
             super().__init__()
-            from .models import load_model
+            from .loading import load_model
 
             self.settings = Settings.parse(args)
             self.model, self.tokenizer = load_model(self.settings.pretrained,

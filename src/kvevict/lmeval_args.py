@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from .defaults import DEFAULT_CHUNK
 from .errors import KvevictError
-from .eval.compress import Budget, parse_budget, resolve_budget
 from .policies import check_policy
+from .policies.budget import Budget, parse_budget, resolve_budget
 
 INSTALL = "pip install kvevict[lm-eval]"
 #: lm-eval `model_args` this model takes (anything else lm-eval passes is listed in `IGNORED`)

@@ -1,8 +1,9 @@
 """Running a sweep: the run folder, batches handed to an executor, results appended as they finish, resume.
 
 Cells that share a budget run as rows of one batch (`worker.Batch`), so the weights
-are read once per decode step for all of them; a policy that gives each layer its own
-budget (`pyramidkv`) runs in a batch of its own (`policies.shared_batches`). An executor runs the batches (in this
+are read once per decode step for all of them; a policy that declares `own_batch` (a
+budget per layer, `pyramidkv`, or per head, `adakv:P`) runs in a batch of its own
+(`policies.shared_batches`). An executor runs the batches (in this
 process, or on Ray workers, see `executors`) and hands each finished batch back; only
 this process appends to `results.jsonl`, atomically (see `report.store`). Rerunning the
 same command skips finished cells. `run.json` pins what the cells were measured on, so
@@ -18,7 +19,7 @@ from functools import partial
 from ..data import load_tokens, stream_start
 from ..errors import KvevictError
 from ..eval.oracle import oracle_refusal
-from ..models import load_model, load_tokenizer
+from ..loading import load_model, load_tokenizer
 from ..progress import bars
 from ..report.records import Record, load
 from ..report.store import ResultStore

@@ -19,7 +19,7 @@ import torch
 from ..data import load_tokens
 from ..eval.oracle import recompute_oracle
 from ..eval.streaming import Reference, RowResult, compare, full_reference
-from ..models import load_model
+from ..loading import load_model
 from ..policies import shared_batches
 from ..report.records import PplRecord
 from .meter import Cost, measure
@@ -48,7 +48,7 @@ def batches(config: SweepConfig, todo: list[Cell]) -> list[Batch]:
     out = [Batch("full", None, [c]) for c in todo if c.kind == "full"]
     for budget in config.budgets:
         rows = [c for c in todo if c.budget == budget and c.kind in ("policy", "sinks")]
-        # one batch per budget; a per-layer-budget policy (pyramidkv) runs in its own
+        # one batch per budget; a policy that declares `own_batch` (pyramidkv, adakv:P) runs in its own
         for specs in shared_batches(list(dict.fromkeys(c.spec for c in rows))):
             out.append(Batch("rows", budget, [c for c in rows if c.spec in specs]))
         out += [Batch("oracle", budget, [c]) for c in todo if c.budget == budget and c.kind == "oracle"]

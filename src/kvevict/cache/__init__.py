@@ -4,7 +4,10 @@
 |---|---|
 | `cache.py` | `EvictingCache`: dispatches to layers; policies, rows, position mode, budgets |
 | `layer.py` | `EvictingLayer`: coordinates one layer's update, statistics and eviction |
-| `layer_settings.py` | `LayerSettings`: what every layer of one cache shares |
+| `sliding.py` | `SlidingLayer`: a sliding-window layer keeps the model's own window |
+| `per_head/` | `RaggedLayer` and its storage and allocation: per-head budgets (Ada-KV) |
+| `model_info.py` | what the engine reads off a model's config; `check_model` |
+| `layer_settings.py` | `LayerSettings` (one layer's fixed settings), `Forward` (the forward in flight) |
 | `storage.py` | slot buffers: in-place writes, gather, hole filling |
 | `positions.py` | the two position modes (original, shifted) as strategy objects |
 | `statistics.py` | what policies asked for, measured once, handed back |

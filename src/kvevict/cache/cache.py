@@ -13,7 +13,7 @@ stand for all of them (`shares_rows`): an A/B batch computes its shared prefill 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache
@@ -22,10 +22,11 @@ from ..errors import KvevictError
 from ..policies import Policy, check_policy
 from .attention import attach, handoffs
 from .layer import EvictingLayer
-from .layer_settings import LayerSettings
+from .layer_settings import Forward, LayerSettings
+from .model_info import check_model, layer_kinds, text_config
 from .observers import KeptTracker, Observer, SinkTracker, held_pinned_lost, held_sink_loss
+from .per_head import PER_HEAD_KINDS
 from .positions import MODES, POSITION_MODES
-from .ragged_layer import RaggedLayer
 from .rotary import Rotary
 from .rows import RowLayout
 from .sliding import SlidingLayer
@@ -33,8 +34,6 @@ from .sliding import SlidingLayer
 #: the layer class for each kind of attention layer a model declares (`config.layer_types`);
 #: a new kind is one class and one line here
 LAYER_KINDS: dict[str, type[EvictingLayer]] = {"full_attention": EvictingLayer, "sliding_attention": SlidingLayer}
-#: the layer class of a kind when the batch's policies give each KV head its own budget (`adakv:P`)
-PER_HEAD_KINDS: dict[str, type[EvictingLayer]] = {"full_attention": RaggedLayer}
 
 
 @dataclass
@@ -79,8 +78,6 @@ class EvictingCache(Cache):
         observers: Sequence[Observer] | None = None,
         per_token: bool = False,
     ) -> None:
-        from ..models import check_model, layer_kinds, text_config
-
         config = check_model(model)
         if positions not in POSITION_MODES:
             raise KvevictError(f"positions must be one of {', '.join(POSITION_MODES)}, got '{positions}'")
@@ -116,29 +113,44 @@ class EvictingCache(Cache):
         self.observers = list(observers)
         self.positions = positions
         self.layout = RowLayout(self.policies)
-        self.settings = LayerSettings(
-            mode=MODES[positions](rotary(kinds[0])),
-            layout=self.layout,
-            stat_names=tuple(sorted({name for p in self.policies for name in p.stats})),
-            query_window=max(p.query_window for p in self.policies),
-            slack=slack,
-            last_layer=layers - 1,
-            budgets=[None] * layers,
-            per_token=per_token,
-            config=config,
-            observers=self.observers,
-            handoffs=handoffs(model),
-        )
-        self.budget = budget if any(bounded) else None
+        budget = budget if any(bounded) else None
+        self._check_budget(budget, layers)  # before the model is touched
+        # one position mode per kind when the rotary module has a base per kind (Gemma 3), else one for all
+        shared = None if per_kind else MODES[positions](rotary(None))
+        modes = {kind: shared or MODES[positions](rotary(kind)) for kind in set(kinds)}
+        slots = handoffs(model)
+        window = getattr(text, "sliding_window", None)
+
+        def settings(index: int, kind: str) -> LayerSettings:
+            return LayerSettings(
+                mode=modes[kind],
+                layout=self.layout,
+                stat_names=tuple(sorted({name for p in self.policies for name in p.stats})),
+                query_window=max(p.query_window for p in self.policies),
+                slack=slack,
+                last_layer=layers - 1,
+                per_token=per_token,
+                config=config,
+                observers=tuple(self.observers),
+                handoff=slots.get(index),
+                window=int(window) if kind == "sliding_attention" else None,
+            )
+
         attach(model)
-        settings = {kind: self.settings for kind in set(kinds)}
-        if per_kind:  # one position mode per kind, sharing everything else (budgets, rows, observers)
-            settings = {kind: replace(self.settings, mode=MODES[positions](rotary(kind))) for kind in set(kinds)}
         self.kinds = kinds
         classes = dict(LAYER_KINDS)
         if any(p.varies_by_head for p in self.policies):
             classes.update(PER_HEAD_KINDS)  # sliding-window layers run no policy: they stay as they are
-        super().__init__(layers=[classes[kind](i, settings[kind]) for i, kind in enumerate(kinds)])
+        super().__init__(layers=[classes[kind](i, settings(i, kind)) for i, kind in enumerate(kinds)])
+        self._forward = Forward()
+        self._budgets: list[int | None] = [None] * layers
+        self.budget = budget
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Dispatch to layer `layer_idx`; layer 0 starts a new `Forward`, which every layer of it is handed."""
+        if layer_idx == 0:
+            self._forward = Forward()
+        return self.layers[layer_idx].update(key_states, value_states, *args, forward=self._forward, **kwargs)
 
     # --- budgets ------------------------------------------------------------------------
     @property
@@ -147,19 +159,29 @@ class EvictingCache(Cache):
 
     @budget.setter
     def budget(self, value: int | None) -> None:
-        """Change the budget mid-run: lowering it evicts at the next forward; it is validated like a new cache."""
+        """Change the budget mid-run (lm-eval's generation restores it after compressing): lowering it evicts
+        at the next forward; it is validated like a new cache, and each layer is handed its number."""
+        self._profile = self._check_budget(value, len(self.layers))
+        self._budget = value
+        self._set_budgets([self.layer_budget(i, value) for i in range(len(self.layers))])
+
+    def _check_budget(self, value: int | None, layers: int) -> list[int] | None:
+        """Validate `value` for every row's policy; the per-layer profile all rows share (None: uniform)."""
         for p in self.policies:
             check_policy(p, value)
-        layers = len(self.settings.budgets)
         profiles = {p.spec(): p.layer_budgets(value, layers) if value is not None else None for p in self.policies}
         if len({None if b is None else tuple(b) for b in profiles.values()}) > 1:
             raise KvevictError(
                 f"policies with different per-layer budgets cannot share a batch ({', '.join(profiles)}): "
                 "a layer stores one budget for all rows; run each per-layer policy (pyramidkv) in its own batch"
             )
-        self._budget = value
-        self._profile = next(iter(profiles.values()))
-        self.settings.budgets[:] = [self.layer_budget(i, value) for i in range(layers)]
+        return next(iter(profiles.values()))
+
+    def _set_budgets(self, budgets: list[int | None]) -> None:
+        """Hand each layer its budget (the one place layers' budgets change)."""
+        self._budgets = list(budgets)
+        for layer, budget in zip(self.layers, budgets):
+            layer.set_budget(budget)
 
     def layer_budget(self, layer: int, budget: int | None) -> int | None:
         """Entries layer `layer` keeps when the cache's budget is `budget` (None: never evict).
@@ -173,12 +195,12 @@ class EvictingCache(Cache):
 
     def layer_budgets(self) -> list[int | None]:
         """The budget of each layer (what the report shows for per-layer policies)."""
-        return list(self.settings.budgets)
+        return list(self._budgets)
 
     def freeze(self) -> None:
         """Stop evicting: later tokens are all kept (context-compression protocol)."""
         self._budget = None
-        self.settings.budgets[:] = [None] * len(self.settings.budgets)
+        self._set_budgets([None] * len(self.layers))
 
     # --- rows and policies ---------------------------------------------------------------
     @property
@@ -218,22 +240,20 @@ class EvictingCache(Cache):
         """Entries held per kind of layer and the KV bytes, against a full cache of the tokens seen."""
         held: dict[str, int] = {}
         layers: dict[str, int] = {}
-        kv = full = allocated = 0
-        per_head = []
+        figures = []
         for kind, layer in zip(self.kinds, self.layers):
             layers[kind] = layers.get(kind, 0) + 1
             held[kind] = max(held.get(kind, 0), layer.n)
-            if layer.is_initialized:
-                entry = 2 * layer.head_dim * layer.storage.kv.element_size()  # one key and its value
-                lengths = layer.head_lengths()  # [B, H_kv]
-                kv += entry * int(lengths.sum())
-                full += entry * layer.batch_size * layer.heads * layer.seen
-                allocated += layer.storage.kv.numel() * layer.storage.kv.element_size()
-                per_head.append(lengths.tolist())
-        ragged = any(isinstance(layer, RaggedLayer) for layer in self.layers)
+            answer = layer.memory()  # each layer counts its own storage
+            if answer is not None:
+                figures.append(answer)
         return CacheMemory(
-            held=held, layers=layers, kv_bytes=kv, full_kv_bytes=full, allocated_kv_bytes=allocated,
-            per_head=per_head if ragged else None,
+            held=held,
+            layers=layers,
+            kv_bytes=sum(f.kv_bytes for f in figures),
+            full_kv_bytes=sum(f.full_kv_bytes for f in figures),
+            allocated_kv_bytes=sum(f.allocated_kv_bytes for f in figures),
+            per_head=[f.per_head for f in figures] if any(layer.heads_differ for layer in self.layers) else None,
         )
 
     def _observer(self, kind: type) -> Observer:

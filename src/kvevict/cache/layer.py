@@ -20,14 +20,15 @@ queries see the kept entries plus the tokens of that forward.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..errors import KvevictError
 from ..policies import SlotView
-from . import selection
 from .inputs import attach_error, model_positions
-from .layer_settings import LayerSettings
+from .layer_settings import Forward, LayerSettings
 from .observers import Eviction
 from .replay import replay_static, replay_steps
 from .rows import RowGroup
@@ -40,11 +41,30 @@ NAME = "kvevict"
 LAYER_KEY = "kvevict_layer"
 
 
+@dataclass(frozen=True)
+class LayerMemory:
+    """What one layer holds, as the layer itself counts it (`EvictingLayer.memory`).
+
+    `per_head` `[B][H_kv]` entries each (row, KV head) holds; bytes count keys and values
+    at the layer's dtype: `kv_bytes` the entries held, `full_kv_bytes` a full cache of
+    the tokens seen, `allocated_kv_bytes` the buffers. `heads_differ`: the heads may hold
+    different numbers of entries (per-head budgets).
+    """
+
+    per_head: list[list[int]]
+    kv_bytes: int
+    full_kv_bytes: int
+    allocated_kv_bytes: int
+    heads_differ: bool
+
+
 class EvictingLayer(CacheLayerMixin):
     """One layer's slots, its policies' statistics, and eviction down to its budget."""
 
     is_compileable = False
     is_sliding = False
+    #: the KV heads may hold different numbers of entries (per-head budgets: `per_head.RaggedLayer`)
+    heads_differ = False
 
     def __init__(self, index: int, settings: LayerSettings) -> None:
         super().__init__()
@@ -60,10 +80,17 @@ class EvictingLayer(CacheLayerMixin):
         # forward may stand for all of them.
         self.identical = True
         self.ordered = True  # slots sit in positional order (until a hole is filled in place)
+        self._budget: int | None = None
+        self.forward = Forward()  # the forward in flight, handed over by the cache at `update`
 
     @property
     def budget(self) -> int | None:
-        return self.settings.budgets[self.index]
+        """Entries this layer keeps between forwards (None: never evict)."""
+        return self._budget
+
+    def set_budget(self, budget: int | None) -> None:
+        """Called by the cache alone (`EvictingCache.budget`, `freeze`): lowering it evicts at the next forward."""
+        self._budget = budget
 
     # --- transformers' layer API -------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -82,17 +109,21 @@ class EvictingLayer(CacheLayerMixin):
     def _new_storage(self) -> SlotStorage:
         s = self.settings
         capacity = (self.budget or 0) + s.slack
-        return SlotStorage(
-            self.batch_size, self.heads, self.head_dim, self.dtype, self.device, s.stat_names, s.mode.raw_keys, capacity
+        return s.mode.new_storage(
+            self.batch_size, self.heads, self.head_dim, self.dtype, self.device, s.stat_names, capacity
         )
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, forward: Forward | None = None, **kwargs
+    ):
+        """Store the forward's keys and values; `forward` is the cache's record of the forward in flight."""
+        self.forward = forward if forward is not None else Forward()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         model_kwargs = kwargs.get("kwargs")
         handoff = None
         if not isinstance(model_kwargs, dict):  # GPT-NeoX: the layer goes through its attention module instead
-            handoff = self.settings.handoffs.get(self.index)
+            handoff = self.settings.handoff
             if handoff is None:
                 raise KvevictError(
                     "this model does not hand its attention arguments to the cache (cache.update(..., kwargs=...)) "
@@ -113,7 +144,7 @@ class EvictingLayer(CacheLayerMixin):
             start = mode.seq_length(self.n, self.seen)
             used = self._positions(model_kwargs, q, start, check_rows=self.index == 0)
             if self.index == 0:
-                self.settings.forward["positions"] = used
+                self.forward.positions = used
             if self.index == 0 and self.seen and not mode.continues(int(used[0]), self.n, self.seen):
                 raise KvevictError(
                     f"this cache already holds {self.seen} tokens of a sequence, but the new tokens start at position "
@@ -198,10 +229,9 @@ class EvictingLayer(CacheLayerMixin):
         """The queries `[B, H_q, q, D]` rotated where this layer's keys expect them, and
         those positions `[q]` (None when nobody needs them: original positions and no
         policy that remembers queries)."""
-        mode = self.settings.mode
-        if not (mode.raw_keys or self.settings.query_window):
-            return query, None
-        return mode.align_query(query, self._query_positions(query, kwargs), self.n)
+        return self.settings.mode.align_query(
+            query, lambda: self._query_positions(query, kwargs), self.n, remember=bool(self.settings.query_window)
+        )
 
     def _query_positions(self, query: torch.Tensor, kwargs: dict) -> torch.Tensor:
         """`[q]` positions the model rotated this forward's queries at."""
@@ -211,7 +241,7 @@ class EvictingLayer(CacheLayerMixin):
     def _positions(self, kwargs: dict, q: int, start: int, check_rows: bool) -> torch.Tensor:
         """`[q]` positions the model used: its `position_ids`, or else layer 0's (every layer of
         a forward shares them; a layer's own count can differ from layer 0's in position-shift mode)."""
-        shared = self.settings.forward.get("positions")
+        shared = self.forward.positions
         if "position_ids" not in kwargs and self.index and shared is not None and shared.numel() == q:
             return shared
         return model_positions(kwargs, q, start, self.device, check_rows=check_rows)
@@ -310,20 +340,9 @@ class EvictingLayer(CacheLayerMixin):
         storage = self.storage
         parts = [group.policy.scores(view) for group, view in zip(layout.groups, views)]
         scores = layout.merge(parts, self.batch_size, self.heads, total)
-        pos = storage.pos[:, :, :total]
-        observers = self.settings.observers
-        victims = None
-        if total == budget + 1 and self.settings.mode.fills_holes:
-            victim = selection.victim(scores, pos, self.ordered)
-            if any(o.wants_victims for o in observers):
-                victims = pos.gather(-1, victim[..., None])[..., 0]
-            storage.fill_hole(victim, budget)
-            self.ordered = False
-        else:
-            keep = selection.keep_slots(scores, pos, budget, self.ordered)
-            storage.gather(keep, keys=not self.settings.mode.raw_keys)
-            self.settings.mode.after_compaction(storage, budget)
-            self.ordered = True
+        wanted = any(o.wants_victims for o in self.settings.observers)
+        # the mode decides how: a decode step in original positions fills the victim's slot in place
+        victims, self.ordered = self.settings.mode.evict(storage, scores, total, budget, self.ordered, wanted)
         self.n = budget
         self.report_eviction(self.seen, storage.pos[:, :, :budget], victims)
 
@@ -354,3 +373,18 @@ class EvictingLayer(CacheLayerMixin):
     def head_lengths(self) -> torch.Tensor:
         """`[B, H_kv]` entries each (row, KV head) holds: `n` everywhere (per-head budgets: `RaggedLayer`)."""
         return torch.full((self.batch_size, self.heads), self.n, dtype=torch.long)
+
+    def memory(self) -> LayerMemory | None:
+        """This layer's entries and KV bytes (None before its first forward); its storage's business alone."""
+        if not self.is_initialized:
+            return None
+        kv = self.storage.kv  # keys and values of every slot, whatever the layout
+        entry = 2 * self.head_dim * kv.element_size()  # one key and its value
+        lengths = self.head_lengths()  # [B, H_kv]
+        return LayerMemory(
+            per_head=lengths.tolist(),
+            kv_bytes=entry * int(lengths.sum()),
+            full_kv_bytes=entry * self.batch_size * self.heads * self.seen,
+            allocated_kv_bytes=kv.numel() * kv.element_size(),
+            heads_differ=self.heads_differ,
+        )

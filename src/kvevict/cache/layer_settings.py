@@ -1,35 +1,56 @@
-"""`LayerSettings`: what every layer of one cache shares, set by the cache and read by its layers."""
+"""What a layer is told: `LayerSettings` once, at construction; a `Forward` at every forward.
+
+Nothing here is written by one layer for another to read behind the cache's back:
+
+* `LayerSettings` is frozen. The cache builds one per layer (its position mode, its
+  sliding window, its hand-off slot) and the layer only reads it. A budget is not a
+  setting: the cache hands each layer its number through `EvictingLayer.set_budget`.
+* `Forward` is one forward of the model through the cache. The cache starts a new one
+  when layer 0 is updated and passes it to every layer's `update`, so what layer 0
+  learns about the forward (the positions the model used) and what one layer derives
+  for the others (a closed-form replay plan) live exactly as long as that forward.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+import torch
 
 from .observers import Observer
 from .positions import PositionMode
 from .rows import RowLayout
 
 
-@dataclass
+@dataclass(frozen=True)
 class LayerSettings:
-    """What every layer of one cache shares; set by the cache, read by its layers."""
+    """One layer's fixed settings, set by the cache at construction and never changed."""
 
-    mode: PositionMode
-    layout: RowLayout
-    stat_names: tuple[str, ...]
-    query_window: int
-    slack: int
+    mode: PositionMode  # the position mode, with this layer kind's rotary module
+    layout: RowLayout  # which policy runs in which row: one object for all layers, bound at the first forward
+    stat_names: tuple[str, ...]  # per-slot statistics the policies carry
+    query_window: int  # recent queries to remember (SnapKV)
+    slack: int  # room after the budget a forward's new tokens are written into
     last_layer: int
-    budgets: list[int | None]  # per layer; None never evicts
     per_token: bool  # a forward of many tokens evicts as that many one-token forwards would
     config: object  # the model's config: its attention implementation must be kvevict's
-    observers: list[Observer] = field(default_factory=list)
-    # the last chunk's closed-form replay plan, reused by the next layer when it ranks the
-    # same tokens the same way (`replay.StaticPlan`); a memo, never read as state
+    observers: tuple[Observer, ...] = ()
+    # where `update` leaves the layer for models that hand the cache no attention kwargs (GPT-NeoX):
+    # a thread-local slot on this layer's attention module (see attention.handoffs), or None
+    handoff: object | None = None
+    window: int | None = None  # a sliding-window layer's window (`config.sliding_window`)
+
+
+@dataclass(eq=False)
+class Forward:
+    """One forward in flight, started by the cache at layer 0 and handed to every layer.
+
+    `positions` `[q]`: the positions layer 0 found (from `position_ids` or its own
+    count), the answer for later layers when the model hands them no `position_ids`
+    (Gemma 3 before transformers 5.24, GPT-NeoX). `static_plan`: the closed-form replay
+    plan of this forward's chunk (`replay.StaticPlan`), which the next layer reuses when
+    it ranks the same tokens the same way; a memo, never read as state.
+    """
+
+    positions: torch.Tensor | None = None
     static_plan: object | None = None
-    # per layer, where `update` leaves the layer for models that hand the cache no attention
-    # kwargs (GPT-NeoX): a thread-local slot on that layer's attention module (see attention.handoffs)
-    handoffs: dict[int, object] = field(default_factory=dict)
-    # the forward in flight, shared by every layer (one dict even across per-kind copies of these
-    # settings): "positions", `[q]` as layer 0 found them, the other layers' answer when the model
-    # hands them no `position_ids` (Gemma 3 before transformers 5.24, GPT-NeoX)
-    forward: dict = field(default_factory=dict)

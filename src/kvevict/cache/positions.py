@@ -10,24 +10,78 @@
   scratch to their slot after every eviction, so no error accumulates; eviction
   therefore always compacts (every later slot moves down one position).
 
-The layer asks its mode; no other module branches on the mode's name.
+The layers and the chunk replay ask their mode (`new_storage`, `store_keys`,
+`align_query`, `evict`, `compact`, `by_keys`); nothing outside this module tests which
+mode it holds.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 
+from . import selection
 from .rotary import Rotary
 from .storage import SlotStorage
 
+T = TypeVar("T")
+
 
 class PositionMode:
-    """What both modes share: the model's rotary module, to move vectors between positions."""
+    """What both modes share: the model's rotary module, to move vectors between positions,
+    and eviction by compaction."""
 
     name: str
+    #: the storage keeps un-rotated copies of the keys (to rotate them again after an eviction)
+    raw_keys: bool
 
     def __init__(self, rotary: Rotary) -> None:
         self.rotary = rotary
+
+    def new_storage(
+        self, batch: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+        stat_names: tuple[str, ...], capacity: int,
+    ) -> SlotStorage:
+        """Slot buffers for one layer, with the un-rotated key copies this mode needs."""
+        return SlotStorage(batch, heads, head_dim, dtype, device, stat_names, self.raw_keys, capacity)
+
+    def by_keys(self, fixed: T, renumbered: T) -> T:
+        """Of two ways to do one thing, this mode's: `fixed` where a stored key keeps its rotation
+        for good (original positions), `renumbered` where kept keys are renumbered at every
+        eviction (position shift). The chunk replay picks its algorithms with it."""
+        raise NotImplementedError
+
+    def compact(self, storage: SlotStorage, keep: torch.Tensor, count: int) -> None:
+        """Move the slots `keep` `[B, H, count]` to the front, in order, and rebuild what moving left stale."""
+        storage.gather(keep, keys=not self.raw_keys)
+        self.after_compaction(storage, count)
+
+    def after_compaction(self, storage: SlotStorage, count: int) -> None:
+        """Rebuild what a compaction to `count` slots left stale."""
+        raise NotImplementedError
+
+    def evict(
+        self, storage: SlotStorage, scores: torch.Tensor, total: int, budget: int, ordered: bool, victims: bool
+    ) -> tuple[torch.Tensor | None, bool]:
+        """Keep the `budget` best-scoring of the `total` slots (scores `[B, H, total]`).
+
+        Returns the evicted positions `[B, H]` when one entry left in place and `victims`
+        was asked for (else None), and whether the slots are in positional order after.
+        This base form compacts: the kept slots move to the front in positional order.
+        """
+        keep = selection.keep_slots(scores, storage.pos[:, :, :total], budget, ordered)
+        self.compact(storage, keep, budget)
+        return None, True
+
+    def align_query(
+        self, query: torch.Tensor, used: Callable[[], torch.Tensor], n: int, remember: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The queries `[B, H_q, q, D]` rotated where the keys expect them, and those positions `[q]`
+        (None when nothing needs them). `used()` gives the positions the model rotated them at;
+        `remember`: a policy keeps recent queries, so their positions are needed."""
+        raise NotImplementedError
 
     def move(self, x: torch.Tensor, used: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """`x` `[..., m, D]` rotated at `used` `[m]`, as it would be rotated at `target` `[m]`."""
@@ -36,10 +90,7 @@ class PositionMode:
 
 class OriginalPositions(PositionMode):
     name = "original"
-    #: un-rotated keys are not needed
     raw_keys = False
-    #: a decode step may move the newest slot into the victim's place
-    fills_holes = True
 
     def seq_length(self, n: int, seen: int) -> int:
         """What the cache reports to transformers: where the next token's position starts."""
@@ -56,22 +107,33 @@ class OriginalPositions(PositionMode):
     def store_keys(self, storage: SlotStorage, keys: torch.Tensor, used: torch.Tensor | None, n: int) -> None:
         storage.keys[:, :, n : n + keys.shape[2]] = keys
 
-    def align_query(self, query: torch.Tensor, used: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The queries `[B, H_q, q, D]` rotated where the keys expect them, and those positions `[q]`."""
-        return query, used
+    def align_query(self, query, used, n, remember):
+        return query, used() if remember else None  # keys sit where the model rotated the queries
+
+    def by_keys(self, fixed: T, renumbered: T) -> T:
+        return fixed
+
+    def evict(self, storage, scores, total, budget, ordered, victims):
+        if total != budget + 1:
+            return super().evict(storage, scores, total, budget, ordered, victims)
+        # one over the budget (a decode step): the newest slot moves into the victim's place
+        pos = storage.pos[:, :, :total]
+        victim = selection.victim(scores, pos, ordered)
+        evicted = pos.gather(-1, victim[..., None])[..., 0] if victims else None
+        storage.fill_hole(victim, budget)
+        return evicted, False
 
     def now(self, stream: torch.Tensor, seen: int, total: int) -> torch.Tensor:
         """Where tokens at stream positions `stream`, all still cached, sit now."""
         return stream
 
     def after_compaction(self, storage: SlotStorage, count: int) -> None:
-        """Rebuild what a compaction to `count` slots left stale (nothing here)."""
+        """Nothing to rebuild: a key keeps its rotation wherever its slot moves."""
 
 
 class ShiftedPositions(PositionMode):
     name = "cache"
     raw_keys = True
-    fills_holes = False
 
     def seq_length(self, n: int, seen: int) -> int:
         return n
@@ -89,9 +151,12 @@ class ShiftedPositions(PositionMode):
         cos, sin = self.rotary.table(end)
         storage.keys[:, :, n:end] = self.rotary.rotate(raw, cos[n:], sin[n:])
 
-    def align_query(self, query: torch.Tensor, used: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def align_query(self, query, used, n, remember):
         target = torch.arange(n, n + query.shape[2], device=query.device)
-        return self.move(query, used, target), target
+        return self.move(query, used(), target), target
+
+    def by_keys(self, fixed: T, renumbered: T) -> T:
+        return renumbered
 
     def now(self, stream: torch.Tensor, seen: int, total: int) -> torch.Tensor:
         # Every such token is still cached, so its slot is fixed by how many came after it.

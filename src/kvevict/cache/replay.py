@@ -14,9 +14,11 @@ Two ways to know the alive sets:
   from one ranking; one masked attention for the chunk. Original positions only.
 * **Stepping** (`replay_steps`): otherwise (attention-driven policies, random draws,
   position-shift mode) the layer steps through the chunk's queries, doing only what a
-  decode step does to the cache: the query's attention over its alive set (from
-  logits computed once per chunk in original-position mode), the policies'
-  statistics, the victim, the hole it leaves. Rows and heads are vectorised.
+  decode step does to the cache: the query's attention over its alive set, the
+  policies' statistics, the victim, the hole it leaves. Rows and heads are vectorised.
+  Two algorithms share the bookkeeping (`_Stepper`): with fixed keys (original
+  positions) the logits are computed once per chunk and each step reads its alive
+  slots; with renumbered keys (position shift) each step rotates its keys and attends.
 
 Both keep a *virtual* slot layout, `vslot` `[B, H, budget + 1]` (storage slot of each
 slot a token-by-token run would use), so policies see the same views, random draws
@@ -34,10 +36,10 @@ import torch.nn.functional as F
 
 from ..policies import SlotView
 from . import selection
-from .layer_settings import LayerSettings
+from .layer_settings import Forward, LayerSettings
 from .probabilities import attention_mass
 from .rows import RowGroup
-from .statistics import Statistics
+from .statistics import Statistics, measure
 from .storage import SlotStorage
 
 
@@ -55,6 +57,7 @@ class ReplayingLayer(Protocol):
     budget: int | None
     storage: SlotStorage
     settings: LayerSettings
+    forward: Forward
     statistics: Statistics
 
     def report_eviction(self, seen: int, kept: torch.Tensor | None, victims: torch.Tensor | None) -> None: ...
@@ -69,6 +72,7 @@ class StaticPlan:
     It depends only on the held positions, the scores and the chunk's place in the
     stream, which are the same in every layer for position-decided policies (`window`,
     `sinkN+window`), so the first layer of a chunk computes it and the others reuse it
+    through the forward's record (`Forward.static_plan`)
     (checked by equality, never assumed): ~30x less bookkeeping per chunk.
     """
 
@@ -93,7 +97,7 @@ def _static_plan(layer: ReplayingLayer, pos: torch.Tensor, scores: torch.Tensor)
     budget", a cumulative count over the ranking.
     """
     key = (layer.n, layer.new, layer.seen, layer.budget)
-    memo = layer.settings.static_plan
+    memo = layer.forward.static_plan
     if memo is not None and memo.key == key and torch.equal(memo.pos, pos) and torch.equal(memo.scores, scores):
         return memo
     n0, q, budget = layer.n, layer.new, layer.budget
@@ -119,7 +123,7 @@ def _static_plan(layer: ReplayingLayer, pos: torch.Tensor, scores: torch.Tensor)
         evicting=steps >= max(0, budget - n0),
         keep=pos.masked_fill(~after[:, :, -1], selection.LATEST_LAST).argsort(dim=-1)[..., :budget],
     )
-    layer.settings.static_plan = plan
+    layer.forward.static_plan = plan
     return plan
 
 
@@ -133,32 +137,40 @@ def replay_static(
     n0, q = layer.n, layer.new
     total = n0 + q
     first_seen = layer.seen - q
-    hkv = layer.heads
     pos = storage.pos[:, :, :total]
     plan = _static_plan(layer, pos, _scores(layer, pos, first_seen + q, total))
-    shifted = layer.settings.mode.raw_keys
-    if (layer.settings.observers or shifted) and plan.victims is None:
-        plan.victims = pos.gather(-1, (plan.alive & ~plan.after).float().argmax(dim=-1))
-    if shifted:
-        out = _shifted_static_attention(layer, query, used, scaling, plan)
-        if out is None:
-            return None
-    else:
-        group = query.shape[1] // hkv
-        if plan.query_mask is None:
-            plan.query_mask = plan.alive.repeat_interleave(group, dim=1) if group > 1 else plan.alive
-        out = F.scaled_dot_product_attention(
-            query, storage.keys[:, :, :total], storage.values[:, :, :total], attn_mask=plan.query_mask,
-            scale=scaling, enable_gqa=group > 1,
-        )
+    attention = layer.settings.mode.by_keys(_fixed_static_attention, _shifted_static_attention)
+    out = attention(layer, query, used, scaling, plan)
+    if out is None:
+        return None
     if layer.settings.observers:
         steps = plan.evicting.nonzero()[:, 0]
-        layer.report_evictions(first_seen + 1 + steps, plan.victims[:, :, steps])
-    storage.gather(plan.keep, keys=not shifted)
-    layer.settings.mode.after_compaction(storage, budget)
+        layer.report_evictions(first_seen + 1 + steps, _victims(plan)[:, :, steps])
+    layer.settings.mode.compact(storage, plan.keep, budget)
     layer.ordered = True
     layer.n = budget
     return out
+
+
+def _victims(plan: StaticPlan) -> torch.Tensor:
+    """`[B, H, q]` the position each step of the chunk evicts (made once per plan)."""
+    if plan.victims is None:
+        plan.victims = plan.pos.gather(-1, (plan.alive & ~plan.after).float().argmax(dim=-1))
+    return plan.victims
+
+
+def _fixed_static_attention(
+    layer: ReplayingLayer, query: torch.Tensor, used: torch.Tensor, scaling: float, plan: StaticPlan
+) -> torch.Tensor:
+    """Keys that keep their rotation: one SDPA for the chunk, each query masked to what was alive at its step."""
+    storage, total = layer.storage, layer.n + layer.new
+    group = query.shape[1] // layer.heads
+    if plan.query_mask is None:
+        plan.query_mask = plan.alive.repeat_interleave(group, dim=1) if group > 1 else plan.alive
+    return F.scaled_dot_product_attention(
+        query, storage.keys[:, :, :total], storage.values[:, :, :total], attn_mask=plan.query_mask,
+        scale=scaling, enable_gqa=group > 1,
+    )
 
 
 def _shift_terms(layer: ReplayingLayer, plan: StaticPlan) -> tuple:
@@ -176,10 +188,11 @@ def _shift_terms(layer: ReplayingLayer, plan: StaticPlan) -> tuple:
     device = plan.pos.device
     never = selection.LATEST_LAST
     step_of = (torch.arange(n0 + q, device=device) - n0).clamp(min=-1)
-    first_victim = plan.victims.masked_fill(~plan.evicting, never).amin(dim=-1)  # [B, H]
+    victims = _victims(plan)
+    first_victim = victims.masked_fill(~plan.evicting, never).amin(dim=-1)  # [B, H]
     pinned = (step_of < 0) & (plan.pos < first_victim[..., None])  # S: held, older than every victim
     oldest = plan.pos[:, :, None, :].masked_fill(~plan.alive | pinned[:, :, None, :], never).amin(dim=-1)
-    if not bool(((oldest == plan.victims) | ~plan.evicting).all()):
+    if not bool(((oldest == victims) | ~plan.evicting).all()):
         return ()
     steps = torch.arange(q, device=device)
     seen_before = (n0 + steps).clamp(max=budget)  # n_i
@@ -229,105 +242,157 @@ def replay_steps(layer: ReplayingLayer, query: torch.Tensor, used: torch.Tensor,
     query `[B, H_q, q, D]` as the model rotated it, at positions `used` `[q]`. Returns
     the output `[B, H_q, q, D]`.
     """
-    s, storage, budget = layer.settings, layer.storage, layer.budget
-    mode, groups = s.mode, s.layout.groups
-    n0, q = layer.n, layer.new
-    first_seen = layer.seen - q
-    b, hq, _, d = query.shape
-    hkv = layer.heads
-    group = hq // hkv
-    shifted = mode.raw_keys
-    vslot = torch.empty(b, hkv, budget + 1, dtype=torch.long, device=layer.device)
-    vslot[:, :, :n0] = torch.arange(n0, device=layer.device)
-    k = n0
-    if shifted:
-        raw_query = mode.rotary.unrotate(query, *mode.rotary.at(used))
-        outs = []
-    else:
-        # every query's logits over every slot it could see, once for the chunk: [B, H_kv, g, q, n0 + q]
-        total_all = n0 + q
-        logits = torch.einsum(
-            "bhgqd,bhnd->bhgqn", query.reshape(b, hkv, group, q, d), storage.keys[:, :, :total_all]
-        ).float() * scaling
-        alive = torch.zeros(b, hkv, q, total_all, dtype=torch.bool, device=layer.device)
-    # Rows of static policies need no statistics and no calls per step: their scores
-    # over every slot of the chunk are computed once and read through the virtual slots.
-    stepping = [g for g in groups if not g.policy.static_scores]
-    fixed = None
-    if len(stepping) < len(groups):
-        fixed = _scores(layer, storage.pos[:, :, : n0 + q], first_seen + q, n0 + q, static_only=True)
-    wants_probs = any(g.policy.needs_attention for g in stepping)
-    evicted = False
-    for i in range(q):
-        vslot[:, :, k] = n0 + i
-        total, seen = k + 1, first_seen + i + 1
-        slots = vslot[:, :, :total]
-        positions = storage.pos.gather(-1, slots)
-        if shifted:
-            # kept entries renumbered 0..k-1 in positional order, the new token at k
-            cos, sin = mode.rotary.table(total)
-            keys = mode.rotary.rotate(_take_slots(storage.raw, slots), cos, sin)
-            q_i = mode.rotary.rotate(raw_query[:, :, i : i + 1], cos[k : k + 1], sin[k : k + 1])
-            q_used = torch.tensor([k], device=layer.device)
-            logit = torch.bmm(q_i.reshape(b * hkv, group, d), keys.reshape(b * hkv, total, d).transpose(1, 2))
-            probs = torch.softmax(logit.float().mul_(scaling), dim=-1).view(b, hkv, group, total)
-            values = _take_slots(storage.values, slots)
-            out = torch.bmm(probs.to(values.dtype).view(b * hkv, group, total), values.reshape(b * hkv, total, d))
-            outs.append(out.view(b, hq, 1, d))
-        else:
-            alive[:, :, i].scatter_(-1, slots, True)
-            probs = None
-            if wants_probs:
-                logit = logits[:, :, :, i].gather(-1, slots[:, :, None, :].expand(-1, -1, group, -1))
-                probs = torch.softmax(logit, dim=-1)  # [B, H_kv, g, total]
-            q_i, q_used = query[:, :, i : i + 1], used[i : i + 1]
-            keys = None
-        layer.statistics.remember(q_i, q_used, seen)
+    steps = layer.settings.mode.by_keys(_steps_fixed_keys, _steps_renumbered)
+    return steps(layer, query, used, scaling)
+
+
+class _Stepper:
+    """What both stepping algorithms share: the virtual slots, the policies' statistics at each
+    step, and the step's eviction. The algorithms differ only in how a step attends."""
+
+    def __init__(self, layer: ReplayingLayer, scaling: float) -> None:
+        self.layer, self.scaling = layer, scaling
+        storage, groups = layer.storage, layer.settings.layout.groups
+        n0, q = layer.n, layer.new
+        self.first_seen = layer.seen - q
+        self.vslot = torch.empty(layer.batch_size, layer.heads, layer.budget + 1, dtype=torch.long, device=layer.device)
+        self.vslot[:, :, :n0] = torch.arange(n0, device=layer.device)
+        self.k = n0  # entries a token-by-token run holds before the step
+        self.evicted = False
+        # Rows of static policies need no statistics and no calls per step: their scores
+        # over every slot of the chunk are computed once and read through the virtual slots.
+        self.stepping = [g for g in groups if not g.policy.static_scores]
+        self.fixed = None
+        if len(self.stepping) < len(groups):
+            self.fixed = _scores(layer, storage.pos[:, :, : n0 + q], self.first_seen + q, n0 + q, static_only=True)
+        self.wants_probs = any(g.policy.needs_attention for g in self.stepping)
+
+    def begin(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Step `i` arrives: its token takes the next virtual slot. Returns the slots alive `[B, H, total]`,
+        their positions, and the tokens seen after the step."""
+        layer = self.layer
+        self.vslot[:, :, self.k] = layer.n + i
+        slots = self.vslot[:, :, : self.k + 1]
+        return slots, layer.storage.pos.gather(-1, slots), self.first_seen + i + 1
+
+    def end(
+        self,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        seen: int,
+        keys: torch.Tensor | None,
+        probs: torch.Tensor | None,
+        query: torch.Tensor,
+        query_positions: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """The policies' statistics of the step, then its eviction. keys `[B, H, total, D]` as the step
+        sees them (None: the stored ones), probs `[B, H, g, total]` the step query's attention.
+        Returns the victim slot index `[B, H]` (into `slots`) when the step evicts, else None."""
+        layer, storage, budget = self.layer, self.layer.storage, self.layer.budget
+        total = slots.shape[-1]
+        layer.statistics.remember(query, query_positions, seen)
         will_evict = total > budget
-        views = [_view(layer, g, positions, slots, seen, budget, storage, keys) for g in stepping]
-        requests = [g.policy.request(v, will_evict) for g, v in zip(stepping, views)]
-        for g, view, request in zip(stepping, views, requests):
+        views = [_view(layer, g, positions, slots, seen, budget, storage, keys) for g in self.stepping]
+        for g, view in zip(self.stepping, views):
+            request = g.policy.request(view, will_evict)
             if request is None:
                 continue
-            if request.kind in ("new", "last"):  # one query per step: its attention is both
-                mass = g.take(probs.sum(dim=2))
-            else:  # "window": the last queries, rotated to where their tokens sit now
-                queries, q_pos = layer.statistics.window_queries(mode, request.size, seen, total)
-                mass = attention_mass(g.take(queries), q_pos, view.keys(), view.positions, scaling)
+            mass = measure(
+                request,
+                new=lambda g=g: g.take(probs.sum(dim=2)),  # one query per step: its attention is "new" and "last"
+                window=lambda size, g=g, view=view: self._window_mass(g, view, size, seen, total),
+            )
             stat = storage.stats[request.stat]
             updated = g.policy.absorb(view, request, mass).to(stat.dtype)
             g.put(stat, g.take(stat).scatter(-1, g.take(slots), updated))
             view.stats[request.stat] = updated
         if not will_evict:
-            k += 1
-            continue
-        evicted = True
-        if fixed is None:
-            scores = s.layout.merge([g.policy.scores(v) for g, v in zip(stepping, views)], b, hkv, total)
+            self.k += 1
+            return None
+        self.evicted = True
+        b, hkv = slots.shape[:2]
+        if self.fixed is None:
+            parts = [g.policy.scores(v) for g, v in zip(self.stepping, views)]
+            scores = layer.settings.layout.merge(parts, b, hkv, total)
         else:
-            scores = fixed.gather(-1, slots)
-            for g, v in zip(stepping, views):
+            scores = self.fixed.gather(-1, slots)
+            for g, v in zip(self.stepping, views):
                 g.put(scores, g.policy.scores(v))
         victim = selection.victim(scores, positions, ordered=False)
         layer.report_eviction(seen, None, positions.gather(-1, victim[..., None])[..., 0])
-        if shifted:  # compaction keeps positional order
-            keep = torch.arange(budget, device=layer.device)
-            vslot[:, :, :budget] = slots.gather(-1, keep + (keep >= victim[..., None]).long())
-        else:  # the newest slot fills the victim's place
-            vslot.scatter_(-1, victim[..., None], vslot[:, :, budget : budget + 1])
-    if shifted:
-        result = torch.cat(outs, dim=2)
-        storage.gather(vslot[:, :, :k], keys=False)
-        mode.after_compaction(storage, k)
-    else:
-        logits.masked_fill_(~alive[:, :, None], float("-inf"))
-        probs = torch.softmax(logits, dim=-1).to(storage.values.dtype)  # [B, H_kv, g, q, n0 + q]
-        result = torch.einsum("bhgqn,bhnd->bhgqd", probs, storage.values[:, :, : n0 + q]).reshape(b, hq, q, d)
-        storage.gather(vslot[:, :, :k])
-        if evicted:
-            layer.ordered = False
-    layer.n = k
+        return victim
+
+    def _window_mass(self, group: RowGroup, view: SlotView, size: int, seen: int, total: int) -> torch.Tensor:
+        """The last `size` queries, rotated to where their tokens sit now, over the step's keys."""
+        queries, q_pos = self.layer.statistics.window_queries(self.layer.settings.mode, size, seen, total)
+        return attention_mass(group.take(queries), q_pos, view.keys(), view.positions, self.scaling)
+
+
+def _steps_fixed_keys(layer: ReplayingLayer, query: torch.Tensor, used: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Original positions: a stored key never changes, so every query's logits over every slot
+    it could see are computed once for the chunk, each step reads its alive slots from them,
+    and the output is one masked softmax at the end. A step that evicts moves the newest
+    slot into the victim's place (as a decode step does)."""
+    storage, budget = layer.storage, layer.budget
+    n0, q = layer.n, layer.new
+    b, hq, _, d = query.shape
+    hkv = layer.heads
+    group = hq // hkv
+    step = _Stepper(layer, scaling)
+    total_all = n0 + q
+    logits = torch.einsum(
+        "bhgqd,bhnd->bhgqn", query.reshape(b, hkv, group, q, d), storage.keys[:, :, :total_all]
+    ).float() * scaling  # [B, H_kv, g, q, n0 + q]
+    alive = torch.zeros(b, hkv, q, total_all, dtype=torch.bool, device=layer.device)
+    for i in range(q):
+        slots, positions, seen = step.begin(i)
+        alive[:, :, i].scatter_(-1, slots, True)
+        probs = None
+        if step.wants_probs:
+            logit = logits[:, :, :, i].gather(-1, slots[:, :, None, :].expand(-1, -1, group, -1))
+            probs = torch.softmax(logit, dim=-1)  # [B, H_kv, g, total]
+        victim = step.end(slots, positions, seen, None, probs, query[:, :, i : i + 1], used[i : i + 1])
+        if victim is not None:  # the newest slot fills the victim's place
+            step.vslot.scatter_(-1, victim[..., None], step.vslot[:, :, budget : budget + 1])
+    logits.masked_fill_(~alive[:, :, None], float("-inf"))
+    probs = torch.softmax(logits, dim=-1).to(storage.values.dtype)  # [B, H_kv, g, q, n0 + q]
+    result = torch.einsum("bhgqn,bhnd->bhgqd", probs, storage.values[:, :, :total_all]).reshape(b, hq, q, d)
+    layer.settings.mode.compact(storage, step.vslot[:, :, : step.k], step.k)
+    if step.evicted:
+        layer.ordered = False
+    layer.n = step.k
     return result
+
+
+def _steps_renumbered(layer: ReplayingLayer, query: torch.Tensor, used: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Position shift: the kept entries are renumbered `0..k-1` at every step, so each step
+    rotates the un-rotated keys to their slots and its query to `k`, and attends on its own.
+    A step that evicts compacts the virtual slots (positional order is kept)."""
+    storage, budget, mode = layer.storage, layer.budget, layer.settings.mode
+    b, hq, q, d = query.shape
+    hkv = layer.heads
+    group = hq // hkv
+    step = _Stepper(layer, scaling)
+    raw_query = mode.rotary.unrotate(query, *mode.rotary.at(used))
+    outs = []
+    for i in range(q):
+        slots, positions, seen = step.begin(i)
+        total, k = slots.shape[-1], step.k
+        cos, sin = mode.rotary.table(total)
+        keys = mode.rotary.rotate(_take_slots(storage.raw, slots), cos, sin)
+        q_i = mode.rotary.rotate(raw_query[:, :, i : i + 1], cos[k : k + 1], sin[k : k + 1])
+        logit = torch.bmm(q_i.reshape(b * hkv, group, d), keys.reshape(b * hkv, total, d).transpose(1, 2))
+        probs = torch.softmax(logit.float().mul_(scaling), dim=-1).view(b, hkv, group, total)
+        values = _take_slots(storage.values, slots)
+        out = torch.bmm(probs.to(values.dtype).view(b * hkv, group, total), values.reshape(b * hkv, total, d))
+        outs.append(out.view(b, hq, 1, d))
+        victim = step.end(slots, positions, seen, keys, probs, q_i, torch.tensor([k], device=layer.device))
+        if victim is not None:  # compaction keeps positional order
+            keep = torch.arange(budget, device=layer.device)
+            step.vslot[:, :, :budget] = slots.gather(-1, keep + (keep >= victim[..., None]).long())
+    mode.compact(storage, step.vslot[:, :, : step.k], step.k)
+    layer.n = step.k
+    return torch.cat(outs, dim=2)
 
 
 def _take_slots(buffer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

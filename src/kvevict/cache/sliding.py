@@ -27,9 +27,7 @@ class SlidingLayer(EvictingLayer):
 
     def __init__(self, index: int, settings: LayerSettings) -> None:
         super().__init__(index, settings)
-        from ..models import text_config
-
-        self.window = int(text_config(settings.config).sliding_window)
+        self.window = int(settings.window)
 
     @property
     def budget(self) -> int:
@@ -54,8 +52,7 @@ class SlidingLayer(EvictingLayer):
         keep = min(total, self.budget)
         if keep < total:
             slots = torch.arange(total - keep, total, device=self.device)
-            self.storage.gather(slots.expand(self.batch_size, self.heads, -1), keys=not self.settings.mode.raw_keys)
-            self.settings.mode.after_compaction(self.storage, keep)
+            self.settings.mode.compact(self.storage, slots.expand(self.batch_size, self.heads, -1), keep)
         self.n = keep
 
 

@@ -12,14 +12,45 @@ attention already computed (`probs`), so nothing is computed twice.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from ..errors import KvevictError
 from ..policies import AttentionRequest, SlotView
 from .positions import PositionMode
 from .probabilities import attention_mass, decode_probs
 from .query_window import QueryWindow
 from .rows import RowLayout
 from .storage import SlotStorage
+
+#: what a policy may ask for (`AttentionRequest.kind`)
+REQUEST_KINDS = ("new", "last", "window")
+
+
+def measure(
+    request: AttentionRequest,
+    new: Callable[[], torch.Tensor],
+    window: Callable[[int], torch.Tensor],
+    last: Callable[[], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The attention mass `request` asked for, from the measurement of its kind: the one place a
+    request's kind is read (`feed`, the chunk replay and the ragged layer all come here).
+
+    `new`: every query of the forward; `last`: its last query (defaults to `new`: one query
+    in flight); `window(size)`: the last `size` queries across forwards. A kind no
+    measurement exists for is a policy bug, refused rather than read as another kind.
+    """
+    if request.kind == "new":
+        return new()
+    if request.kind == "last":
+        return (last or new)()
+    if request.kind == "window":
+        return window(request.size)
+    raise KvevictError(
+        f"a policy asked for attention of kind {request.kind!r}: AttentionRequest.kind must be one of "
+        f"{', '.join(REQUEST_KINDS)}"
+    )
 
 
 class Statistics:
@@ -87,18 +118,25 @@ class Statistics:
         for i, (group, view, request) in enumerate(zip(layout.groups, views, requests)):
             if request is None:
                 continue
-            if i in shared:
-                mass = shared[i]
-            elif request.kind == "last":  # the last of many queries (a prefill) over every key
-                keys = group.take(storage.keys[:, :, :total])
+
+            def keys(group=group) -> torch.Tensor:
+                return group.take(storage.keys[:, :, :total])
+
+            def last_of_many(group=group, view=view) -> torch.Tensor:  # the last query of a prefill, every key
                 last = torch.tensor([seen - 1], device=query.device)
-                mass = attention_mass(group.take(query[:, :, -1:]), last, keys, view.positions, scaling)
-            elif request.kind == "window":
-                queries, q_pos = self.window_queries(mode, request.size, seen, total)
-                keys = group.take(storage.keys[:, :, :total])
-                mass = attention_mass(group.take(queries), q_pos, keys, view.positions, scaling)
-            else:
-                raise ValueError(f"unknown attention request kind {request.kind!r}")
+                return attention_mass(group.take(query[:, :, -1:]), last, keys(), view.positions, scaling)
+
+            def window(size: int, group=group, view=view) -> torch.Tensor:
+                queries, q_pos = self.window_queries(mode, size, seen, total)
+                return attention_mass(group.take(queries), q_pos, keys(), view.positions, scaling)
+
+            # "new" (and "last" when one query is in flight) was measured above for every row that asked
+            mass = measure(
+                request,
+                new=lambda i=i: shared[i],
+                last=(lambda i=i: shared[i]) if i in shared else last_of_many,
+                window=window,
+            )
             stat = storage.stats[request.stat]
             updated = group.policy.absorb(view, request, mass).to(stat.dtype)
             group.put(stat[:, :, :total], updated)

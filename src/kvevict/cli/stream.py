@@ -61,7 +61,7 @@ def ppl(
     """Streaming perplexity of one policy at one budget."""
     from ..data import load_tokens
     from ..eval.streaming import streaming_ppl
-    from ..models import load_model, load_tokenizer
+    from ..loading import load_model, load_tokenizer
 
     check_positions(positions)
     check_policies([policy], budget, positions)
@@ -101,7 +101,7 @@ def compare(
     """Streaming perplexity of several policies side by side, with the full cache as reference."""
     from ..data import load_tokens
     from ..eval.streaming import compare as run_compare
-    from ..models import load_model, load_tokenizer
+    from ..loading import load_model, load_tokenizer
 
     specs = split_specs(policies)
     check_positions(positions)

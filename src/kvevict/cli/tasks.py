@@ -32,7 +32,7 @@ def _numbers(text: str, option: str, kind: type) -> list:
 
 
 def _budgets(text: str) -> list:
-    from ..eval.compress import parse_budget
+    from ..policies.budget import parse_budget
 
     return [parse_budget(part) for part in split_specs(text)]
 
@@ -69,7 +69,7 @@ def needle(
 ) -> None:
     """Pass-key retrieval: a 5-digit key hidden at a depth of an essay haystack, per policy and budget."""
     from ..eval.needle import check_grid, run_needle
-    from ..models import load_model
+    from ..loading import load_model
     from ..report.tables import needle_grid
 
     check_positions(positions)
@@ -109,7 +109,7 @@ def generation(
 ) -> None:
     """Generation failure modes: repeated 4-grams and recall of a fact stated only at the start."""
     from ..eval.generation import run_generation
-    from ..models import load_model
+    from ..loading import load_model
     from ..report.tables import generation_table
 
     check_positions(positions)
@@ -147,7 +147,7 @@ def sinks(
     """The attention-sink map: per layer and head, the attention share of the first k positions, and the sinks."""
     from ..data import load_tokens
     from ..eval.sinkmap import sink_map
-    from ..models import load_model, load_tokenizer
+    from ..loading import load_model, load_tokenizer
 
     if tokens < 64:
         raise KvevictError(f"--tokens must be at least 64 for a sink map, got {tokens}")

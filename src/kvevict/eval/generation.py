@@ -31,8 +31,9 @@ import torch
 
 from ..data import load_text, stream_start, tokenize
 from ..errors import KvevictError
+from ..policies.budget import Budget, budget_label, parse_budget
 from ..progress import bars
-from .compress import Budget, budget_label, compress_prompt, greedy, parse_budget
+from .compress import compress_prompt, greedy
 from .needle import _batches, check_budgets, max_positions
 from .prompts import essay_span, frame, question_ids, stop_ids
 

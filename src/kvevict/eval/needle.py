@@ -23,12 +23,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..cache.model_info import text_config
 from ..data import load_text, tokenize
 from ..errors import KvevictError
-from ..models import text_config
 from ..policies import check_policy, shared_batches
+from ..policies.budget import Budget, budget_label, parse_budget, resolve_budget
 from ..progress import bars
-from .compress import Budget, budget_label, compress_prompt, greedy, parse_budget, resolve_budget
+from .compress import compress_prompt, greedy
 from .prompts import Frame, essay_span, frame, question_ids, sentence_start, stop_ids
 
 NEEDLE = "The secret pass key is {key}."
@@ -147,7 +148,7 @@ class NeedleResult:
 
 def _batches(policies: Sequence[str], budgets: Sequence[Budget]) -> list[tuple[list[str], Budget]]:
     """The full cache alone (once, whatever the budgets), then the bounded policies per budget
-    (one batch, plus one for each per-layer-budget policy: a layer stores one budget for all rows)."""
+    (one batch, plus one for each policy that declares `own_batch`: pyramidkv, adakv:P)."""
     full = [p for p in policies if p.strip().lower() == "full"]
     bounded = [p for p in policies if p.strip().lower() != "full"]
     plan: list[tuple[list[str], Budget]] = [([p], None) for p in full]

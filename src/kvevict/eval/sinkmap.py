@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from ..cache.model_info import text_config
 from ..cache.probabilities import blockwise_probs
 from ..errors import KvevictError
-from ..models import text_config
 
 NAME = "kvevict_sinkmap"
 # The model hands this forward keyword down to every attention call: the collector

@@ -13,9 +13,11 @@ marks more slots `+inf` than its budget, so the order among them never matters. 
 equal scores the cache keeps the later token: policies do not break ties themselves.
 
 **What a policy declares.** Everything the cache, the evaluation or the report needs to
-know about a policy is a declared attribute on `Policy` (`stats`, `pinned`,
-`query_window`, `unbounded`, `needs_attention`, `static_scores`), never read off its
-name.
+know about a policy is declared on `Policy`, never read off its name: the attributes
+`stats`, `pinned`, `query_window`, `unbounded`, `needs_attention`, `static_scores`,
+`reads_keys`, `varies_by_layer` and `varies_by_head` (with `own_batch` derived from the
+last two), and the methods `layer_budgets` and `head_floor` that say the budget per
+layer and the floor per head.
 """
 
 from __future__ import annotations
@@ -113,7 +115,7 @@ class Policy:
     #: is one budget for all rows, so such a policy runs in a batch of its own
     varies_by_layer: ClassVar[bool] = False
     #: gives each KV head of a layer its own share of the layer's entries (`head_floor`, Ada-KV).
-    #: The layer then stores ragged per-head segments and attends by hand (`cache/ragged_layer.py`),
+    #: The layer then stores ragged per-head segments and attends by hand (`cache/per_head/layer.py`),
     #: so such a policy runs in a batch of its own beside the uniform ones
     varies_by_head: ClassVar[bool] = False
 

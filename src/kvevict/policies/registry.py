@@ -149,10 +149,19 @@ def _parse_options(factory: Callable[..., Policy], name: str, options: str) -> d
     return parsed
 
 
+#: the spellings a boolean option takes (anything else is refused, never read as False)
+BOOLEANS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
 def _convert(name: str, key: str, raw: str, default: object) -> object:
+    if isinstance(default, bool):
+        if raw.lower() not in BOOLEANS:
+            raise KvevictError(
+                f"option {name}:{key} is true or false, got '{raw}': write {key}=true or {key}=false "
+                f"(also {'/'.join(BOOLEANS)})"
+            )
+        return BOOLEANS[raw.lower()]
     try:
-        if isinstance(default, bool):
-            return raw in ("1", "true", "yes")
         if isinstance(default, int) or (default is None and raw.lstrip("-").isdigit()):
             return int(raw)
         if isinstance(default, float):

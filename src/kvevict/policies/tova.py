@@ -1,13 +1,16 @@
 """`tova`: Token Omission Via Attention (Oren et al., 2024, "Transformers are Multi-State RNNs").
 
 At each eviction the entry that the *current* query attends to least goes: the score
-of a cached entry is the attention the last query of the forward pays to it, averaged
+of a cached entry is the attention the last query of the forward pays to it, summed
 over all query heads of the layer. Nothing accumulates across steps (unlike H2O): only
 the last query's opinion counts, and the current token itself may be the one dropped.
 
-As in the paper, the layer's KV heads share one kept set (the score is averaged over
-every query head of the layer). `per_group=True` scores each KV head by its own query
-group instead, so heads keep different tokens.
+As in the paper, the layer's KV heads share one kept set. A sum ranks the entries as a
+mean over the heads would when every head holds them (the mean is the sum divided by
+the head count); when heads hold different tokens (`sinkauto+tova`) a token scores the
+attention of the heads that hold it, summed.
+`per_group=True` scores each KV head by its own query group instead (also summed over
+the group), so heads keep different tokens.
 
 A prefill longer than the budget (prompt compression) keeps the entries the prompt's
 last query attends to most, which is what the paper does with a long prompt.

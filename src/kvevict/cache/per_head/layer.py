@@ -1,7 +1,7 @@
 """`RaggedLayer`: a layer whose KV heads hold different numbers of entries (Ada-KV, `adakv:P`).
 
 The layer's allowance is `KV heads x budget` entries per row, shared by its heads
-(`head_allocation.allocate`), and stored for real in ragged per-head segments
+(`allocation.allocate`), and stored for real in ragged per-head segments
 (`RaggedStorage`): a head holds exactly its share, no head is padded to the longest.
 SDPA wants one length for every head, so this layer attends by hand: a loop over
 (row, KV head), each head's query group `[G, q, D]` against its contiguous segment
@@ -26,17 +26,20 @@ from __future__ import annotations
 
 import torch
 
-from ..policies import SlotView
-from .head_allocation import allocate
-from .layer import EvictingLayer
-from .probabilities import attention_mass
-from .ragged_storage import RaggedStorage
-from .rows import RowGroup
-from .selection import LATEST_LAST
+from ...policies import SlotView
+from ..layer import EvictingLayer
+from ..probabilities import attention_mass
+from ..rows import RowGroup
+from ..selection import LATEST_LAST
+from ..statistics import measure
+from .allocation import allocate
+from .storage import RaggedStorage
 
 
 class RaggedLayer(EvictingLayer):
     """Per-head budgets: one allowance per layer and row, ragged storage, attention by hand."""
+
+    heads_differ = True
 
     def _new_storage(self) -> RaggedStorage:
         s = self.settings
@@ -117,15 +120,14 @@ class RaggedLayer(EvictingLayer):
         for g, view, request in zip(groups, views, requests):
             if request is None:
                 continue
-            if request.kind == "new":
-                mass = new_mass
-            elif request.kind == "last":
-                mass = last_mass
-            else:  # "window": SnapKV's last queries, pads made invisible
-                queries, q_pos = self.statistics.window_queries(s.mode, request.size, seen, flat.shape[-1])
+
+            def window(size: int) -> torch.Tensor:  # SnapKV's last queries, pads made invisible
+                queries, q_pos = self.statistics.window_queries(s.mode, size, seen, flat.shape[-1])
                 key_pos = positions.masked_fill(~valid, LATEST_LAST)
                 keys_now = storage.take(storage.keys, flat)
-                mass = attention_mass(queries, q_pos, keys_now, key_pos, scaling).nan_to_num(0.0)
+                return attention_mass(queries, q_pos, keys_now, key_pos, scaling).nan_to_num(0.0)
+
+            mass = measure(request, new=lambda: new_mass, last=lambda: last_mass, window=window)
             stat = storage.stats[request.stat]
             padded = storage.take(stat, flat).masked_fill(~valid, 0.0)
             updated = g.policy.absorb(view, request, g.take(mass)).to(stat.dtype).masked_fill(~g.take(valid), 0.0)

