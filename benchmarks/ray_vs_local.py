@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvevict.ab import SweepConfig, run_sweep
-from kvevict.ab.executor_choice import make_executor
+from kvevict.integrations.executor_choice import make_executor
 
 POLICIES = ["window", "streamingllm", "h2o", "snapkv"]
 

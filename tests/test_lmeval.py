@@ -68,7 +68,7 @@ def offline(monkeypatch):
 
 
 def evaluate(model_args: str, tasks: str, names=("kv_mc", "kv_roll", "kv_gen")) -> dict:
-    from kvevict.lmeval import evaluate as run
+    from kvevict.integrations.lmeval import evaluate as run
 
     return run(model_args, list(names), include_path=tasks, log_samples=True)
 
@@ -237,7 +237,7 @@ def test_bad_model_args_are_one_line_before_any_loading(args, needles):
 
 
 def test_policy_options_inside_model_args_are_separated_by_semicolons():
-    from kvevict.lmeval_args import Settings, split_model_args
+    from kvevict.integrations.lmeval_args import Settings, split_model_args
     from kvevict.policies import parse_policy
 
     settings = Settings.parse(split_model_args("pretrained=x,policy=sink2+snapkv:window=8;kernel=3,budget=50%"))

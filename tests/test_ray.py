@@ -173,7 +173,7 @@ class Killer:
 
 @needs_ray
 def test_sigkilled_worker_loses_only_its_batch_which_is_retried(ray_session, tmp_path, tiny_dir, text_file):
-    from kvevict.ab.ray_executor import RayExecutor
+    from kvevict.integrations.ray_executor import RayExecutor
 
     killer = Killer(budget=16, times=1)
     executor = RayExecutor(workers=2, retries=2, on_dispatch=killer)
@@ -188,8 +188,8 @@ def test_sigkilled_worker_loses_only_its_batch_which_is_retried(ray_session, tmp
 @needs_ray
 def test_worker_dying_every_time_is_reported_failed_and_a_rerun_finishes_it(ray_session, tmp_path, tiny_dir,
                                                                              text_file, capsys):
-    from kvevict.ab.ray_executor import RayExecutor
     from kvevict.cli.ab import run_ab
+    from kvevict.integrations.ray_executor import RayExecutor
 
     config = sweep(tmp_path, tiny_dir, text_file, "failing")
     killer = Killer(budget=32, times=2)
@@ -216,7 +216,7 @@ def test_core_runs_without_the_extras(tmp_path, tiny_dir):
 import sys
 sys.modules["ray"] = None
 sys.modules["lm_eval"] = None
-import kvevict, kvevict.ab, kvevict.cli, kvevict.lmeval
+import kvevict, kvevict.ab, kvevict.cli, kvevict.integrations.lmeval
 from typer.testing import CliRunner
 from kvevict.cli import app
 run = CliRunner().invoke(app, ["ab", "--model", {str(tiny_dir)!r}, "--text", {str(Path(__file__))!r},

@@ -96,7 +96,7 @@ def ab(
 ) -> None:
     """A/B test policies side by side: resumable results.jsonl, a summary table and an HTML report."""
     from ..ab import SweepConfig
-    from ..ab.executor_choice import make_executor
+    from ..integrations.executor_choice import make_executor
 
     config = SweepConfig(
         model=model, text=text, tokens=tokens, budgets=parse_ints(budgets, "--budgets"),

@@ -1,6 +1,6 @@
 """`kvevict lm-eval`: lm-evaluation-harness tasks on a model whose KV cache a policy evicts.
 
-It wraps `lm_eval.simple_evaluate` with `--model kvevict` (see `kvevict.lmeval`); the
+It wraps `lm_eval.simple_evaluate` with `--model kvevict` (see `kvevict.integrations.lmeval`); the
 model_args are checked before lm-eval or the model is loaded. lm-eval is an optional
 extra, imported inside the command.
 """
@@ -29,11 +29,11 @@ def lm_eval(
     save: str = typer.Option(None, help="write lm-eval's results (JSON) to this file"),
 ) -> None:
     """Run lm-evaluation-harness tasks with kvevict's eviction (lm_eval --model kvevict)."""
-    from ..lmeval_args import Settings, split_model_args
+    from ..integrations.lmeval_args import Settings, split_model_args
     from ..report.columns import Table
 
     Settings.parse(split_model_args(model_args))  # before lm-eval (seconds to import) or the model loads
-    from ..lmeval import evaluate
+    from ..integrations.lmeval import evaluate
 
     results = evaluate(model_args, split_specs(tasks), num_fewshot, limit, include_path, seed=seed)
     rows = []

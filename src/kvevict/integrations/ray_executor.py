@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
+from ..ab.executors import Executor
+from ..ab.plan import SweepConfig
+from ..ab.worker import Batch, Worker
 from ..errors import KvevictError
-from .executors import Executor
-from .plan import SweepConfig
-from .worker import Batch, Worker
 
 #: seconds to reach a Ray address before giving up with a clear error (no hang)
 CONNECT_TIMEOUT = 10.0

@@ -1,13 +1,14 @@
 """Choosing the executor `--executor NAME` names: the one module that knows every executor.
 
-It sits apart from `executors.py` (the interface and the local executor) so that the Ray
-executor can build on that interface without the two modules importing each other.
+It sits beside the Ray executor, not in `ab/`: the local executor and the interface are
+in `ab/executors.py`, the Ray executor builds on them here, and `ab/` never imports this
+package, so neither executor module imports the other.
 """
 
 from __future__ import annotations
 
+from ..ab.executors import Executor, LocalExecutor
 from ..errors import KvevictError
-from .executors import Executor, LocalExecutor
 
 #: the names `--executor` accepts
 EXECUTORS = ("local", "ray")

@@ -29,10 +29,10 @@ from collections.abc import Iterable
 
 import torch
 
-from .errors import KvevictError
-from .eval.compress import compress, greedy
-from .eval.forward import log_probs
-from .eval.streaming import compare
+from ..errors import KvevictError
+from ..eval.compress import compress, greedy
+from ..eval.forward import log_probs
+from ..eval.streaming import compare
 from .lmeval_args import INSTALL, Settings, split_model_args
 
 
@@ -65,7 +65,7 @@ def _model_class():
 
         def __init__(self, **args) -> None:
             super().__init__()
-            from .models import load_model
+            from ..models import load_model
 
             self.settings = Settings.parse(args)
             self.model, self.tokenizer = load_model(self.settings.pretrained,
