@@ -106,7 +106,7 @@ def ab(
         needle=parse_ints(needle, "--needle"), needle_depths=parse_floats(needle_depths, "--needle-depths"),
         needle_trials=needle_trials, generation=generation, sink_map=sink_map,
     )
-    run_ab(config, allow_download, make_executor(executor, address or None, workers, retries, allow_download))
+    run_ab(config, allow_download, make_executor(executor, address or None, workers, retries))
 
 
 @one_line_errors

@@ -14,8 +14,7 @@ from ..errors import KvevictError
 EXECUTORS = ("local", "ray")
 
 
-def make_executor(name: str, address: str | None = None, workers: int = 2, retries: int = 2,
-                  allow_download: bool = False) -> Executor:
+def make_executor(name: str, address: str | None = None, workers: int = 2, retries: int = 2) -> Executor:
     """The executor `--executor NAME` asks for, checked before any work: Ray's absence and an
     unreachable `address` are one line each, not a hang or a traceback."""
     if name not in EXECUTORS:
@@ -33,4 +32,4 @@ def make_executor(name: str, address: str | None = None, workers: int = 2, retri
     import_ray()
     if address:
         check_reachable(address)
-    return RayExecutor(address=address, workers=workers, retries=retries, allow_download=allow_download)
+    return RayExecutor(address=address, workers=workers, retries=retries)
