@@ -93,7 +93,9 @@ def check_reachable(address: str, timeout: float | None = None) -> None:
 @contextmanager
 def loopback_start(ray) -> Iterator[None]:
     """While a local Ray instance starts: every process it spawns binds to 127.0.0.1, and
-    usage statistics are off unless the user set `RAY_USAGE_STATS_ENABLED` themselves.
+    usage statistics are off unless the user set `RAY_USAGE_STATS_ENABLED` themselves
+    (Ray 2.60's `ray.init` also switches them off for a cluster it starts, except on
+    nightly builds, where it asks; kvevict does not rely on that).
 
     Ray 2.60 resolves `_node_ip_address="127.0.0.1"` to the address of the interface that
     routes outside (`services.resolve_ip_for_localhost`), so the address alone does not
