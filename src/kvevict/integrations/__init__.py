@@ -2,6 +2,8 @@
 
 * `lmeval` — `--model kvevict` for lm-eval (registered when imported), and `evaluate`;
 * `lmeval_args` — its `model_args`, parsed and checked without importing lm-eval;
+* `lmeval_tasks` — the tasks and their datasets, checked before the model loads;
+* `hub` — the Hugging Face libraries kept offline (unless allowed) and quiet while lm-eval runs;
 * `ray_executor` — a sweep's batches on Ray workers;
 * `executor_choice` — the executor `--executor NAME` names (local or Ray).
 

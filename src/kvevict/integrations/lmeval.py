@@ -33,7 +33,9 @@ from ..errors import KvevictError
 from ..eval.compress import compress, greedy
 from ..eval.forward import log_probs
 from ..eval.streaming import compare
+from .hub import quiet_hub
 from .lmeval_args import INSTALL, Settings, split_model_args
+from .lmeval_tasks import check_data, check_names, task_manager
 
 
 def import_lm_eval():
@@ -194,33 +196,25 @@ def _until(kwargs: dict) -> list[str]:
 
 def evaluate(model_args: str, tasks: list[str], num_fewshot: int | None = None, limit: int | None = None,
              include_path: str | None = None, batch_size: int | None = None, seed: int = 0,
-             log_samples: bool = False) -> dict:
-    """`lm_eval.simple_evaluate` with `--model kvevict`; `model_args` checked before anything is loaded."""
+             log_samples: bool = False, allow_download: bool = False) -> dict:
+    """`lm_eval.simple_evaluate` with `--model kvevict`. `model_args` are checked before anything is
+    loaded, the tasks and their datasets before the model. The Hugging Face libraries stay offline
+    unless `allow_download` (then the datasets lm-eval asks for may be downloaded), and never count
+    downloads or send telemetry the user did not ask for (`hub.quiet_hub`)."""
     Settings.parse(split_model_args(model_args))
     lm_eval = import_lm_eval()
     from lm_eval.tasks import TaskManager
 
     registered()
-    manager = task_manager(TaskManager, tasks, include_path)
-    missing = [t for t in tasks if t not in manager.all_tasks]
-    if missing:
-        raise KvevictError(f"unknown lm-eval task {', '.join(missing)}: check --tasks, or --include-path for "
-                           "a folder of task YAML files")
     extra = {} if batch_size is None else {"batch_size": batch_size}
-    return lm_eval.simple_evaluate(model="kvevict", model_args=model_args, tasks=tasks, num_fewshot=num_fewshot,
-                                   limit=limit, task_manager=manager, random_seed=seed, numpy_random_seed=seed,
-                                   torch_random_seed=seed, fewshot_random_seed=seed, log_samples=log_samples,
-                                   **extra)
-
-
-def task_manager(manager_class, tasks: list[str], include_path: str | None):
-    """lm-eval's task index: of `include_path` alone when it holds every task asked for (indexing
-    lm-eval's own thousands of task files takes ~10 s), else of both."""
-    if include_path:
-        local = manager_class(include_path=include_path, include_defaults=False)
-        if all(t in local.all_tasks for t in tasks):
-            return local
-    return manager_class(include_path=include_path)
+    with quiet_hub(allow_download):
+        manager = task_manager(TaskManager, tasks, include_path)
+        check_names(manager, tasks)
+        check_data(manager, tasks, allow_download)
+        return lm_eval.simple_evaluate(model="kvevict", model_args=model_args, tasks=tasks, num_fewshot=num_fewshot,
+                                       limit=limit, task_manager=manager, random_seed=seed, numpy_random_seed=seed,
+                                       torch_random_seed=seed, fewshot_random_seed=seed, log_samples=log_samples,
+                                       **extra)
 
 
 def registered():
