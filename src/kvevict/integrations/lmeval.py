@@ -199,9 +199,10 @@ def evaluate(model_args: str, tasks: list[str], num_fewshot: int | None = None, 
              log_samples: bool = False, allow_download: bool = False) -> dict:
     """`lm_eval.simple_evaluate` with `--model kvevict`. `model_args` are checked before anything is
     loaded, the tasks and their datasets before the model. The Hugging Face libraries stay offline
-    unless `allow_download` (then the datasets lm-eval asks for may be downloaded), and never count
-    downloads or send telemetry the user did not ask for (`hub.quiet_hub`)."""
-    Settings.parse(split_model_args(model_args))
+    unless `allow_download` or `allow_download=true` in `model_args` (either lets the datasets and
+    the model be downloaded), and never count downloads or send telemetry the user did not ask for
+    (`hub.quiet_hub`)."""
+    allow_download = allow_download or Settings.parse(split_model_args(model_args)).allow_download
     lm_eval = import_lm_eval()
     from lm_eval.tasks import TaskManager
 
