@@ -29,6 +29,8 @@ import netns
 from netguard import GUARD
 
 KEY_VARIABLE = "KVEVICT_RAY_HOST_KEY"
+#: seconds a test waits for one call in the Ray host (a small sweep takes seconds)
+CALL_TIMEOUT = 300
 
 
 def serve(path: str) -> None:
@@ -96,6 +98,9 @@ class Host:
         """`function(*args)` run in the host; its result, or an AssertionError carrying the host's traceback.
         A socket the guard refused in the host during the call (or Ray's start) fails it too."""
         self.conn.send((function.__module__, function.__name__, args))
+        if not self.conn.poll(CALL_TIMEOUT):
+            raise AssertionError(f"the Ray host did not answer {function.__name__} within {CALL_TIMEOUT} s: "
+                                 f"{self.log.read_text()[-3000:]}")
         status, value, refused, stderr = self.conn.recv()
         if refused:
             raise AssertionError("network guard (Ray host): " + "; ".join(dict.fromkeys(refused)))
