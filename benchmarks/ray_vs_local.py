@@ -13,7 +13,11 @@ at a time, and Ray adds its start-up and a model load per worker. On a cluster t
 workers are separate machines and the sweep's wall time divides by their number; this
 benchmark measures the overhead a team pays for that on one box.
 
-    .venv/bin/python benchmarks/ray_vs_local.py --tokens 600 --budgets 64,128
+    unshare --net sh -c 'ip link set lo up && .venv/bin/python benchmarks/ray_vs_local.py --tokens 600 --budgets 64,128'
+
+Run it in a network namespace that holds only loopback, as above (root): the local Ray
+instance binds to 127.0.0.1, but Ray's dashboard probes cloud metadata addresses at every
+start, and no switch stops that (docs/integrations.md).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvevict.ab import SweepConfig, run_sweep
-from kvevict.ab.executor_choice import make_executor
+from kvevict.integrations.executor_choice import make_executor
 
 POLICIES = ["window", "streamingllm", "h2o", "snapkv"]
 

@@ -1,10 +1,14 @@
-"""Shared fixtures: a tiny randomly initialised GQA Llama, built in-process (no download)."""
+"""Shared fixtures: a tiny randomly initialised GQA Llama, built in-process (no download); and the network
+guard: every test fails that opens a socket to an address outside loopback (`netguard.py`)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+
+# the network guard's hooks, run for every test (also loadable alone: `pytest -p netguard`)
+from netguard import pytest_configure, pytest_runtest_makereport, pytest_unconfigure  # noqa: F401
 
 VOCAB = 101
 DEFAULT_THREADS = torch.get_num_threads()

@@ -61,14 +61,8 @@ def tasks(tmp_path_factory):
     return write_tasks(tmp_path_factory.mktemp("lmeval-tasks"))
 
 
-@pytest.fixture(autouse=True)
-def offline(monkeypatch):
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-
 def evaluate(model_args: str, tasks: str, names=("kv_mc", "kv_roll", "kv_gen")) -> dict:
-    from kvevict.lmeval import evaluate as run
+    from kvevict.integrations.lmeval import evaluate as run
 
     return run(model_args, list(names), include_path=tasks, log_samples=True)
 
@@ -237,7 +231,7 @@ def test_bad_model_args_are_one_line_before_any_loading(args, needles):
 
 
 def test_policy_options_inside_model_args_are_separated_by_semicolons():
-    from kvevict.lmeval_args import Settings, split_model_args
+    from kvevict.integrations.lmeval_args import Settings, split_model_args
     from kvevict.policies import parse_policy
 
     settings = Settings.parse(split_model_args("pretrained=x,policy=sink2+snapkv:window=8;kernel=3,budget=50%"))
@@ -248,3 +242,53 @@ def test_policy_options_inside_model_args_are_separated_by_semicolons():
 def test_unknown_task_is_one_line(tasks, tiny_dir):
     cli_error("lm-eval", "--tasks", "no_such_task", "--include-path", tasks, "--model-args",
               f"pretrained={tiny_dir},policy=full", needles=("unknown lm-eval task no_such_task",))
+
+
+# --- this machine only: datasets offline unless allowed, nothing sent elsewhere -----------------------------------
+
+
+def test_a_dataset_not_on_this_machine_is_one_line_before_the_model_loads(tmp_path):
+    """A task whose dataset is on the Hub and not in the local cache: one line naming the dataset and both fixes,
+    before the model loads (the model folder here does not exist, so loading it first would be another error), and
+    no lookup of the Hub on the way (the socket guard fails the test on one)."""
+    (tmp_path / "kv_absent.yaml").write_text(
+        "task: kv_absent\ndataset_path: kvevict-tests/no-such-dataset\ntest_split: test\n"
+        "output_type: multiple_choice\ndoc_to_text: '{{context}}'\ndoc_to_choice: '{{choices}}'\n"
+        "doc_to_target: '{{gold}}'\nmetric_list:\n  - metric: acc\n")
+    cli_error("lm-eval", "--tasks", "kv_absent", "--include-path", str(tmp_path), "--model-args",
+              f"pretrained={tmp_path / 'no-model'},policy=full",
+              needles=("lm-eval task kv_absent needs the dataset 'kvevict-tests/no-such-dataset'",
+                       "not in the local Hugging Face cache", "--allow-download", "--include-path"))
+
+
+def test_an_lm_eval_run_sends_nothing_off_this_machine_and_puts_the_switches_back(tasks, tiny_dir):
+    """A whole run under the socket guard: datasets' load counting (a request to S3 for every load, local JSON
+    included) and the Hub stay switched off during it, and the libraries' switches are what they were after it."""
+    import datasets
+    import huggingface_hub
+
+    from netguard import GUARD
+
+    before = (huggingface_hub.constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE,
+              datasets.config.HF_UPDATE_DOWNLOAD_COUNTS, huggingface_hub.constants.HF_HUB_DISABLE_TELEMETRY)
+    assert GUARD.installed
+    GUARD.take()
+    results = evaluate(f"pretrained={tiny_dir},policy=full", tasks, ["kv_mc"])
+    assert GUARD.take() == [] and len(results["samples"]["kv_mc"]) == len(CONTEXTS)
+    assert (huggingface_hub.constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE,
+            datasets.config.HF_UPDATE_DOWNLOAD_COUNTS, huggingface_hub.constants.HF_HUB_DISABLE_TELEMETRY) == before
+
+
+@pytest.mark.parametrize("allow_download, environ, offline, telemetry_off, counts_off", [
+    (False, {}, True, True, True),
+    (True, {}, False, True, True),  # downloading allowed: the user's own HF_HUB_OFFLINE stands
+    (False, {"DO_NOT_TRACK": "0", "HF_UPDATE_DOWNLOAD_COUNTS": "1"}, True, False, False),  # the user chose
+])
+def test_what_kvevict_switches_off_and_what_it_leaves_to_the_user(allow_download, environ, offline, telemetry_off,
+                                                                  counts_off):
+    from kvevict.integrations.hub import switches
+
+    names = {variable: value for variable, value, _ in switches(allow_download, environ)}
+    assert (names.get("HF_HUB_OFFLINE") == "1" and names.get("HF_DATASETS_OFFLINE") == "1") == offline
+    assert (names.get("HF_HUB_DISABLE_TELEMETRY") == "1") == telemetry_off
+    assert (names.get("HF_UPDATE_DOWNLOAD_COUNTS") == "0") == counts_off

@@ -1,19 +1,41 @@
 """Executors: what runs a sweep's batches. `local` runs them in this process; `ray` on Ray workers.
 
-An executor takes the batches (`worker.Batch`), runs them, and calls `finished(lines)`
-with each batch's records as soon as it is done; the driver alone appends them to
-`results.jsonl`. A batch the executor gives up on is listed in `failed` with the
-reason; its cells stay unfinished, so a rerun of the same command runs them.
+An executor takes the batches (`worker.Batch`) and a `WorkerSpec` (what builds the
+`Worker` that runs them), runs them, and calls `finished(lines)` with each batch's
+records as soon as it is done; the driver alone appends them to `results.jsonl`. A
+batch the executor gives up on is listed in `failed` with the reason; its cells stay
+unfinished, so a rerun of the same command runs them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from .plan import SweepConfig
 from .worker import Batch, Worker
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What builds a sweep's `Worker`, wherever it runs: the sweep, whether its model may be
+    downloaded, and the model the driver already loaded (for an executor that runs in this
+    process; `portable()` leaves it out for one that builds workers elsewhere)."""
+
+    config: SweepConfig
+    allow_download: bool = False
+    model: Any = field(default=None, repr=False)
+    tokenizer: Any = field(default=None, repr=False)
+
+    def build(self) -> Worker:
+        """A worker; it loads the model on its first batch unless this spec carries one."""
+        return Worker(self.config, self.model, self.tokenizer, self.allow_download)
+
+    def portable(self) -> WorkerSpec:
+        """This spec without the driver's model, to ship to another process (which loads its own)."""
+        return replace(self, model=None, tokenizer=None)
 
 
 @dataclass
@@ -30,8 +52,8 @@ class Executor:
         before showing any progress, so a failure to connect is one line, not a bar and a line."""
         yield
 
-    def run(self, config: SweepConfig, todo: list[Batch], worker: Callable[[], Worker],
-            finished: Callable[[list[dict]], None], progress) -> None:
+    def run(self, spec: WorkerSpec, todo: list[Batch], finished: Callable[[list[dict]], None], progress) -> None:
+        """Run every batch of `todo` on workers `spec` builds; `finished(lines)` after each one."""
         raise NotImplementedError
 
 
@@ -39,8 +61,8 @@ class Executor:
 class LocalExecutor(Executor):
     """Every batch in this process, in order, through one worker (one model, one full-cache reference)."""
 
-    def run(self, config, todo, worker, finished, progress) -> None:
-        runner = worker()
+    def run(self, spec, todo, finished, progress) -> None:
+        runner = spec.build()
         runner.reference(progress)
         for batch in todo:
             finished(runner.run(batch, progress))

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
-from functools import partial
 
 from ..data import load_tokens, stream_start
 from ..errors import KvevictError
@@ -24,9 +23,9 @@ from ..progress import bars
 from ..report.records import Record, load
 from ..report.store import ResultStore
 from . import tasks
-from .executors import Executor, LocalExecutor
+from .executors import Executor, LocalExecutor, WorkerSpec
 from .plan import SweepConfig, plan
-from .worker import Worker, batches
+from .worker import batches
 
 
 def prepare_folder(config: SweepConfig) -> ResultStore:
@@ -95,7 +94,7 @@ def run_sweep(
                 store.append(lines)
                 bar.advance(sweep_task, len(lines))
 
-            executor.run(config, todo, partial(Worker, config, model, tokenizer, allow_download), finished, bar)
+            executor.run(WorkerSpec(config, allow_download, model, tokenizer), todo, finished, bar)
     if task_kinds:  # the protocols beyond perplexity run in this process, whatever the executor
         if model is None:
             model, tokenizer = load_model(config.model, allow_download=allow_download)

@@ -110,7 +110,7 @@ def ab(
 ) -> None:
     """A/B test policies side by side: resumable results.jsonl, a summary table and an HTML report."""
     from ..ab import SweepConfig
-    from ..ab.executor_choice import make_executor
+    from ..integrations.executor_choice import make_executor
 
     config = SweepConfig(
         model=model, text=text, tokens=tokens, budgets=parse_ints(budgets, "--budgets"),
@@ -120,7 +120,7 @@ def ab(
         needle=parse_ints(needle, "--needle"), needle_depths=parse_floats(needle_depths, "--needle-depths"),
         needle_trials=needle_trials, generation=generation, sink_map=sink_map,
     )
-    run_ab(config, allow_download, make_executor(executor, address or None, workers, retries, allow_download))
+    run_ab(config, allow_download, make_executor(executor, address or None, workers, retries))
 
 
 @one_line_errors

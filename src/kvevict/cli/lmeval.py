@@ -1,8 +1,9 @@
 """`kvevict lm-eval`: lm-evaluation-harness tasks on a model whose KV cache a policy evicts.
 
-It wraps `lm_eval.simple_evaluate` with `--model kvevict` (see `kvevict.lmeval`); the
-model_args are checked before lm-eval or the model is loaded. lm-eval is an optional
-extra, imported inside the command.
+It wraps `lm_eval.simple_evaluate` with `--model kvevict` (see `kvevict.integrations.lmeval`); the
+model_args are checked before lm-eval or the model is loaded, the tasks and their data
+before the model. Datasets and the model resolve offline unless `--allow-download`.
+lm-eval is an optional extra, imported inside the command.
 """
 
 from __future__ import annotations
@@ -27,15 +28,21 @@ def lm_eval(
     include_path: str = typer.Option(None, help="a folder of extra task YAML files (lm-eval's --include_path)"),
     seed: int = typer.Option(0, help="seed of few-shot sampling and everything lm-eval draws"),
     save: str = typer.Option(None, help="write lm-eval's results (JSON) to this file"),
+    allow_download: bool = typer.Option(False, "--allow-download",
+                                        help="let lm-eval download the tasks' datasets, and the model an HF id "
+                                             "names (adds allow_download=true to --model-args); offline otherwise"),
 ) -> None:
     """Run lm-evaluation-harness tasks with kvevict's eviction (lm_eval --model kvevict)."""
-    from ..lmeval_args import Settings, split_model_args
+    from ..integrations.lmeval_args import Settings, split_model_args
     from ..report.columns import Table
 
+    if allow_download and "allow_download" not in split_model_args(model_args):
+        model_args = f"{model_args},allow_download=true"
     Settings.parse(split_model_args(model_args))  # before lm-eval (seconds to import) or the model loads
-    from ..lmeval import evaluate
+    from ..integrations.lmeval import evaluate
 
-    results = evaluate(model_args, split_specs(tasks), num_fewshot, limit, include_path, seed=seed)
+    results = evaluate(model_args, split_specs(tasks), num_fewshot, limit, include_path, seed=seed,
+                       allow_download=allow_download)
     rows = []
     for task, metrics in results["results"].items():
         for name, value in metrics.items():

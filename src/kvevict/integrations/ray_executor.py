@@ -3,6 +3,10 @@
 `kvevict ab ... --executor ray [--address ADDR] [--workers N]`. Without an address a
 local Ray instance is started for the run and stopped after it (a Ray session already
 started in this process, e.g. by a library user or a test, is used and left running).
+The local instance stays on this machine: every Ray process binds to 127.0.0.1, and
+Ray's usage statistics are off unless the user set `RAY_USAGE_STATS_ENABLED`
+(`loopback_start`; docs/integrations.md says what Ray does at start). An address the
+user gives is theirs: kvevict only checks that a Ray server answers there.
 Each of `workers` actors holds a `worker.Worker`; the driver hands a batch to each idle
 actor, waits for whichever finishes first, appends its records (the driver alone
 writes `results.jsonl`) and hands that actor the next batch.
@@ -27,16 +31,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
+from ..ab.executors import Executor, WorkerSpec
+from ..ab.worker import Batch
 from ..errors import KvevictError
-from .executors import Executor
-from .plan import SweepConfig
-from .worker import Batch, Worker
 
 #: seconds to reach a Ray address before giving up with a clear error (no hang)
 CONNECT_TIMEOUT = 10.0
 INSTALL = "pip install kvevict[ray]"
 HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 HTTP2_SETTINGS = bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # an empty SETTINGS frame: length 0, type 4, stream 0
+LOOPBACK = "127.0.0.1"
+#: Ray's switch for usage statistics (ray/_common/usage/usage_lib.py, Ray 2.60): "0" off, "1" on
+USAGE_STATS = "RAY_USAGE_STATS_ENABLED"
+#: read by Ray at import (ray/_private/ray_constants.py, `ENABLE_RAY_CLUSTER`); "0" makes
+#: `services.get_node_ip_address` answer 127.0.0.1 instead of the address of the interface that routes outside
+LOCAL_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 def import_ray():
@@ -48,12 +57,14 @@ def import_ray():
     return ray
 
 
-def check_reachable(address: str, timeout: float = CONNECT_TIMEOUT) -> None:
-    """Check that a Ray server answers at ADDR (`host:port` or `ray://host:port`) within `timeout` seconds.
+def check_reachable(address: str, timeout: float | None = None) -> None:
+    """Check that a Ray server answers at ADDR (`host:port` or `ray://host:port`) within `timeout` seconds
+    (default `CONNECT_TIMEOUT`).
 
     `ray.init` against an address nobody answers retries for minutes; this turns that
     into one line naming the fix. `auto` (the cluster this machine belongs to) is left to Ray.
     """
+    timeout = CONNECT_TIMEOUT if timeout is None else timeout
     if address == "auto":
         return
     parsed = urlparse(address if "://" in address else f"tcp://{address}")
@@ -79,14 +90,49 @@ def check_reachable(address: str, timeout: float = CONNECT_TIMEOUT) -> None:
                            "a local Ray instance") from None
 
 
+@contextmanager
+def loopback_start(ray) -> Iterator[None]:
+    """While a local Ray instance starts: every process it spawns binds to 127.0.0.1, and
+    usage statistics are off unless the user set `RAY_USAGE_STATS_ENABLED` themselves
+    (Ray 2.60's `ray.init` also switches them off for a cluster it starts, except on
+    nightly builds, where it asks; kvevict does not rely on that).
+
+    Ray 2.60 resolves `_node_ip_address="127.0.0.1"` to the address of the interface that
+    routes outside (`services.resolve_ip_for_localhost`), so the address alone does not
+    keep a local instance on loopback. What does is Ray's own switch for machines where a
+    Ray cluster is not supported: with `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`,
+    `get_node_ip_address` answers 127.0.0.1; the GCS, the raylet, the dashboard process
+    and the workers then listen on 127.0.0.1 only, and Ray skips its probe of outside DNS
+    servers for the local address. Ray reads the variable once, at import, so its
+    constant is switched here as well, and both are put back once the instance is up
+    (the processes it spawned keep what they inherited).
+    """
+    from ray._private import ray_constants
+
+    saved = {name: os.environ.get(name) for name in (LOCAL_ONLY, USAGE_STATS)}
+    constant = ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[LOCAL_ONLY] = "0"
+    os.environ.setdefault(USAGE_STATS, "0")
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = constant
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 class RayWorker:
     """The body of one Ray actor: a `Worker` that lives as long as the actor (model loaded once)."""
 
-    def __init__(self, config: SweepConfig, threads: int, allow_download: bool) -> None:
+    def __init__(self, spec: WorkerSpec, threads: int) -> None:
         import torch
 
         torch.set_num_threads(threads)
-        self.worker = Worker(config, allow_download=allow_download)
+        self.worker = spec.build()
 
     def pid(self) -> int:
         return os.getpid()
@@ -97,13 +143,13 @@ class RayWorker:
 
 @dataclass
 class RayExecutor(Executor):
-    """Batches on `workers` Ray actors of `cpus` CPUs each (default: a local instance's cores shared out)."""
+    """Batches on `workers` Ray actors of `cpus` CPUs each (default: a local instance's cores shared out).
+    Each actor builds its own worker from the sweep's `WorkerSpec` (without the driver's model)."""
 
     address: str | None = None
     workers: int = 2
     retries: int = 2
     cpus: int | None = None
-    allow_download: bool = False
     #: called with (batch, worker pid) each time a batch is handed to a worker: lets a caller watch or fault-test
     on_dispatch: Callable[[Batch, int], None] | None = None
     in_process: bool = False
@@ -129,8 +175,10 @@ class RayExecutor(Executor):
         else:
             # the workers import kvevict from where this process does (a source checkout included)
             path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), _package_root()) if p)
-            ray.init(num_cpus=cpus * self.workers, include_dashboard=False, log_to_driver=False,
-                     configure_logging=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
+            with loopback_start(ray):
+                ray.init(num_cpus=cpus * self.workers, include_dashboard=False, log_to_driver=False,
+                         configure_logging=False, _node_ip_address=LOOPBACK, dashboard_host=LOOPBACK,
+                         runtime_env={"env_vars": {"PYTHONPATH": path}})
         return True, cpus
 
     @contextmanager
@@ -145,17 +193,17 @@ class RayExecutor(Executor):
             if started:
                 ray.shutdown()
 
-    def run(self, config, todo, worker, finished, progress) -> None:
+    def run(self, spec, todo, finished, progress) -> None:
         if self._cpus is None:  # called outside a session (a library user)
             with self.session():
-                return self.run(config, todo, worker, finished, progress)
-        self._run(import_ray(), config, todo, finished, progress, self._cpus)
+                return self.run(spec, todo, finished, progress)
+        self._run(import_ray(), spec.portable(), todo, finished, progress, self._cpus)
 
-    def _run(self, ray, config, todo, finished, progress, cpus: int) -> None:
+    def _run(self, ray, spec: WorkerSpec, todo, finished, progress, cpus: int) -> None:
         from ray.exceptions import RayActorError, RayTaskError
 
         actor_class = ray.remote(num_cpus=cpus, max_restarts=-1)(RayWorker)
-        actors = [actor_class.remote(config, cpus, self.allow_download) for _ in range(min(self.workers, len(todo)))]
+        actors = [actor_class.remote(spec, cpus) for _ in range(min(self.workers, len(todo)))]
         task = progress.add_task(f"ray: {len(actors)} workers, {len(todo)} batches", total=len(todo))
         queue = list(todo)
         attempts: dict[int, int] = {}

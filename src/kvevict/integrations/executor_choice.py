@@ -1,20 +1,20 @@
 """Choosing the executor `--executor NAME` names: the one module that knows every executor.
 
-It sits apart from `executors.py` (the interface and the local executor) so that the Ray
-executor can build on that interface without the two modules importing each other.
+It sits beside the Ray executor, not in `ab/`: the local executor and the interface are
+in `ab/executors.py`, the Ray executor builds on them here, and `ab/` never imports this
+package, so neither executor module imports the other.
 """
 
 from __future__ import annotations
 
+from ..ab.executors import Executor, LocalExecutor
 from ..errors import KvevictError
-from .executors import Executor, LocalExecutor
 
 #: the names `--executor` accepts
 EXECUTORS = ("local", "ray")
 
 
-def make_executor(name: str, address: str | None = None, workers: int = 2, retries: int = 2,
-                  allow_download: bool = False) -> Executor:
+def make_executor(name: str, address: str | None = None, workers: int = 2, retries: int = 2) -> Executor:
     """The executor `--executor NAME` asks for, checked before any work: Ray's absence and an
     unreachable `address` are one line each, not a hang or a traceback."""
     if name not in EXECUTORS:
@@ -32,4 +32,4 @@ def make_executor(name: str, address: str | None = None, workers: int = 2, retri
     import_ray()
     if address:
         check_reachable(address)
-    return RayExecutor(address=address, workers=workers, retries=retries, allow_download=allow_download)
+    return RayExecutor(address=address, workers=workers, retries=retries)

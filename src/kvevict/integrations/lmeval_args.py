@@ -2,17 +2,17 @@
 
 `kvevict lm-eval` checks them before lm-eval (seconds to import) or the model is
 loaded, so a bad policy or budget is one line at once. The model itself is in
-`kvevict.lmeval`.
+`kvevict.integrations.lmeval`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .defaults import DEFAULT_CHUNK
-from .errors import KvevictError
-from .policies import check_policy
-from .policies.budget import Budget, parse_budget, resolve_budget
+from ..defaults import DEFAULT_CHUNK
+from ..errors import KvevictError
+from ..policies import check_policy
+from ..policies.budget import Budget, parse_budget, resolve_budget
 
 INSTALL = "pip install kvevict[lm-eval]"
 #: lm-eval `model_args` this model takes (anything else lm-eval passes is listed in `IGNORED`)
@@ -40,7 +40,7 @@ class Settings:
     @classmethod
     def parse(cls, args: dict) -> Settings:
         """`model_args` as lm-eval parsed them; a bad value is one `KvevictError` naming the fix."""
-        from .cache import POSITION_MODES
+        from ..cache import POSITION_MODES
 
         unknown = sorted(set(args) - set(ARGS) - set(IGNORED))
         if unknown and ":" in str(args.get("policy", "")):
