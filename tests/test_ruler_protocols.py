@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import random_tokens
 
 from kvevict.cache import EvictingCache
 from kvevict.errors import KvevictError
@@ -19,6 +18,8 @@ from kvevict.eval.forward import body
 from kvevict.eval.ruler.grid import RulerGrid
 from kvevict.eval.ruler.protocols import answer, check_aware, prefill, snapshot
 from kvevict.eval.ruler.sample import Prompt, Question, Sample
+
+from conftest import random_tokens
 
 SPECS = ["window", "streamingllm", "h2o", "snapkv:window=8"]
 NEW = 6

@@ -118,7 +118,8 @@ def test_niah_haystacks_follow_ruler(shape, material):
     essay = fit(TASKS["niah_single_2"], LENGTH, 0, 0, shape, material).sample.head
     assert "The grass is green" not in essay and "One of the special magic numbers" in essay
     uuids = fit(TASKS["niah_multikey_3"], LENGTH, 0, 0, shape, material).sample
-    assert re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}", uuids.question.answers[0])
+    uuid4 = r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}"
+    assert re.fullmatch(uuid4, uuids.question.answers[0])
     # one value asked: RULER's singular wording; several: plural
     assert "What is the special magic number for" in fit(TASKS["niah_single_1"], LENGTH, 0, 0, shape,
                                                          material).sample.question.text

@@ -142,11 +142,24 @@ def check_length(length: int, limit: int | None, what: str) -> None:
                            f"{limit}: use lengths up to {limit}")
 
 
+def preflight(grid: RulerGrid, tokenizer, limit: int | None) -> int:
+    """Check every prompt against the model's context and every budget against every prompt, before any
+    answer; returns the number of batches the grid holds."""
+    grid.check()
+    plan = grid.batches()
+    count = 0
+    for prompt in prompts(grid, tokenizer, limit):
+        for specs, budget in plan:
+            check_budget(prompt, grid.protocol, specs, budget)
+            count += 1
+    return count
+
+
 def run_grid(model, tokenizer, grid: RulerGrid, done: set[str] = frozenset(),
              on_records: Callable[[list[dict]], None] | None = None, limit: int | None = None,
-             on_prompt: Callable[[Prompt], None] | None = None) -> list[dict]:
+             on_skip: Callable[[], None] | None = None) -> list[dict]:
     """Answer every prompt of the grid with every batch; returns the new records (also given to `on_records`)."""
-    grid.check()
+    preflight(grid, tokenizer, limit)
     plan = grid.batches()
     metric = grid.qa.metric if grid.qa is not None else None
     out: list[dict] = []
@@ -159,6 +172,8 @@ def run_grid(model, tokenizer, grid: RulerGrid, done: set[str] = frozenset(),
             keys = [record_key(grid.protocol, grid.form, sample.task, prompt.length, sample.index, spec, label, q)
                     for spec in specs for q in range(len(questions))]
             if all(k in done for k in keys):
+                if on_skip is not None:
+                    on_skip()
                 continue
             entries = check_budget(prompt, grid.protocol, specs, budget)
             answers = answer(model, tokenizer, prompt, specs, entries, grid.protocol, grid.form, grid.positions,
