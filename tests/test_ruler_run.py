@@ -127,3 +127,28 @@ def test_rank_correlation_between_perplexity_and_tasks():
     # -PPL ranks window 1, snapkv 2, h2o 3; accuracy ranks window 1, h2o 2, snapkv 3: d = (0, 1, 1), rho = 1 - 6*2/24
     assert row["rho"] == pytest.approx(0.5)
     assert ruler_report.spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+
+
+def test_ab_runs_ruler_tasks_in_the_same_run_and_report(tmp_path, tiny_dir):
+    from dataclasses import asdict
+
+    from kvevict.ab import SweepConfig
+    from kvevict.ab.run import run_sweep
+    from kvevict.models import load_model
+    from kvevict.report.html import render
+
+    model, tokenizer = load_model(str(tiny_dir))
+    cfg = SweepConfig(tokens=300, budgets=[32], policies=["streamingllm", "h2o"], oracle_stride=50,
+                      out=str(tmp_path / "runs"), name="ab", ruler=["niah_single_1"], ruler_length=400,
+                      ruler_samples=2)
+    store, records = run_sweep(cfg, model=model, tokenizer=tokenizer, progress=False)
+    answers = [r for r in records if r.kind == "ruler"]
+    assert len(answers) == 2 * 3 and {r.budget for r in answers} == {"full", "32"}
+    assert {r.name for r in records if r.kind == "policy"} == {r.policy for r in answers} - {"full"}
+    page = render(records, asdict(cfg), tmp_path / "report.html").read_text()
+    assert 'id="ruler"' in page and 'id="summary"' in page
+    # a random tiny model fails every task with the full cache: beyond it, so no ranking is drawn from them
+    assert "No rank correlation with perplexity" in page and "†" in page
+    before = store.path.read_text()
+    run_sweep(cfg, model=model, tokenizer=tokenizer, progress=False)  # finished: nothing again
+    assert store.path.read_text() == before

@@ -129,6 +129,9 @@ def ruler(records: Sequence[Record]) -> tuple[str, str] | None:
                 + f" over {html.escape(', '.join(a['policies']))}</li>" for a in agreement]
         parts.append("<p>Does perplexity rank the policies as the tasks do? Rank correlation between -PPL and "
                      "mean task accuracy (tasks within reach), per budget:</p><ul>" + "".join(rows) + "</ul>")
+    elif ppl_records(records):
+        parts.append("<p>No rank correlation with perplexity: no budget holds two policies in both the perplexity "
+                     "cells and a task within this model's reach.</p>")
     figures = ruler_plots.heatmaps(found) + ruler_plots.accuracy_vs_budget(found)
     parts += [image_html(plots.png(fig), title) for title, fig in figures]
     return "RULER tasks: accuracy per task, policy and budget", "".join(parts)
