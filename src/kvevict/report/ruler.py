@@ -65,17 +65,25 @@ def fmt(cell: RulerCell) -> str:
 
 
 def ruler_table(found: Sequence[RulerCell]) -> Table:
-    """Rows: protocol, task@length, budget; one column per policy: accuracy [95% interval]."""
-    policies = list(dict.fromkeys(c.policy for c in sorted(found, key=lambda c: c.policy != "full")))
+    """Rows: protocol, task@length, budget; columns: the full cache on the same prompts, then each policy:
+    accuracy [95% interval]. A task with the full cache alone gets one row (budget `full`)."""
+    policies = list(dict.fromkeys(c.policy for c in found if c.budget != "full"))
+    full = {(c.protocol, c.where): c for c in found if c.budget == "full"}
     rows: dict[tuple, dict[str, RulerCell]] = {}
     for c in found:
-        rows.setdefault((c.protocol, c.where, c.budget), {})[c.policy] = c
+        if c.budget != "full":
+            rows.setdefault((c.protocol, c.where, c.budget), {})[c.policy] = c
+    for protocol, where in full:
+        if not any(k[:2] == (protocol, where) for k in rows):
+            rows[(protocol, where, "full")] = {}
     body = []
     for (protocol, where, budget), row in rows.items():
-        n = max(c.n for c in row.values())
-        body.append([protocol, where, budget, str(n)] + [fmt(row[p]) if p in row else "-" for p in policies])
-    return Table(["protocol", "task@length", "budget", "n"] + policies, body,
-                 ["left", "left", "right", "right"] + ["right"] * len(policies))
+        ref = full.get((protocol, where))
+        n = max([c.n for c in row.values()] + ([ref.n] if ref else []))
+        body.append([protocol, where, budget, str(n), fmt(ref) if ref else "-"]
+                    + [fmt(row[p]) if p in row else "-" for p in policies])
+    return Table(["protocol", "task@length", "budget", "n", "full"] + policies, body,
+                 ["left", "left", "right", "right", "right"] + ["right"] * len(policies))
 
 
 def _ranks(values: Sequence[float]) -> list[float]:

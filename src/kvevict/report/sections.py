@@ -39,8 +39,10 @@ def decision(records: Sequence[Record]) -> tuple[str, str] | None:
     return ("Verdict", verdict.section_html(found)) if found else None
 
 
-def perplexity(records: Sequence[Record]) -> tuple[str, str]:
-    """Always present: a sweep always holds at least the full cache."""
+def perplexity(records: Sequence[Record]) -> tuple[str, str] | None:
+    """Present whenever the run holds perplexity cells (a sweep always does; a `kvevict ruler` run does not)."""
+    if not ppl_records(records):
+        return None
     table = table_html(summary_table(ppl_records(records)), "summary")
     return "Streaming perplexity and fidelity to the full cache", PPL_INTRO + table
 
@@ -68,7 +70,8 @@ def _figure(title: str, draw: Callable) -> Section:
     """A section holding one figure of the perplexity records (absent when `draw` has nothing to draw)."""
 
     def section(records: Sequence[Record]) -> tuple[str, str] | None:
-        fig = draw(ppl_records(records))
+        rows = ppl_records(records)
+        fig = draw(rows) if rows else None
         return None if fig is None else (title, image_html(plots.png(fig), title))
 
     section.__name__ = draw.__name__
