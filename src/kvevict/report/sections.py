@@ -151,6 +151,6 @@ SECTIONS: list[Section] = [
     _figure("Sink loss per layer and KV head", plots.sink_loss_heatmaps),
     needle,
     generation,
-    ruler,
     sink_map,
+    ruler,
 ]
