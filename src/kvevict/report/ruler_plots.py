@@ -86,6 +86,7 @@ def accuracy_vs_budget(found: list[RulerCell]) -> list[tuple[str, Figure]]:
             beyond = full is not None and full.beyond
             ax.set_title(where + (" († beyond the model)" if beyond else ""), fontsize=8)
             ax.set_xticks(x, budgets, fontsize=7)
+            ax.set_xlim(-0.5, len(budgets) - 0.5)
             ax.set_ylim(-0.05, 1.05)
             ax.grid(alpha=0.3)
         for k in range(len(wheres), rows * columns):
