@@ -22,6 +22,16 @@ from kvevict.eval.ruler.sample import Prompt, Question, Sample
 from conftest import random_tokens
 
 SPECS = ["window", "streamingllm", "h2o", "snapkv:window=8"]
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def model(request, tiny):
+    """The tiny Llama, and a tiny Gemma 3 (sliding-window layers beside full ones: the embedded second model)."""
+    if request.param == "llama":
+        return tiny
+    from architectures import Arch
+
+    return Arch("gemma3", ("original",)).build().eval()
 NEW = 6
 
 
@@ -53,11 +63,11 @@ def _tokens(answers, question=0):
     return [a.tokens for a in answers if a.question == question]
 
 
-def test_agnostic_equals_compressing_the_context_with_every_row_fed(tiny):
+def test_agnostic_equals_compressing_the_context_with_every_row_fed(model):
     prompt = _prompt()
-    got = answer(tiny, Words(), prompt, SPECS, 40, "agnostic")
-    ref = compress_prompt(tiny, prompt.ids, SPECS, 40, split=prompt.context.numel())
-    assert _tokens(got) == greedy(tiny, ref, NEW)
+    got = answer(model, Words(), prompt, SPECS, 40, "agnostic")
+    ref = compress_prompt(model, prompt.ids, SPECS, 40, split=prompt.context.numel())
+    assert _tokens(got) == greedy(model, ref, NEW)
     assert [a.policy for a in got] == [ref_p for ref_p in ref.policies]
 
 
@@ -84,58 +94,58 @@ def test_full_cache_is_the_plain_forward(tiny):
     assert _tokens(got) == [tokens]
 
 
-def test_stream_equals_one_token_per_forward(tiny):
+def test_stream_equals_one_token_per_forward(model):
     prompt = _prompt()
-    got = answer(tiny, Words(), prompt, SPECS, 40, "stream", stream_chunk=16)
-    cache = EvictingCache(tiny, SPECS, budget=40)
+    got = answer(model, Words(), prompt, SPECS, 40, "stream", stream_chunk=16)
+    cache = EvictingCache(model, SPECS, budget=40)
     rows = len(SPECS)
     with torch.inference_mode():
         for token in prompt.ids.tolist():
-            hidden = body(tiny, torch.tensor([[token]] * rows), cache)[:, -1]
+            hidden = body(model, torch.tensor([[token]] * rows), cache)[:, -1]
         out = [[] for _ in range(rows)]
         for _ in range(NEW):
-            token = tiny.lm_head(hidden).argmax(-1)
+            token = model.lm_head(hidden).argmax(-1)
             for row, value in enumerate(token.tolist()):
                 out[row].append(value)
-            hidden = body(tiny, token[:, None], cache)[:, -1]
+            hidden = body(model, token[:, None], cache)[:, -1]
             assert max(layer.n for layer in cache.layers) <= 40
     assert _tokens(got) == out
 
 
-def test_multi_requests_each_start_from_the_same_compressed_context(tiny):
+def test_multi_requests_each_start_from_the_same_compressed_context(model):
     prompt = _prompt(questions=3)
-    got = answer(tiny, Words(), prompt, SPECS, 40, "multi", form="requests")
+    got = answer(model, Words(), prompt, SPECS, 40, "multi", form="requests")
     for q in range(3):
         ids = torch.cat([prompt.context, prompt.per_key[q]])
-        ref = compress_prompt(tiny, ids, SPECS, 40, split=prompt.context.numel())
-        assert _tokens(got, q) == greedy(tiny, ref, NEW)
+        ref = compress_prompt(model, ids, SPECS, 40, split=prompt.context.numel())
+        assert _tokens(got, q) == greedy(model, ref, NEW)
 
 
-def test_multi_turns_equal_each_policy_alone_evicting_throughout(tiny):
+def test_multi_turns_equal_each_policy_alone_evicting_throughout(model):
     prompt = _prompt(questions=3)
-    got = answer(tiny, Words(), prompt, SPECS, 40, "multi", form="turns")
+    got = answer(model, Words(), prompt, SPECS, 40, "multi", form="turns")
     for row, spec in enumerate(SPECS):
-        cache = EvictingCache(tiny, [spec], budget=40)
+        cache = EvictingCache(model, [spec], budget=40)
         with torch.inference_mode():
-            hidden = body(tiny, prompt.context[None], cache)[:, -1]
+            hidden = body(model, prompt.context[None], cache)[:, -1]
             for q, ids in enumerate([prompt.per_key[0], *prompt.follow_ups[1:]]):
-                hidden = body(tiny, ids[None], cache)[:, -1]
+                hidden = body(model, ids[None], cache)[:, -1]
                 tokens = []
                 for step in range(NEW):
-                    token = tiny.lm_head(hidden).argmax(-1)
+                    token = model.lm_head(hidden).argmax(-1)
                     tokens.append(int(token))
                     if step < NEW - 1:
-                        hidden = body(tiny, token[:, None], cache)[:, -1]
+                        hidden = body(model, token[:, None], cache)[:, -1]
                     assert max(layer.n for layer in cache.layers) <= 40
                 assert _tokens(got, q)[row] == tokens, (spec, q)
 
 
-def test_snapshot_is_independent_of_the_original(tiny):
+def test_snapshot_is_independent_of_the_original(model):
     prompt = _prompt()
-    state = prefill(tiny, prompt.context, SPECS, 40, "original")
+    state = prefill(model, prompt.context, SPECS, 40, "original")
     state.cache.freeze()
-    copy = snapshot(tiny, state)
-    copy.feed(tiny, prompt.question)
+    copy = snapshot(model, state)
+    copy.feed(model, prompt.question)
     assert state.cache.tokens_seen == prompt.context.numel()
     assert copy.cache.tokens_seen == prompt.tokens
 
