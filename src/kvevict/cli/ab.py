@@ -32,7 +32,9 @@ COMPARE_REPORT = "report-compare.html"
 
 #: The default A/B that `make demo` runs: sized to finish in under 10 minutes on 2 cores.
 DEMO = dict(tokens=2000, budgets=[64, 128, 256], policies=["window", "streamingllm", "h2o", "snapkv"],
-            sinks=[0, 1, 2, 4, 8], oracle_stride=64, name="demo")
+            sinks=[0, 1, 2, 4, 8], oracle_stride=64, name="demo",
+            # one small RULER panel: 2 samples of niah_single_1 at 500 tokens, 12.7 s on SmolLM2 (docs/tasks.md)
+            ruler=["niah_single_1"], ruler_length=500, ruler_samples=2)
 
 
 def run_ab(config, allow_download: bool = False, executor=None) -> None:
