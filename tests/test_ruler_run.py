@@ -152,3 +152,27 @@ def test_ab_runs_ruler_tasks_in_the_same_run_and_report(tmp_path, tiny_dir):
     before = store.path.read_text()
     run_sweep(cfg, model=model, tokenizer=tokenizer, progress=False)  # finished: nothing again
     assert store.path.read_text() == before
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tiny_dir):
+    from kvevict.models import load_model
+
+    return load_model(str(tiny_dir))
+
+
+@pytest.mark.parametrize("task", ["niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1",
+                                  "niah_multikey_2", "niah_multikey_3", "niah_multivalue", "niah_multiquery",
+                                  "vt", "cwe", "fwe"])
+def test_every_task_runs_on_the_tiny_model(task, tiny_pair):
+    from kvevict.eval.ruler.grid import RulerGrid, run_grid
+
+    model, tokenizer = tiny_pair
+    grid = RulerGrid(tasks=[task], lengths=[900], samples=1, policies=["streamingllm", "h2o"], budgets=["25%"],
+                     max_new_tokens=2)
+    records = run_grid(model, tokenizer, grid)
+    assert [r["policy"] for r in records] == ["full", "streamingllm", "h2o"]
+    for r in records:
+        assert r["prompt_tokens"] + {"vt": 30, "cwe": 120, "fwe": 50}.get(task, 128) <= 900
+        found = sum(a.lower() in r["output"].strip().lower() for a in r["answers"]) / len(r["answers"])
+        assert r["score"] == found and r["budget_tokens"] in (None, round(r["context_tokens"] / 4))
