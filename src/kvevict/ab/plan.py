@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..defaults import DEFAULT_CHUNK
 from ..errors import KvevictError
+from ..eval.ruler.grid import RulerGrid
 from ..policies import check_policy, parse_policy
 from ..report.records import cell_key
 
@@ -37,6 +38,10 @@ class SweepConfig:
     generation: bool = False
     generation_length: int = 1000
     sink_map: bool = False
+    ruler: list[str] = field(default_factory=list)  # RULER tasks; empty: none
+    ruler_length: int = 1000
+    ruler_samples: int = 5
+    ruler_protocol: str = "agnostic"
 
     @property
     def folder(self) -> Path:
@@ -46,6 +51,14 @@ class SweepConfig:
     def identity(self) -> dict:
         """What the results depend on: a rerun must match it to reuse finished cells."""
         return {"model": self.model, "text": self.text, "tokens": self.tokens, "positions": self.positions}
+
+
+def ruler_grid(config: SweepConfig) -> RulerGrid:
+    """The sweep's RULER tasks at its policies and budgets (entries, as its perplexity cells)."""
+    return RulerGrid(tasks=list(config.ruler), lengths=[config.ruler_length], samples=config.ruler_samples,
+                     policies=[p for p in config.policies if p.strip().lower() != "full"],
+                     budgets=list(config.budgets), protocol=config.ruler_protocol, seed=config.seed,
+                     positions=config.positions, text=config.text)
 
 
 def run_folder(out: str, name: str) -> Path:
@@ -132,6 +145,8 @@ def plan(config: SweepConfig) -> list[Cell]:
                 f"--needle length {min(config.needle)} must exceed every budget (largest {max(config.budgets)}): "
                 "a budget at least as long as the haystack compresses nothing"
             )
+    if config.ruler:
+        ruler_grid(config).check()
     if config.generation and max(config.budgets) >= config.generation_length:
         raise KvevictError(
             f"the generation prompt ({config.generation_length} tokens) must exceed every budget "

@@ -1,4 +1,4 @@
-"""Protocols beyond perplexity inside an A/B sweep: needle, generation, sink map.
+"""Protocols beyond perplexity inside an A/B sweep: needle, generation, sink map, RULER tasks.
 
 `kvevict ab --needle 1000 --generation --sink-map` adds them to the same run folder:
 every trial's record goes to `results.jsonl` as it finishes (kind `needle`,
@@ -13,12 +13,14 @@ from collections.abc import Callable
 
 from ..eval.generation import run_generation
 from ..eval.needle import run_needle
+from ..eval.ruler.grid import run_grid
 from ..eval.sinkmap import sink_map
-from ..report.records import DoneMarker, SinkMapRecord, TaskRecord
+from ..report.records import DoneMarker, RulerRecord, SinkMapRecord, TaskRecord
 from ..report.store import ResultStore
-from .plan import SweepConfig
+from .plan import SweepConfig, ruler_grid
+from .ruler import max_positions
 
-KINDS = ("needle", "generation", "sinkmap")
+KINDS = ("needle", "generation", "sinkmap", "ruler")
 
 
 def _signature(kind: str, config: SweepConfig) -> str:
@@ -27,13 +29,16 @@ def _signature(kind: str, config: SweepConfig) -> str:
         return f"needle-done|{config.needle}|{config.needle_depths}|{config.needle_trials}|{config.budgets}"
     if kind == "generation":
         return f"generation-done|{config.generation_length}|{config.budgets}"
+    if kind == "ruler":
+        return (f"ruler-done|{config.ruler}|{config.ruler_length}|{config.ruler_samples}|{config.ruler_protocol}|"
+                f"{config.budgets}")
     return f"sinkmap-done|{config.tokens}"
 
 
 def pending(config: SweepConfig, done: set[str]) -> list[str]:
     """The protocols this sweep asks for that have no done marker yet."""
     kinds = [k for k, on in (("needle", config.needle), ("generation", config.generation),
-                             ("sinkmap", config.sink_map)) if on]
+                             ("sinkmap", config.sink_map), ("ruler", bool(config.ruler))) if on]
     return [k for k in kinds if _signature(k, config) not in done]
 
 
@@ -70,6 +75,12 @@ def run(config: SweepConfig, model, tokenizer, tokens, store: ResultStore, kinds
                        positions=config.positions, progress=progress,
                        on_record=_keeper("generation", config, store, done))
         store.append([DoneMarker(_signature("generation", config), "generation-done").to_dict()])
+    if "ruler" in kinds:
+        def keep_answers(lines: list[dict]) -> None:
+            store.append([RulerRecord.from_dict(line).to_dict() for line in lines if line["key"] not in done])
+
+        run_grid(model, tokenizer, ruler_grid(config), done, keep_answers, max_positions(model))
+        store.append([DoneMarker(_signature("ruler", config), "ruler-done").to_dict()])
     if "sinkmap" in kinds:
         result = sink_map(model, tokenizer, tokens[: min(1024, tokens.numel())])
         store.append([SinkMapRecord(_signature("sinkmap", config), result.to_dict(), config.model).to_dict()])

@@ -31,7 +31,9 @@ COMPARE_REPORT = "report-compare.html"
 
 #: The default A/B that `make demo` runs: sized to finish in under 10 minutes on 2 cores.
 DEMO = dict(tokens=2000, budgets=[64, 128, 256], policies=["window", "streamingllm", "h2o", "snapkv"],
-            sinks=[0, 1, 2, 4, 8], oracle_stride=48, name="demo")
+            sinks=[0, 1, 2, 4, 8], oracle_stride=48, name="demo",
+            # one small RULER panel: 2 samples of niah_single_1 at 500 tokens, 12.7 s on SmolLM2 (docs/tasks.md)
+            ruler=["niah_single_1"], ruler_length=500, ruler_samples=2)
 
 
 def run_ab(config, allow_download: bool = False, executor=None) -> None:
@@ -81,6 +83,12 @@ def _render_run(run, path: Path) -> Path:
     return render(run.records, run.config, path)
 
 
+def _ruler_tasks(text: str) -> list[str]:
+    from ..eval.ruler.registry import parse_tasks
+
+    return parse_tasks(text) if text.strip() else []
+
+
 @one_line_errors
 def ab(
     model: str = typer.Option("smollm2-135m", help=MODEL_HELP),
@@ -101,6 +109,10 @@ def ab(
     needle_trials: int = typer.Option(2, help="seeded needle trials per length and depth"),
     generation: bool = typer.Option(False, help="also measure repetition and recall of greedy generation"),
     sink_map: bool = typer.Option(False, "--sink-map", help="also draw the model's attention-sink map"),
+    ruler: str = typer.Option("", help="also run these RULER tasks at the sweep's budgets, e.g. niah_single_1,vt"),
+    ruler_length: int = typer.Option(1000, help="--ruler: prompt length in tokens, answer included"),
+    ruler_samples: int = typer.Option(5, help="--ruler: seeded samples per task"),
+    ruler_protocol: str = typer.Option("agnostic", help="--ruler: agnostic | aware | stream | multi"),
     allow_download: bool = typer.Option(False, "--allow-download", help=DOWNLOAD_HELP),
     executor: str = typer.Option("local", help="local (this process) | ray (Ray workers: pip install kvevict[ray])"),
     address: str = typer.Option("", help="--executor ray: the cluster's HOST:PORT or ray://HOST:PORT "
@@ -119,6 +131,8 @@ def ab(
         out=out_dir,
         needle=parse_ints(needle, "--needle"), needle_depths=parse_floats(needle_depths, "--needle-depths"),
         needle_trials=needle_trials, generation=generation, sink_map=sink_map,
+        ruler=_ruler_tasks(ruler), ruler_length=ruler_length, ruler_samples=ruler_samples,
+        ruler_protocol=ruler_protocol,
     )
     run_ab(config, allow_download, make_executor(executor, address or None, workers, retries))
 

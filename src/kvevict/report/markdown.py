@@ -9,7 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .compare import compare_table
-from .records import Record, ppl_records
+from .records import Record, ppl_records, ruler_records
+from .ruler import cells as ruler_cells
+from .ruler import ruler_table
 from .runs import Run, run_names
 from .tables import layer_budget_table, sinks_table, summary_table
 from .verdict import markdown as verdict_markdown
@@ -21,6 +23,9 @@ def run_markdown(records: Sequence[Record], title: str = "Verdict") -> str:
     rows = ppl_records(records)
     parts = [verdict_markdown(verdict(records), title), summary_table(rows).markdown()]
     parts += [extra.markdown() for extra in (sinks_table(rows), layer_budget_table(rows)) if extra]
+    found = ruler_cells(ruler_records(records))
+    if found:  # RULER answers: accuracy [95% interval] per task, budget and policy (see report.ruler)
+        parts.append(ruler_table(found).markdown())
     return "\n\n".join(parts)
 
 

@@ -178,6 +178,56 @@ class TaskRecord:
 
 
 @dataclass
+class RulerRecord:
+    """One answer of a RULER task (kind `ruler`): a sample, a question of it, a policy at a budget, a protocol.
+
+    `score` is the sample's RULER score in [0, 1] (`metric` "all": the share of `answers`
+    found in `output`; "part": any of them); `question` numbers the `multi` protocol's
+    questions (0 otherwise) and `form` is its form (`requests` or `turns`).
+    """
+
+    key: str
+    task: str
+    protocol: str
+    length: int
+    sample: int
+    policy: str
+    budget: str
+    score: float
+    question: int = 0
+    form: str | None = None
+    budget_tokens: int | None = None
+    metric: str = "all"
+    answers: list[str] = field(default_factory=list)
+    output: str = ""
+    prompt_tokens: int | None = None
+    context_tokens: int | None = None
+    depths: list[float] = field(default_factory=list)
+    kept: int | None = None
+    seconds: float | None = None
+    seed: int | None = None
+    kind: str = "ruler"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    OPTIONAL: ClassVar[tuple[str, ...]] = (
+        "form", "budget_tokens", "prompt_tokens", "context_tokens", "kept", "seconds", "seed",
+    )
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RulerRecord:
+        known, extra = _split(cls, data)
+        return cls(**known, extra=extra)
+
+    def to_dict(self) -> dict:
+        return _join(self, self.OPTIONAL)
+
+    @property
+    def shape(self) -> str:
+        """The protocol as tables name it: `multi-requests` / `multi-turns` for the two forms of multi."""
+        return f"multi-{self.form}" if self.protocol == "multi" and self.form else self.protocol
+
+
+@dataclass
 class SinkMapRecord:
     """The model's attention-sink map measured inside a sweep (`SinkMap.to_dict()` in `map`)."""
 
@@ -211,7 +261,7 @@ class DoneMarker:
         return {"key": self.key, "kind": self.kind}
 
 
-Record = PplRecord | TaskRecord | SinkMapRecord | DoneMarker
+Record = PplRecord | TaskRecord | SinkMapRecord | DoneMarker | RulerRecord
 
 
 def from_dict(data: dict) -> Record:
@@ -221,13 +271,15 @@ def from_dict(data: dict) -> Record:
         return PplRecord.from_dict(data)
     if kind == "sinkmap":
         return SinkMapRecord.from_dict(data)
+    if kind == "ruler":
+        return RulerRecord.from_dict(data)
     if isinstance(kind, str) and kind.endswith("-done"):
         return DoneMarker.from_dict(data)
     if kind in TASK_KINDS:
         return TaskRecord.from_dict(data)
     raise KvevictError(
         f"results.jsonl holds a line of kind {kind!r} (key {data.get('key')!r}), which this kvevict does not know "
-        f"(known: {', '.join((*PPL_KINDS, *TASK_KINDS, 'sinkmap', '*-done'))}): it was written by another "
+        f"(known: {', '.join((*PPL_KINDS, *TASK_KINDS, 'sinkmap', 'ruler', '*-done'))}): it was written by another "
         "version; redraw with that version, or remove the line"
     )
 
@@ -239,6 +291,10 @@ def load(lines: Iterable[dict]) -> list[Record]:
 
 def ppl_records(records: Iterable[Record]) -> list[PplRecord]:
     return [r for r in records if isinstance(r, PplRecord)]
+
+
+def ruler_records(records: Iterable[Record]) -> list[RulerRecord]:
+    return [r for r in records if isinstance(r, RulerRecord)]
 
 
 def task_records(records: Iterable[Record], kind: str) -> list[TaskRecord]:

@@ -13,9 +13,10 @@ from collections.abc import Callable, Sequence
 
 from ..eval.generation import GenerationResult
 from ..eval.needle import NeedleResult
-from . import plots, task_plots, verdict
+from . import plots, ruler_plots, task_plots, verdict
+from . import ruler as ruler_report
 from .markup import image_html, table_html
-from .records import Record, SinkMapRecord, ppl_records, task_records
+from .records import Record, SinkMapRecord, ppl_records, ruler_records, task_records
 from .tables import generation_table, layer_budget_table, needle_table, sinks_table, summary_table
 
 Section = Callable[[Sequence[Record]], tuple[str, str] | None]
@@ -41,8 +42,10 @@ def decision(records: Sequence[Record]) -> tuple[str, str] | None:
     return ("Verdict", verdict.section_html(found)) if found else None
 
 
-def perplexity(records: Sequence[Record]) -> tuple[str, str]:
-    """Always present: a sweep always holds at least the full cache."""
+def perplexity(records: Sequence[Record]) -> tuple[str, str] | None:
+    """Present whenever the run holds perplexity cells (a sweep always does; a `kvevict ruler` run does not)."""
+    if not ppl_records(records):
+        return None
     table = table_html(summary_table(ppl_records(records)), "summary")
     return "Streaming perplexity and fidelity to the full cache", PPL_INTRO + table
 
@@ -70,7 +73,8 @@ def _figure(title: str, draw: Callable) -> Section:
     """A section holding one figure of the perplexity records (absent when `draw` has nothing to draw)."""
 
     def section(records: Sequence[Record]) -> tuple[str, str] | None:
-        fig = draw(ppl_records(records))
+        rows = ppl_records(records)
+        fig = draw(rows) if rows else None
         return None if fig is None else (title, image_html(plots.png(fig), title))
 
     section.__name__ = draw.__name__
@@ -107,6 +111,38 @@ def sink_map(records: Sequence[Record]) -> tuple[str, str] | None:
     return "Attention-sink map", f"<p>positions acting as sinks: {names}</p>" + figure
 
 
+RULER_INTRO = (
+    "<p>RULER's synthetic tasks (generated offline; see docs/tasks.md). Each cell: mean score over its answers "
+    "(RULER's string_match_all: the share of the references found; QA: any reference) and its 95% Wilson "
+    "interval, counting a fractional score as that many successes of one trial per answer. <em>n</em>: answers "
+    "per cell. † marks a task where the full cache scores below {floor:.0%} at that length: beyond this model at "
+    "this length, shown but left out of the rank correlation. Protocols: <em>agnostic</em> compresses the "
+    "context, then reads the question; <em>aware</em> compresses the question too; <em>stream</em> evicts while "
+    "reading; <em>multi</em> asks several questions of one compressed context (requests: each from the same "
+    "state; turns: a dialogue, evicting throughout).</p>"
+)
+
+
+def ruler(records: Sequence[Record]) -> tuple[str, str] | None:
+    found = ruler_report.cells(ruler_records(records))
+    if not found:
+        return None
+    parts = [RULER_INTRO.format(floor=ruler_report.FLOOR), table_html(ruler_report.ruler_table(found), "ruler")]
+    agreement = ruler_report.rank_agreement(ppl_records(records), found)
+    if agreement:
+        rows = [f"<li>{html.escape(a['protocol'])}, budget {html.escape(a['budget'])}: Spearman ρ = "
+                + ("n/a (no spread)" if a["rho"] is None else f"{a['rho']:+.2f}")
+                + f" over {html.escape(', '.join(a['policies']))}</li>" for a in agreement]
+        parts.append("<p>Does perplexity rank the policies as the tasks do? Rank correlation between -PPL and "
+                     "mean task accuracy (tasks within reach), per budget:</p><ul>" + "".join(rows) + "</ul>")
+    elif ppl_records(records):
+        parts.append("<p>No rank correlation with perplexity: no budget holds two policies in both the perplexity "
+                     "cells and a task within this model's reach.</p>")
+    figures = ruler_plots.heatmaps(found) + ruler_plots.accuracy_vs_budget(found)
+    parts += [image_html(plots.png(fig), title) for title, fig in figures]
+    return "RULER tasks: accuracy per task, policy and budget", "".join(parts)
+
+
 SECTIONS: list[Section] = [
     decision,
     perplexity,
@@ -119,4 +155,5 @@ SECTIONS: list[Section] = [
     needle,
     generation,
     sink_map,
+    ruler,
 ]

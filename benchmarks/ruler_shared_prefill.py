@@ -1,0 +1,101 @@
+"""RULER answers: kvevict's shared prefill against one prefill per policy per context.
+
+Both arms answer the same seeded RULER prompts (niah_single_2: essays, one needle) on
+the embedded model, under the `agnostic` protocol, for the full cache and 4 policies at
+each budget:
+
+* **kvevict**: per prompt, the full cache once (one row, shared by every budget), then
+  per budget one context prefill for the 4 policy rows (one row fed, standing for all
+  until each row's policy compresses), the question read and the answers decoded as
+  rows of one batch;
+* **per policy** (kvpress's shape: one pipeline call per press and compression ratio):
+  per prompt, the full cache, then every policy at every budget in a cache of its own,
+  prefilled and decoded alone.
+
+The arms take turns prompt by prompt in one process (so the machine's load touches both
+alike), and every answer is asserted identical between them. Prints a table and the
+ratio of the total times.
+
+    .venv/bin/python benchmarks/ruler_shared_prefill.py --length 2128 --samples 2 --budgets 50%,25%
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from kvevict.eval.ruler.framing import framing
+from kvevict.eval.ruler.grid import check_budget
+from kvevict.eval.ruler.protocols import answer
+from kvevict.eval.ruler.registry import get_task
+from kvevict.eval.ruler.sample import fit
+from kvevict.eval.ruler.words import Material
+from kvevict.loading import load_model
+
+POLICIES = ["window", "streamingllm", "h2o", "snapkv"]
+
+
+def shared(model, tokenizer, prompt, budgets) -> dict:
+    out = {(a.policy, "full"): a.tokens for a in answer(model, tokenizer, prompt, ["full"], None, "agnostic")}
+    for budget in budgets:
+        entries = check_budget(prompt, "agnostic", POLICIES, budget)
+        for spec, a in zip(POLICIES, answer(model, tokenizer, prompt, POLICIES, entries, "agnostic"), strict=True):
+            out[(spec, budget)] = a.tokens
+    return out
+
+
+def separate(model, tokenizer, prompt, budgets) -> dict:
+    out = {(a.policy, "full"): a.tokens for a in answer(model, tokenizer, prompt, ["full"], None, "agnostic")}
+    for budget in budgets:
+        entries = check_budget(prompt, "agnostic", POLICIES, budget)
+        for spec in POLICIES:
+            [a] = answer(model, tokenizer, prompt, [spec], entries, "agnostic")
+            out[(spec, budget)] = a.tokens
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--task", default="niah_single_2")
+    parser.add_argument("--length", type=int, default=2128, help="prompt + answer tokens (2,128: a 2,000-token prompt)")
+    parser.add_argument("--samples", type=int, default=2)
+    parser.add_argument("--budgets", default="50%,25%")
+    parser.add_argument("--json", default="", help="also write the measurements to this file")
+    args = parser.parse_args()
+    budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
+    model, tokenizer = load_model("smollm2-135m")
+    shape, material = framing(tokenizer), Material()
+    rows, totals = [], {"kvevict": 0.0, "per policy": 0.0}
+    for index in range(args.samples):
+        prompt = fit(get_task(args.task), args.length, index, 0, shape, material)
+        results = {}
+        for arm, run in (("kvevict", shared), ("per policy", separate)):
+            torch.manual_seed(0)
+            t0 = time.perf_counter()
+            results[arm] = run(model, tokenizer, prompt, budgets)
+            seconds = time.perf_counter() - t0
+            totals[arm] += seconds
+            rows.append({"sample": index, "arm": arm, "prompt_tokens": prompt.tokens, "seconds": round(seconds, 2)})
+            print(f"sample {index} ({prompt.tokens} prompt tokens): {arm:10s} {seconds:7.1f} s", flush=True)
+        differ = [k for k in results["kvevict"] if results["kvevict"][k] != results["per policy"][k]]
+        assert not differ, f"answers differ between the arms for {differ}"
+    answers = len(results["kvevict"])
+    print()
+    print(f"| arm | prefills per prompt | answers per prompt | seconds ({args.samples} prompts) |")
+    print("|---|---|---|---|")
+    print(f"| kvevict (shared prefill, rows of one batch) | {1 + len(budgets)} | {answers} | "
+          f"{totals['kvevict']:.1f} |")
+    print(f"| one prefill per policy per context | {1 + len(budgets) * len(POLICIES)} | {answers} | "
+          f"{totals['per policy']:.1f} |")
+    ratio = totals["per policy"] / totals["kvevict"]
+    print(f"\nkvevict is {ratio:.2f}x faster; every answer identical ({answers * args.samples} answers)")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"rows": rows, "totals": totals, "ratio": ratio, "args": vars(args)}, handle, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""`kvevict ruler`'s harness: the run folder, the records appended as each batch is answered, resume, report.
+
+The folder is OUT/NAME, like a sweep's: `results.jsonl` holds one `RulerRecord` per
+answer (appended atomically by `report.store`, so a killed run loses at most the batch
+in flight), `run.json` pins what the answers depend on (model, seed, positions, text,
+QA file), and `report.html` is redrawn at the end. A rerun of the same command skips
+every answer already stored; a rerun with more tasks, lengths, samples, budgets or
+another protocol adds to the same folder.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..errors import KvevictError
+from ..eval.ruler.grid import RulerGrid, preflight, run_grid
+from ..progress import bars
+from ..report.records import Record, RulerRecord, load
+from ..report.store import ResultStore
+from .plan import run_folder
+
+
+@dataclass
+class RulerRun:
+    """A `kvevict ruler` run: the grid, and where and on what it is measured."""
+
+    name: str
+    out: str
+    model: str = "smollm2-135m"
+    grid: RulerGrid = field(default_factory=RulerGrid)
+    qa_path: str | None = None
+
+    @property
+    def folder(self) -> Path:
+        return run_folder(self.out, self.name)
+
+    def identity(self) -> dict:
+        g = self.grid
+        return {"model": self.model, "seed": g.seed, "positions": g.positions, "text": g.text, "qa": self.qa_path}
+
+    def config(self) -> dict:
+        g = asdict(self.grid)
+        g.pop("qa", None)
+        return {"name": self.name, "model": self.model, "text": self.grid.text, "positions": self.grid.positions,
+                "seed": self.grid.seed, "tokens": None, "ruler": g, "qa": self.qa_path}
+
+
+def prepare(run: RulerRun) -> ResultStore:
+    """The run folder, writable and holding the same experiment (or none yet)."""
+    folder = run.folder
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise KvevictError(f"cannot write to '{folder}' ({exc.strerror}): choose a writable --out folder") from None
+    meta = folder / "run.json"
+    if meta.exists():
+        before = json.loads(meta.read_text()).get("identity", {})
+        if before and before != run.identity():
+            raise KvevictError(
+                f"'{folder}' holds answers for {before}, not {run.identity()}: use another --name to start fresh"
+            )
+    meta.write_text(json.dumps({"identity": run.identity(), "config": run.config()}, indent=2))
+    return ResultStore(folder / "results.jsonl")
+
+
+def max_positions(model) -> int | None:
+    config = getattr(model, "config", None)
+    config = getattr(config, "text_config", None) or config
+    return getattr(config, "max_position_embeddings", None)
+
+
+def run_ruler(run: RulerRun, model, tokenizer, progress: bool = True) -> list[Record]:
+    """Answer everything the run's grid holds that its folder does not; returns every record of the folder."""
+    limit = max_positions(model)
+    total = preflight(run.grid, tokenizer, limit)
+    store = prepare(run)
+    done = store.done()
+    with bars(progress) as bar:
+        task = bar.add_task(f"ruler {run.name}: batches", total=total)
+
+        def keep(lines: list[dict]) -> None:
+            # a batch cut short by a kill is answered again whole; only its missing answers are added
+            store.append([RulerRecord.from_dict(line).to_dict() for line in lines if line["key"] not in done])
+            bar.advance(task)
+
+        run_grid(model, tokenizer, run.grid, done, keep, limit, on_skip=lambda: bar.advance(task))
+    return load(store.records())

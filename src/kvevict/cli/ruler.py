@@ -1,0 +1,78 @@
+"""`kvevict ruler`: RULER's long-context tasks (or a user's QA file) per policy, budget and protocol.
+
+Everything that can be refused is refused before the model loads (tasks, samples,
+protocol, budgets, the QA file, the run folder); the length against the model's context
+and the budget against each prompt are checked as soon as they are known, before any
+answer. Results go to OUT/NAME like a sweep's, and a rerun resumes.
+"""
+
+from __future__ import annotations
+
+import json
+
+import typer
+
+from ..errors import KvevictError
+from .common import DOWNLOAD_HELP, MODEL_HELP, check_positions, err, one_line_errors, parse_numbers, split_specs
+from .tables import show
+
+
+@one_line_errors
+def ruler(
+    tasks: str = typer.Option("niah_single_1,niah_single_2,niah_multikey_1",
+                              help="RULER tasks (comma-separated), 'niah' for the 8 needle tasks, or 'all'"),
+    lengths: str = typer.Option("1000", help="prompt lengths in the model's tokens, answer included"),
+    samples: int = typer.Option(10, help="seeded samples per task and length (QA: the file's first N lines)"),
+    policies: str = typer.Option("window,streamingllm,h2o,snapkv", help="comma-separated specs; full runs first"),
+    budgets: str = typer.Option("50%,25%", help="entries or shares of the compressed context"),
+    protocol: str = typer.Option("agnostic", help="agnostic | aware | stream | multi"),
+    form: str = typer.Option("requests", help="multi only: requests (each from the compressed context) | turns"),
+    qa: str = typer.Option("", help="a JSONL file of {context, question, answers[, answer_prefix]} instead of tasks"),
+    name: str = typer.Option("ruler", help="run name, one folder name: results go to OUT/NAME"),
+    out_dir: str = typer.Option("runs", "--out", help="output folder"),
+    model: str = typer.Option("smollm2-135m", help=MODEL_HELP),
+    text: str = typer.Option("pg-essays", help="essay haystack: embedded name, .txt file, folder or .jsonl"),
+    seed: int = typer.Option(0, help="seed of every sample"),
+    positions: str = typer.Option("original", help="original | cache"),
+    max_new_tokens: int = typer.Option(0, help="cap on answer tokens (0: RULER's answer length per task)"),
+    as_json: bool = typer.Option(False, "--json", help="print {'cells': [...]} as the last line"),
+    allow_download: bool = typer.Option(False, "--allow-download", help=DOWNLOAD_HELP),
+) -> None:
+    """RULER's tasks, offline: accuracy per task, policy, budget and protocol, with 95% intervals."""
+    from ..ab.ruler import RulerRun, run_ruler
+    from ..eval.compress import parse_budget
+    from ..eval.ruler.grid import RulerGrid
+    from ..eval.ruler.qa import QaFile, load_qa
+    from ..eval.ruler.registry import parse_tasks
+    from ..report import ruler as ruler_report
+    from ..report.html import render
+    from ..report.records import ruler_records
+
+    check_positions(positions)
+    specs = split_specs(policies)
+    if not specs:
+        raise KvevictError("--policies is empty: give comma-separated specs such as window,h2o,snapkv")
+    if max_new_tokens < 0:
+        raise KvevictError(f"--max-new-tokens must be 0 (RULER's) or positive, got {max_new_tokens}")
+    grid = RulerGrid(
+        tasks=parse_tasks(tasks) if not qa else ["qa"],
+        lengths=parse_numbers(lengths, "--lengths", int, "ints") if not qa else [0],
+        samples=samples, policies=specs, budgets=[parse_budget(b) for b in split_specs(budgets)],
+        protocol=protocol, form=form, seed=seed, positions=positions, text=text,
+        qa=QaFile(tuple(load_qa(qa))) if qa else None, max_new_tokens=max_new_tokens or None,
+    )
+    grid.check()
+    run = RulerRun(name, out_dir, model, grid, qa or None)
+    _ = run.folder  # a bad --name is refused before the model loads
+    from ..loading import load_model
+
+    lm, tokenizer = load_model(model, allow_download=allow_download)
+    if not getattr(tokenizer, "chat_template", None):
+        err.print(f"note: '{model}' has no chat template; RULER's plain template is used")
+    records = run_ruler(run, lm, tokenizer)
+    path = render(records, run.config(), run.folder / "report.html")
+    cells = ruler_report.cells(ruler_records(records))
+    if as_json:
+        print(json.dumps({"cells": [vars(c) for c in cells], "report": str(path)}))
+        return
+    show(ruler_report.ruler_table(cells), f"RULER, {model} ({path})")

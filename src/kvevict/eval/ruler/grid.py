@@ -1,0 +1,200 @@
+"""The RULER grid: tasks x lengths x samples, the full cache first, then every policy at every budget.
+
+Every sample is made once (seeded: the same prompt for every policy, budget and
+rerun) and read by the full cache (one row), then by each batch of policies at each
+budget (rows sharing one context prefill, see `protocols`). `on_records` receives a
+batch's records as soon as it is answered, and `done` (record keys already stored)
+skips batches that an interrupted earlier run finished, so a rerun only computes what
+is missing. Nothing is kept between samples: memory stays flat in the sample count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from ...errors import KvevictError
+from ...policies import check_policy, shared_batches
+from ..compress import Budget, budget_label, parse_budget, resolve_budget
+from .framing import framing
+from .protocols import answer, check_aware, check_protocol
+from .qa import QaFile
+from .registry import get_task
+from .sample import Prompt, encode, fit, seeded
+from .scoring import score
+from .words import Material
+
+
+@dataclass
+class RulerGrid:
+    """What to run. `qa` replaces `tasks` and `lengths` by a user's QA file (its lines, at their own lengths)."""
+
+    tasks: list[str] = field(default_factory=lambda: ["niah_single_1"])
+    lengths: list[int] = field(default_factory=lambda: [1000])
+    samples: int = 10
+    policies: list[str] = field(default_factory=lambda: ["window", "streamingllm", "h2o", "snapkv"])
+    budgets: list[Budget] = field(default_factory=lambda: ["50%", "25%"])
+    protocol: str = "agnostic"
+    form: str = "requests"
+    seed: int = 0
+    positions: str = "original"
+    text: str = "pg-essays"
+    qa: QaFile | None = None
+    max_new_tokens: int | None = None  # None: RULER's answer length of each task
+
+    def check(self) -> None:
+        """Everything that can be refused before a model is loaded."""
+        check_protocol(self.protocol, self.form)
+        if self.samples < 1:
+            raise KvevictError(f"--samples must be at least 1, got {self.samples}")
+        if self.qa is None:
+            for name in self.tasks:
+                get_task(name)
+            if not self.lengths:
+                raise KvevictError("no lengths given: pass e.g. --lengths 1000,2000,4000")
+            for length in self.lengths:
+                if length < 128:
+                    raise KvevictError(f"length {length} is too short for a RULER prompt: use at least 128 tokens")
+        if self.protocol == "multi":
+            from .registry import MULTI
+
+            wrong = [t for t in self.tasks if t not in MULTI] if self.qa is None else ["qa"]
+            if wrong:
+                raise KvevictError(f"protocol multi needs several keys in one context, which {', '.join(wrong)} "
+                                   f"does not hide: use {', '.join(MULTI)}")
+        if self.protocol == "aware":
+            check_aware(self.policies)
+        for budget in self.budgets:
+            budget = parse_budget(budget)
+            if budget == "100%":
+                raise KvevictError("budget 100% keeps the whole context: that is the full cache, which every run "
+                                   "measures first; use budgets below 100%")
+        for spec in self.bounded:
+            check_policy(spec, None, self.positions)
+
+    @property
+    def bounded(self) -> list[str]:
+        return [p for p in self.policies if p.strip().lower() != "full"]
+
+    def batches(self) -> list[tuple[list[str], Budget]]:
+        """The full cache alone, then per budget the bounded policies in shared batches."""
+        plan: list[tuple[list[str], Budget]] = [(["full"], None)]
+        if self.bounded and not self.budgets:
+            raise KvevictError("bounded policies need at least one budget: pass e.g. --budgets 50%,25%")
+        return plan + [(batch, parse_budget(b)) for b in self.budgets for batch in shared_batches(self.bounded)]
+
+
+def record_key(protocol: str, form: str, task: str, length: int, sample: int, policy: str, budget: str,
+               question: int) -> str:
+    """A sample's answer for one policy, budget and question: what a rerun skips."""
+    shape = f"multi-{form}" if protocol == "multi" else protocol
+    return f"ruler|{shape}|{task}|{length}|{sample}|{policy}|{budget}|{question}"
+
+
+def compressed_length(prompt: Prompt, protocol: str) -> int:
+    """The tokens a budget share is taken of: the context, or (aware) the prompt but its last token."""
+    return prompt.tokens - 1 if protocol == "aware" else prompt.context.numel()
+
+
+def check_budget(prompt: Prompt, protocol: str, specs: Sequence[str], budget: Budget) -> int | None:
+    """Entries of `budget` for this prompt, refused when it keeps everything or the policy cannot run at it."""
+    if budget is None:
+        return None
+    length = compressed_length(prompt, protocol)
+    entries = resolve_budget(budget, length)
+    if entries >= length:
+        raise KvevictError(
+            f"budget {budget_label(budget)} is {entries} entries for a {length}-token context "
+            f"({prompt.sample.task}): it keeps the whole context, which is the full cache (measured anyway); "
+            "use a smaller budget"
+        )
+    for spec in specs:
+        try:
+            check_policy(spec, entries)
+        except KvevictError as exc:
+            raise KvevictError(f"budget {budget_label(budget)} is {entries} entries for a {length}-token context "
+                               f"({prompt.sample.task}): {exc}") from None
+    return entries
+
+
+def prompts(grid: RulerGrid, tokenizer, limit: int | None) -> Iterator[Prompt]:
+    """Every prompt of the grid, in run order (task, length, sample)."""
+    shape, material = framing(tokenizer), Material(grid.text)
+    if grid.qa is not None:
+        for index in range(min(grid.samples, len(grid.qa.rows))):
+            sample = grid.qa.build(0, index, 0, seeded(grid.seed, "qa", 0, index))
+            prompt = encode(sample, 0, shape, grid.qa.tokens_to_generate)
+            prompt.length = prompt.tokens + prompt.answer_tokens
+            check_length(prompt.length, limit, f"QA line {index + 1}")
+            yield prompt
+        return
+    for name in grid.tasks:
+        task = get_task(name)
+        for length in grid.lengths:
+            check_length(length, limit, f"length {length}")
+            for index in range(grid.samples):
+                yield fit(task, length, index, grid.seed, shape, material)
+
+
+def check_length(length: int, limit: int | None, what: str) -> None:
+    if limit is not None and length > limit:
+        raise KvevictError(f"{what} needs {length} positions with the answer, more than the model's context of "
+                           f"{limit}: use lengths up to {limit}")
+
+
+def preflight(grid: RulerGrid, tokenizer, limit: int | None) -> int:
+    """Check every prompt against the model's context and every budget against every prompt, before any
+    answer; returns the number of batches the grid holds."""
+    grid.check()
+    plan = grid.batches()
+    count = 0
+    for prompt in prompts(grid, tokenizer, limit):
+        for specs, budget in plan:
+            check_budget(prompt, grid.protocol, specs, budget)
+            count += 1
+    return count
+
+
+def run_grid(model, tokenizer, grid: RulerGrid, done: set[str] = frozenset(),
+             on_records: Callable[[list[dict]], None] | None = None, limit: int | None = None,
+             on_skip: Callable[[], None] | None = None) -> list[dict]:
+    """Answer every prompt of the grid with every batch; returns the new records (also given to `on_records`)."""
+    preflight(grid, tokenizer, limit)
+    plan = grid.batches()
+    metric = grid.qa.metric if grid.qa is not None else None
+    out: list[dict] = []
+    for prompt in prompts(grid, tokenizer, limit):
+        sample = prompt.sample
+        questions = sample.per_key if grid.protocol == "multi" else [sample.question]
+        task_metric = metric or get_task(sample.task).metric
+        for specs, budget in plan:
+            label = budget_label(budget)
+            keys = [record_key(grid.protocol, grid.form, sample.task, prompt.length, sample.index, spec, label, q)
+                    for spec in specs for q in range(len(questions))]
+            if all(k in done for k in keys):
+                if on_skip is not None:
+                    on_skip()
+                continue
+            entries = check_budget(prompt, grid.protocol, specs, budget)
+            answers = answer(model, tokenizer, prompt, specs, entries, grid.protocol, grid.form, grid.positions,
+                             grid.max_new_tokens)
+            records = []
+            for i, reply in enumerate(answers):  # question by question, row by row
+                spec, refs = specs[i % len(specs)], questions[reply.question].answers
+                records.append({
+                    "key": record_key(grid.protocol, grid.form, sample.task, prompt.length, sample.index, spec,
+                                      label, reply.question),
+                    "task": sample.task, "protocol": grid.protocol,
+                    "form": grid.form if grid.protocol == "multi" else None,
+                    "length": prompt.length, "sample": sample.index, "question": reply.question,
+                    "policy": spec, "budget": label, "budget_tokens": entries,
+                    "metric": task_metric, "score": score(task_metric, reply.text, refs), "answers": refs,
+                    "output": reply.text, "prompt_tokens": prompt.tokens, "context_tokens": prompt.context.numel(),
+                    "depths": [round(d, 4) for d in sample.depths], "kept": reply.kept,
+                    "seconds": round(reply.seconds, 3), "seed": grid.seed,
+                })
+            if on_records is not None:
+                on_records(records)
+            out += records
+    return out
+

@@ -1,0 +1,210 @@
+"""The four ways a RULER prompt meets a bounded cache, with the policies as rows of one batch.
+
+* `agnostic` (kvpress's, the default): the context is compressed in one forward, the
+  cache frozen, then the question is read and the answer decoded (the question is not
+  known when the context is compressed: what a reused prefix cache faces).
+* `aware` (SnapKV's own setting): everything but the prompt's last token is compressed,
+  question included, so a policy ranking by attention sees the question. Only policies
+  whose kept set depends on attention may run it (`check_aware`): for the others
+  (window, streamingllm, knorm, keydiff, random) it would only spend budget on the
+  question's tokens, and a table would show their `aware` row beside SnapKV's as if
+  the question had guided them. They are refused with that reason.
+* `stream` (StreamingLLM's, H2O's): the budget holds from the first token: the context
+  is read in chunks, each token seeing what token-by-token eviction would have kept
+  (the cache's `per_token` replay, as in `eval/streaming.py`), and the question and the
+  answer are read evicting too.
+* `multi`: one compressed context, several questions, each needing another key.
+  `requests`: every question starts from the same compressed context (a copy of the
+  frozen state); `turns`: a dialogue, each question after the previous answer, the
+  budget enforced throughout (the cache is never frozen).
+
+The context prefill is computed once for all the policy rows of a batch: one row is
+fed and stands for all (`EvictingCache.shares_rows`), each row's policy then keeps its
+own entries. The full cache is the reference, one row, computed once per sample and
+shared by every budget and protocol (it evicts nothing, so `agnostic`, `aware` and
+`stream` are one computation for it).
+
+Answers are greedy and stop at the end of the turn, at the end of the answer's first
+line (RULER lets the model run for its full answer length and scores it all; its answers
+are one line), or after the task's answer length. A row that finished is fed its
+end-of-turn token while the others finish, so the batch stays rectangular; in `turns`
+those repeats stay in its dialogue.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ...cache import EvictingCache
+from ...defaults import DEFAULT_CHUNK
+from ...errors import KvevictError
+from ...policies import check_policy
+from ..compress import Compressed
+from ..forward import body
+from ..prompts import stop_ids
+from .sample import Prompt
+
+PROTOCOLS = ("agnostic", "aware", "stream", "multi")
+FORMS = ("requests", "turns")
+
+
+def check_protocol(protocol: str, form: str) -> None:
+    if protocol not in PROTOCOLS:
+        raise KvevictError(f"unknown protocol '{protocol}': use one of {', '.join(PROTOCOLS)}")
+    if form not in FORMS:
+        raise KvevictError(f"unknown multi form '{form}': use requests or turns")
+
+
+def check_aware(specs: Sequence[str]) -> None:
+    """`aware` only for policies that rank by attention (see the module's docstring)."""
+    for spec in specs:
+        if spec.strip().lower() == "full":
+            continue
+        if not check_policy(spec, None).needs_attention:
+            raise KvevictError(
+                f"protocol aware is meaningless for '{spec}': it keeps entries by position or key alone, so the "
+                "question would only take budget, not guide what is kept; run it under agnostic or stream, or "
+                "drop it from --policies for aware (aware runs h2o, snapkv, tova, pyramidkv, adakv:...)"
+            )
+
+
+@dataclass
+class Answer:
+    """One row's answer to one question."""
+
+    policy: str
+    question: int
+    tokens: list[int]
+    text: str
+    kept: int
+    seconds: float
+
+
+def prefill(model, ids: torch.Tensor, specs: list[str], entries: int | None, positions: str,
+            stream: bool = False, chunk: int = DEFAULT_CHUNK) -> Compressed:
+    """Read `ids` `[T]` into one cache whose rows are `specs`, the shared prefix fed once.
+
+    Without `stream`, one forward reads all of it and each row's policy then compresses
+    to `entries` (the SnapKV/kvpress protocol). With `stream`, the cache is exact per
+    token: the first `entries` tokens go in one forward (nothing is evicted before the
+    cache is full), the rest in chunks of `chunk` tokens, every row fed its own copy.
+    """
+    rows = len(specs)
+    with torch.inference_mode():
+        cache = EvictingCache(model, specs, budget=entries, positions=positions, per_token=stream)
+        head = ids.numel() if not stream or entries is None else min(entries, ids.numel())
+        hidden = body(model, ids[None, :head].long(), cache)[:, -1]
+        for start in range(head, ids.numel(), chunk):
+            piece = ids[start : start + chunk].long()
+            hidden = body(model, piece[None].expand(rows, -1), cache)[:, -1]
+        kept = max(layer.n for layer in cache.layers)
+    return Compressed(cache, hidden.expand(rows, -1).clone(), ids.numel(), cache.budget,
+                      [p.spec() for p in cache.policies], kept)
+
+
+def snapshot(model, state: Compressed) -> Compressed:
+    """An independent copy of a compressed state (its tensors copied), sharing the model.
+
+    The model's modules, parameters and whatever the attention modules carry (the
+    cache's thread-local hand-off slot) are shared, not copied: they are the model's.
+    """
+    memo: dict[int, object] = {}
+    for module in model.modules():
+        memo[id(module)] = module
+        for value in module.__dict__.values():
+            if isinstance(value, threading.local):
+                memo[id(value)] = value
+    for tensor in [*model.parameters(), *model.buffers()]:
+        memo[id(tensor)] = tensor
+    return copy.deepcopy(state, memo)
+
+
+def _line_done(text: str) -> bool:
+    """The answer's first line is complete: a newline after some text."""
+    body_text = text.lstrip()
+    return "\n" in body_text
+
+
+def decode(model, tokenizer, state: Compressed, max_new_tokens: int, stops: Sequence[int]) -> list[list[int]]:
+    """Greedy answers, one list of ids per row (see the module's docstring for when a row stops)."""
+    stop_set = set(stops)
+    pad = stops[0] if stops else None
+    out: list[list[int]] = [[] for _ in range(state.rows)]
+    done = [False] * state.rows
+    with torch.inference_mode():
+        for step in range(max_new_tokens):
+            token = state.next_logits(model).argmax(-1)
+            for row, value in enumerate(token.tolist()):
+                if done[row]:
+                    if pad is not None:
+                        token[row] = pad
+                    continue
+                if value in stop_set:
+                    done[row] = True
+                    continue
+                out[row].append(value)
+                done[row] = _line_done(tokenizer.decode(out[row], skip_special_tokens=True))
+            if all(done) or step == max_new_tokens - 1:
+                break
+            state.feed(model, token[:, None])
+    return out
+
+
+def _text(tokenizer, ids: list[int]) -> str:
+    text = tokenizer.decode(ids, skip_special_tokens=True).lstrip()
+    return text.split("\n", 1)[0]
+
+
+def answer(model, tokenizer, prompt: Prompt, specs: list[str], entries: int | None, protocol: str,
+           form: str = "requests", positions: str = "original", max_new_tokens: int | None = None,
+           stream_chunk: int = DEFAULT_CHUNK) -> list[Answer]:
+    """Every row's answers to `prompt` under `protocol`: one per row (or per row and question in `multi`)."""
+    check_protocol(protocol, form)
+    limit = max_new_tokens or prompt.answer_tokens
+    stops = stop_ids(tokenizer)
+    t0 = time.perf_counter()
+    bounded = entries is not None
+    results: list[tuple[int, list[list[int]], int]] = []
+    if protocol == "aware" and bounded:
+        ids = prompt.ids
+        state = prefill(model, ids[:-1], specs, entries, positions)
+        state.cache.freeze()
+        state.feed(model, ids[-1:])
+        results.append((0, decode(model, tokenizer, state, limit, stops), state.kept))
+    elif protocol == "stream" and bounded:
+        state = prefill(model, prompt.context, specs, entries, positions, stream=True, chunk=stream_chunk)
+        with torch.inference_mode():
+            for start in range(0, prompt.question.numel(), stream_chunk):
+                piece = prompt.question[start : start + stream_chunk].long()
+                state.hidden = body(model, piece[None].expand(state.rows, -1), state.cache)[:, -1]
+        results.append((0, decode(model, tokenizer, state, limit, stops), state.kept))
+    elif protocol == "multi":
+        if not prompt.per_key:
+            raise KvevictError(f"protocol multi needs a task with several keys in one context, not "
+                               f"{prompt.sample.task}: use niah_multikey_1/2/3 or niah_multiquery")
+        state = prefill(model, prompt.context, specs, entries, positions)
+        if form == "requests":
+            state.cache.freeze()
+            for q, ids in enumerate(prompt.per_key):
+                copy_state = snapshot(model, state) if q < len(prompt.per_key) - 1 else state
+                copy_state.feed(model, ids)
+                results.append((q, decode(model, tokenizer, copy_state, limit, stops), state.kept))
+        else:
+            for q, ids in enumerate([prompt.per_key[0], *prompt.follow_ups[1:]]):
+                state.feed(model, ids)
+                results.append((q, decode(model, tokenizer, state, limit, stops), state.kept))
+    else:  # agnostic, and the full cache of agnostic / aware / stream
+        state = prefill(model, prompt.context, specs, entries, positions)
+        state.cache.freeze()
+        state.feed(model, prompt.question)
+        results.append((0, decode(model, tokenizer, state, limit, stops), state.kept))
+    seconds = time.perf_counter() - t0
+    return [Answer(spec, q, ids, _text(tokenizer, ids), kept, seconds)
+            for q, rows, kept in results for spec, ids in zip(state.policies, rows, strict=True)]
+

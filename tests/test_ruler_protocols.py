@@ -1,0 +1,169 @@
+"""The four RULER protocols against independent computations on a tiny model.
+
+The batch under test shares one context prefill across its policy rows; each reference
+runs the library's plain paths (`compress_prompt` with every row fed, one token per
+forward for the stream, one policy per cache for the dialogue), so a shortcut that
+changed an answer would show here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvevict.cache import EvictingCache
+from kvevict.errors import KvevictError
+from kvevict.eval.compress import compress_prompt, greedy
+from kvevict.eval.forward import body
+from kvevict.eval.ruler.grid import RulerGrid
+from kvevict.eval.ruler.protocols import answer, check_aware, prefill, snapshot
+from kvevict.eval.ruler.sample import Prompt, Question, Sample
+
+from conftest import random_tokens
+
+SPECS = ["window", "streamingllm", "h2o", "snapkv:window=8"]
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def model(request, tiny):
+    """The tiny Llama, and a tiny Gemma 3 (sliding-window layers beside full ones: the embedded second model)."""
+    if request.param == "llama":
+        return tiny
+    from architectures import Arch
+
+    return Arch("gemma3", ("original",)).build().eval()
+NEW = 6
+
+
+class Words:
+    """A tokenizer stand-in: ids print as numbers (never a newline), no stop tokens."""
+
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(str(i) for i in ids)
+
+    def get_vocab(self):
+        return {}
+
+    def convert_tokens_to_ids(self, name):
+        return None
+
+
+def _prompt(questions: int = 0) -> Prompt:
+    context, question = random_tokens(120, seed=5), random_tokens(9, seed=6)
+    keys = [random_tokens(7, seed=10 + q) for q in range(questions)]
+    follow = [random_tokens(11, seed=20 + q) for q in range(questions)]
+    sample = Sample("niah_multikey_1", 0, "", Question("", "", ["1"]),
+                    [Question("", "", ["1"]) for _ in range(questions)])
+    return Prompt(sample, 200, context, question, keys, follow, NEW)
+
+
+def _tokens(answers, question=0):
+    return [a.tokens for a in answers if a.question == question]
+
+
+def test_agnostic_equals_compressing_the_context_with_every_row_fed(model):
+    prompt = _prompt()
+    got = answer(model, Words(), prompt, SPECS, 40, "agnostic")
+    ref = compress_prompt(model, prompt.ids, SPECS, 40, split=prompt.context.numel())
+    assert _tokens(got) == greedy(model, ref, NEW)
+    assert [a.policy for a in got] == [ref_p for ref_p in ref.policies]
+
+
+def test_aware_compresses_the_question_too(tiny):
+    prompt = _prompt()
+    got = answer(tiny, Words(), prompt, ["h2o", "snapkv:window=8"], 40, "aware")
+    ref = compress_prompt(tiny, prompt.ids, ["h2o", "snapkv:window=8"], 40)
+    assert _tokens(got) == greedy(tiny, ref, NEW)
+    agnostic = answer(tiny, Words(), prompt, ["h2o", "snapkv:window=8"], 40, "agnostic")
+    assert _tokens(agnostic) != _tokens(got)  # the question changed what SnapKV kept
+
+
+def test_full_cache_is_the_plain_forward(tiny):
+    prompt = _prompt()
+    got = answer(tiny, Words(), prompt, ["full"], None, "agnostic")
+    cache = EvictingCache(tiny, "full", budget=None)
+    with torch.inference_mode():
+        hidden = body(tiny, prompt.ids[None], cache)[:, -1]
+        tokens = []
+        for _ in range(NEW):
+            token = tiny.lm_head(hidden).argmax(-1)
+            tokens.append(int(token))
+            hidden = body(tiny, token[:, None], cache)[:, -1]
+    assert _tokens(got) == [tokens]
+
+
+def test_stream_equals_one_token_per_forward(model):
+    prompt = _prompt()
+    got = answer(model, Words(), prompt, SPECS, 40, "stream", stream_chunk=16)
+    cache = EvictingCache(model, SPECS, budget=40)
+    rows = len(SPECS)
+    with torch.inference_mode():
+        for token in prompt.ids.tolist():
+            hidden = body(model, torch.tensor([[token]] * rows), cache)[:, -1]
+        out = [[] for _ in range(rows)]
+        for _ in range(NEW):
+            token = model.lm_head(hidden).argmax(-1)
+            for row, value in enumerate(token.tolist()):
+                out[row].append(value)
+            hidden = body(model, token[:, None], cache)[:, -1]
+            assert max(layer.n for layer in cache.layers) <= 40
+    assert _tokens(got) == out
+
+
+def test_multi_requests_each_start_from_the_same_compressed_context(model):
+    prompt = _prompt(questions=3)
+    got = answer(model, Words(), prompt, SPECS, 40, "multi", form="requests")
+    for q in range(3):
+        ids = torch.cat([prompt.context, prompt.per_key[q]])
+        ref = compress_prompt(model, ids, SPECS, 40, split=prompt.context.numel())
+        assert _tokens(got, q) == greedy(model, ref, NEW)
+
+
+def test_multi_turns_equal_each_policy_alone_evicting_throughout(model):
+    prompt = _prompt(questions=3)
+    got = answer(model, Words(), prompt, SPECS, 40, "multi", form="turns")
+    for row, spec in enumerate(SPECS):
+        cache = EvictingCache(model, [spec], budget=40)
+        with torch.inference_mode():
+            hidden = body(model, prompt.context[None], cache)[:, -1]
+            for q, ids in enumerate([prompt.per_key[0], *prompt.follow_ups[1:]]):
+                hidden = body(model, ids[None], cache)[:, -1]
+                tokens = []
+                for step in range(NEW):
+                    token = model.lm_head(hidden).argmax(-1)
+                    tokens.append(int(token))
+                    if step < NEW - 1:
+                        hidden = body(model, token[:, None], cache)[:, -1]
+                    assert max(layer.n for layer in cache.layers) <= 40
+                assert _tokens(got, q)[row] == tokens, (spec, q)
+
+
+def test_snapshot_is_independent_of_the_original(model):
+    prompt = _prompt()
+    state = prefill(model, prompt.context, SPECS, 40, "original")
+    state.cache.freeze()
+    copy = snapshot(model, state)
+    copy.feed(model, prompt.question)
+    assert state.cache.tokens_seen == prompt.context.numel()
+    assert copy.cache.tokens_seen == prompt.tokens
+
+
+def test_aware_refuses_policies_that_ignore_attention():
+    check_aware(["full", "h2o", "snapkv", "tova"])
+    with pytest.raises(KvevictError, match="aware is meaningless for 'window'"):
+        check_aware(["h2o", "window"])
+
+
+@pytest.mark.parametrize("grid, says", [
+    (RulerGrid(samples=0), "--samples must be at least 1"),
+    (RulerGrid(tasks=["niah_single_9"]), "unknown RULER task 'niah_single_9'"),
+    (RulerGrid(budgets=["100%"]), "full cache"),
+    (RulerGrid(protocol="multi", tasks=["niah_single_1"]), "protocol multi needs several keys"),
+    (RulerGrid(protocol="aware", policies=["window", "snapkv"]), "aware is meaningless"),
+    (RulerGrid(protocol="sideways"), "unknown protocol"),
+])
+def test_grid_refuses_before_any_model_work(grid, says):
+    with pytest.raises(KvevictError, match=says):
+        grid.check()
