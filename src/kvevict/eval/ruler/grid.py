@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from ...errors import KvevictError
 from ...policies import check_policy, shared_batches
-from ..compress import Budget, budget_label, parse_budget, resolve_budget
+from ...policies.budget import Budget, budget_label, parse_budget, resolve_budget
 from .framing import framing
 from .protocols import answer, check_aware, check_protocol
 from .qa import QaFile
