@@ -24,12 +24,15 @@ from .full import Full
 from .h2o import H2O
 from .keydiff import KeyDiff
 from .knorm import KNorm
+from .llamacpp import LlamaCpp, Ollama
 from .pyramidkv import PyramidKV
 from .random_subset import Random
 from .sinkauto import SinkAuto
 from .sinks import SinkPinned
+from .sliding_engines import HfSinkCache, Mlc, TrtLlm, VllmSlidingWindow
 from .snapkv import SnapKV
 from .tova import TOVA
+from .truncation import KeepHead, KeepTail
 from .window import Window
 
 REGISTRY: dict[str, Callable[..., Policy]] = {
@@ -42,11 +45,21 @@ REGISTRY: dict[str, Callable[..., Policy]] = {
     "knorm": KNorm,
     "keydiff": KeyDiff,
     "pyramidkv": PyramidKV,
+    # serving engines' own rules (docs/engines.md)
+    "llamacpp": LlamaCpp,
+    "ollama": Ollama,
+    "trtllm": TrtLlm,
+    "mlc": Mlc,
+    "hf-sinkcache": HfSinkCache,
+    "vllm-swa": VllmSlidingWindow,
+    "vllm-truncate": KeepTail,
+    "sglang-truncate": KeepHead,
 }
 ALIASES = {"streamingllm": "sink4+window", "local": "window", "fifo": "window"}
 _SINK = re.compile(r"^sink(\d+)\+(.+)$")
 _SINKAUTO = re.compile(r"^sinkauto(\d*)\+(.+)$")
 _ADAKV = "adakv"
+_MODE_WORDS = {"original": "the stream's own (original)", "cache": "renumbered within the cache (cache)"}
 
 
 def register(name: str, factory: Callable[..., Policy]) -> None:
@@ -112,6 +125,12 @@ def check_policy(spec: str | Policy, budget: int | None, positions: str = "origi
     sweep planner, so every entry point refuses the same inputs with the same words.
     """
     policy = parse_policy(spec)
+    engine = policy.position_mode
+    if engine is not None and positions != engine:
+        raise KvevictError(
+            f"'{policy.spec()}' reproduces an engine whose positions are {_MODE_WORDS[engine]}: the engine decides "
+            f"positions, so run it with positions='{engine}' (--positions {engine})"
+        )
     if policy.varies_by_head and positions != "original":
         raise KvevictError(
             f"'{policy.spec()}' gives each KV head its own number of entries, so positions='{positions}' would "
