@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache import EvictingCache, KeptTracker, SinkTracker
+from ..cache import EvictingCache, KeptTracker, Observer, SinkTracker
 from ..cache.observers import held_pinned_lost
 from ..defaults import DEFAULT_CHUNK
 from ..errors import KvevictError
@@ -255,6 +255,7 @@ def compare(
     label: str = "stream",
     on_step: Callable[[int], None] | None = None,
     chunk: int = DEFAULT_CHUNK,
+    observers: Sequence[Observer] = (),
 ) -> tuple[list[RowResult], RowResult | None]:
     """Streaming NLL of every policy (rows of one batch) and of the full cache.
 
@@ -263,7 +264,8 @@ def compare(
     row also gets per-token KL(full || policy) and top-1 agreement with the full cache,
     computed block by block as the rows are scored. `chunk` tokens are read per forward
     after the prefill (1: one token per forward, the reference path). `progress` is a
-    bool or an existing rich Progress to add a bar to.
+    bool or an existing rich Progress to add a bar to. `observers` are attached to the
+    cache beside the ones this protocol uses (the llama.cpp check records shift points).
     """
     tokens = _validate(tokens)
     chunk = check_chunk(chunk)
@@ -274,7 +276,8 @@ def compare(
     with torch.inference_mode():
         kept, sinks = KeptTracker(), SinkTracker()
         cache = EvictingCache(
-            model, list(policies), budget=budget, positions=positions, observers=[kept, sinks], per_token=True
+            model, list(policies), budget=budget, positions=positions, observers=[kept, sinks, *observers],
+            per_token=True,
         )
         lane = _Lane(model, cache, rows)
         budget = cache.budget  # None when every row is the full cache
