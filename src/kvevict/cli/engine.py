@@ -28,6 +28,19 @@ CHECK: list[Column[dict]] = [
 ]
 
 
+#: `--llamacpp-only`: llama.cpp's PPL per --keep against its own full cache
+ENGINE: list[Column[dict]] = [
+    Column("model", lambda r: r["model"], align="left"),
+    Column("n_ctx", lambda r: str(r["budget"])),
+    Column("keep", lambda r: f"{r['keep']}+{r['bos']} BOS" if r["bos"] else str(r["keep"])),
+    Column("keeps token 0", lambda r: "yes" if r["keeps_token0"] else "no"),
+    Column("ppl", lambda r: f"{r['engine_ppl']:.2f}"),
+    Column("full ppl", lambda r: f"{r['engine_full_ppl']:.2f}"),
+    Column("ratio", lambda r: f"{r['engine_ratio']:.3f}"),
+    Column("shifts", lambda r: str(r["shifts"])),
+]
+
+
 @one_line_errors
 def engine_check(
     models: str = typer.Option("smollm2-135m,gemma3-270m", help="comma-separated: embedded names or .gguf files"),
@@ -37,6 +50,9 @@ def engine_check(
     keep: str = typer.Option("0,4", help="comma-separated --keep values of llama-server (n_keep)"),
     chunk: str = typer.Option(str(DEFAULT_CHUNK), help=CHUNK_HELP),
     threads: int = typer.Option(2, help="llama.cpp's CPU threads"),
+    llamacpp_only: bool = typer.Option(
+        False, "--llamacpp-only", help="only llama.cpp's side: its PPL per --keep against its own full cache"
+    ),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object as the last line"),
 ) -> None:
     """Stream the same tokens through llama.cpp (context shift as llama-server does it) and kvevict's
@@ -47,7 +63,8 @@ def engine_check(
     from ..data import load_tokens
     from ..gguf import EMBEDDED, embedded_gguf
     from ..llamacpp.check import engine_check as run_check
-    from ..models import load_model
+    from ..llamacpp.check import engine_side
+    from ..models import load_model, load_tokenizer
 
     keeps = parse_ints(keep, "--keep")
     chunk_size = parse_chunk(chunk)
@@ -61,11 +78,21 @@ def engine_check(
     rows = []
     for name in names:
         gguf = embedded_gguf(name) if name in EMBEDDED else Path(name).expanduser()
-        lm, tokenizer = load_model(name)
+        tokenizer = load_tokenizer(name)
         ids, _ = load_tokens(text, tokenizer, tokens)
         if budget >= len(ids):
             raise KvevictError(f"--budget {budget} holds the whole {len(ids)}-token stream: nothing would shift")
+        if llamacpp_only:
+            rows += engine_side(name, gguf, ids, budget, keeps, threads)
+            continue
+        lm, _ = load_model(name)
         rows += [r.summary() for r in run_check(name, gguf, lm, ids, budget, keeps, chunk_size, threads)]
+    if llamacpp_only:
+        if as_json:
+            print(json.dumps({"rows": rows}))
+        else:
+            show(Table.of(ENGINE, rows), f"llama.cpp's context shift alone, {tokens} tokens of {text}")
+        return
     if as_json:
         print(json.dumps({"rows": rows}))
     else:

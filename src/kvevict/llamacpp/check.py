@@ -147,3 +147,23 @@ def _result(name, budget, keep, bos, count, engine_full: EngineStream, engine: E
         full_correlation=correlation(engine_full.nll, full_nll), correlation=correlation(engine.nll, nll),
         engine_shifts=engine.shifts, kvevict_shifts=shifts,
     )
+
+
+def engine_side(
+    model_name: str, gguf, tokens: torch.Tensor, budget: int, keeps: list[int], threads: int = 2
+) -> list[dict]:
+    """llama.cpp alone: per `keep`, its PPL with llama-server's context shift at n_ctx `budget` against its
+    own full cache over `tokens` `[T]` (no transformers model loaded)."""
+    ids = tokens.tolist()
+    with LlamaCppModel(gguf, threads=threads) as engine:
+        full = engine.stream(ids, None)
+        runs = {keep: engine.stream(ids, budget, keep) for keep in keeps}
+        bos = int(engine.add_bos)
+    return [
+        {
+            "model": model_name, "budget": budget, "keep": keep, "bos": bos, "tokens": len(ids),
+            "keeps_token0": keep + bos > 0, "engine_ppl": run.ppl, "engine_full_ppl": full.ppl,
+            "engine_ratio": run.ppl / full.ppl, "shifts": len(run.shifts),
+        }
+        for keep, run in runs.items()
+    ]
