@@ -22,7 +22,7 @@ def require():
         import llama_cpp.llama_cpp as bindings
     except ImportError as exc:
         raise KvevictError(
-            f"--engine-check runs llama.cpp through llama-cpp-python, which is not installed ({exc.name} missing): "
+            f"engine-check runs llama.cpp through llama-cpp-python, which is not installed ({exc.name} missing): "
             f"{INSTALL}"
         ) from None
     return bindings
