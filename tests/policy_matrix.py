@@ -21,10 +21,12 @@ TEST_OPTIONS = {
 # wrappers that are not registry names: Ada-KV's head-wise budgets over a policy of each kind
 # (accumulated attention, a query window, the last query, keys)
 WRAPPED = ["adakv:h2o:recent=0.25", "adakv:snapkv:window=2,interval=3", "adakv:tova", "adakv:keydiff"]
+# page-granular eviction (`:page=P`, whole pages at once) over a policy of each kind, both page scores
+PAGED = ["h2o:recent=0.25,page=3", "snapkv:window=2,interval=3,page=2,pagescore=max", "tova:page=3", "window:page=4"]
 
 
 def base_specs() -> list[str]:
-    return [TEST_OPTIONS.get(name, name) for name in REGISTRY] + WRAPPED
+    return [TEST_OPTIONS.get(name, name) for name in REGISTRY] + WRAPPED + PAGED
 
 
 def position_modes(spec: str) -> list[str]:
