@@ -9,12 +9,14 @@ call a policy: they are the engines' bookkeeping written out in lists.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
 from kvevict import EvictingCache, KvevictError, parse_policy
 from kvevict.eval.forward import body
-from kvevict.policies import check_policy
+from kvevict.policies import REGISTRY, Policy, SlotView, check_policy, register
 
 from conftest import make_tiny, random_tokens
 
@@ -164,3 +166,92 @@ def test_preset_positions_are_the_engines():
         with pytest.raises(KvevictError, match=f"--positions {positions}"):
             check_policy(spec, CTX, other)
         assert parse_policy(spec).position_mode == positions
+
+
+# --- page-granular eviction --------------------------------------------------------------
+
+
+def paged_window(budget: int, page: int, sinks: int) -> list[list[int]]:
+    """A paged cache that frees whole pages of `page` tokens, oldest first: once more than `budget`
+    are held, the fewest whole pages that bring it back within the budget go; the page holding the
+    sinks and the partly filled last page never do."""
+    cells: list[int] = []
+    between = []
+    for t in range(T):
+        cells.append(t)
+        if len(cells) > budget:
+            need = -(-(len(cells) - budget) // page)
+            protected = {p // page for p in range(sinks)} | ({t // page} if (t + 1) % page else set())
+            pages = sorted({c // page for c in cells} - protected)
+            gone = set(pages[:need])
+            cells = [c for c in cells if c // page not in gone]
+        between.append(list(cells))
+    return between
+
+
+PAGED_CASES = [
+    ("window:page=4", lambda: paged_window(10, 4, 0)),
+    ("window:page=3,pagescore=max", lambda: paged_window(10, 3, 0)),
+    ("sink2+window:page=4", lambda: paged_window(14, 4, 2)),
+    ("window:page=1", lambda: paged_window(10, 1, 0)),
+]
+
+
+@pytest.mark.parametrize("spec,engine", PAGED_CASES, ids=[c[0] for c in PAGED_CASES])
+@pytest.mark.parametrize("positions", ["original", "cache"])
+def test_pages_go_whole(spec, engine, positions):
+    budget = 14 if spec.startswith("sink2") else 10
+    expected = engine()
+    cache = EvictingCache(MODEL, [spec], budget=budget, positions=positions, per_token=True)
+    held, seen = [], 0
+    with torch.inference_mode():
+        for q in [4, 1, 1, 7, 1, 6]:
+            body(MODEL, TOKENS[None, seen : seen + q], cache)
+            seen += q
+            held.append(cache.layers[0].kept_positions()[0, 0].tolist())
+    ends = [3, 4, 5, 12, 13, 19]
+    assert held == [expected[e] for e in ends]
+
+
+@dataclass(eq=False)
+class _NewestOut(Policy):
+    """The newest entry scores lowest (SGLang's head-keeping, as a plain policy that pages may wrap)."""
+
+    def spec(self) -> str:
+        return "newestout"
+
+    def scores(self, view: SlotView) -> torch.Tensor:
+        return -view.positions.double()
+
+
+def paged_newest_out(budget: int, page: int) -> list[list[int]]:
+    """Whole pages, newest full page first; the last page is spared only while partly filled."""
+    cells: list[int] = []
+    between = []
+    for t in range(T):
+        cells.append(t)
+        if len(cells) > budget:
+            need = -(-(len(cells) - budget) // page)
+            partial = {t // page} if (t + 1) % page else set()
+            pages = sorted({c // page for c in cells} - partial, reverse=True)
+            gone = set(pages[:need])
+            cells = [c for c in cells if c // page not in gone]
+        between.append(list(cells))
+    return between
+
+
+def test_a_full_last_page_may_go_a_partial_one_may_not():
+    expected = paged_newest_out(11, 4)
+    # hand-checked: 12 held after token 11 and its page (8..11) is full, so it is the one to go
+    assert expected[11] == list(range(8)) and expected[12] == [*range(8), 12]
+    register("newestout", _NewestOut)
+    try:
+        cache = EvictingCache(MODEL, ["newestout:page=4"], budget=11, per_token=True)
+        held = []
+        with torch.inference_mode():
+            for t in range(T):
+                body(MODEL, TOKENS[None, t : t + 1], cache)
+                held.append(cache.layers[0].kept_positions()[0, 0].tolist())
+    finally:
+        REGISTRY.pop("newestout")
+    assert held == expected

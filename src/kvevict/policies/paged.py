@@ -4,8 +4,8 @@ A paged engine (vLLM's blocks, TensorRT-LLM's, MLC's pages) stores entries in pa
 `page` consecutive tokens and can only free a whole page: an H2O inside such an engine
 (vllm-project/vllm#3532) evicts pages, not tokens. `Paged` runs the inner policy as it is
 and turns its per-token scores into per-page scores (`pagescore=mean`, or `max`), so only
-whole pages go. The page holding the inner policy's pinned sinks and the last, partly
-filled page never go (their scores are `+inf`).
+whole pages go. The page holding the inner policy's pinned sinks never goes (a page with a
+`+inf` entry pools to `+inf`, mean or max), nor does the last page while it is partly filled.
 
 When the budget is exceeded it evicts the fewest whole pages that bring the layer back
 within it (`evict_to`), so it holds between `budget - page + 1` and `budget` entries once
@@ -85,7 +85,7 @@ class Paged(Wrapper):
         return held - -(-(held - budget) // self.page) * self.page
 
     def scores(self, view: SlotView) -> torch.Tensor:
-        """Each entry gets its page's score, `[b, H_kv, n]`; the sink pages and the last page `+inf`."""
+        """Each entry gets its page's score, `[b, H_kv, n]`; a partly filled last page `+inf`."""
         inner = self.inner.scores(view).to(torch.float64)
         page = view.positions // self.page
         last = (view.seen - 1) // self.page
@@ -98,6 +98,4 @@ class Paged(Wrapper):
             pooled = torch.zeros((*inner.shape[:-1], pages), dtype=inner.dtype, device=inner.device)
             pooled.scatter_reduce_(-1, index, inner, reduce="mean", include_self=False)
         out = pooled.gather(-1, index)
-        keep = (page == last) & (view.seen % self.page != 0)
-        keep |= page < self.sink_pages()
-        return out.masked_fill(keep, float("inf"))
+        return out.masked_fill((page == last) & (view.seen % self.page != 0), float("inf"))
