@@ -39,7 +39,9 @@ class Paged(Wrapper):
         if self.pagescore not in POOLING:
             raise KvevictError(f"pagescore must be mean or max, got '{self.pagescore}' in '{self.spec()}'")
         if self.inner.preset:
-            raise KvevictError(f"'{name}' is an engine preset: it already evicts the engine's way, so run it without page=")
+            raise KvevictError(
+                f"'{name}' is an engine preset: it already evicts the engine's way, so run it without page="
+            )
         if self.inner.unbounded or self.inner.varies_by_head or self.inner.varies_by_layer:
             raise KvevictError(
                 f"page= needs a policy that scores entries at one budget per layer, not '{name}': e.g. h2o:page=16, "
