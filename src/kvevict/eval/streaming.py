@@ -27,6 +27,7 @@ from ..cache import EvictingCache, KeptTracker, Observer, SinkTracker
 from ..cache.observers import held_pinned_lost
 from ..defaults import DEFAULT_CHUNK
 from ..errors import KvevictError
+from ..policies.base import held_per_step
 from ..progress import bars
 from .forward import body, log_probs
 from .sink_loss import sink_loss
@@ -48,6 +49,7 @@ class RowResult:
     agree: torch.Tensor | None = None  # [T-1] top-1 equal to the full cache's
     hit: torch.Tensor | None = None  # [T-1] top-1 is the next token (lm-eval's is_greedy under protocol=stream)
     max_kept: int = 0
+    mean_kept: float = 0.0  # entries a full-attention layer held on average over the stream's steps
     pinned_sink_evicted: bool = False
     first_token_evicted: bool = False
     sink_loss: float = 0.0
@@ -122,6 +124,7 @@ class RowResult:
             "ppl": self.ppl,
             "nll_mean": self.nll_mean,
             "max_kept": self.max_kept,
+            "mean_kept": self.mean_kept,
             "sink_evicted": self.pinned_sink_evicted,
             "first_token_evicted": self.first_token_evicted,
             "sink_loss": self.sink_loss,
@@ -332,6 +335,7 @@ def compare(
                 agree=agree[row].clone() if full is not None else None,
                 hit=hit[row].clone(),
                 max_kept=kept.most,
+                mean_kept=sum(held_per_step(policy, budget, tokens.numel())) / tokens.numel(),
                 pinned_sink_evicted=bool(pinned_lost[row]),
                 first_token_evicted=bool((lost_at[:, row] >= 0).any()),
                 sink_loss=sink_loss(grids[row]).share or 0.0,
