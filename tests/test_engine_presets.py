@@ -255,3 +255,42 @@ def test_a_full_last_page_may_go_a_partial_one_may_not():
     finally:
         REGISTRY.pop("newestout")
     assert held == expected
+
+
+# --- hybrid models: llama.cpp's n_ctx holds the sliding-window layers too ---------------------
+
+
+HYBRID_CTX = 10  # up to 9 entries held, beyond the sliding window of 7: the band must hide the oldest
+
+
+def hybrid_stream(spec: str, chunk: int) -> tuple[torch.Tensor, list[list[list[int]]]]:
+    """NLL `[T-1]` and, after each forward, every layer's held positions on the tiny Gemma 3 (window 7)."""
+    from architectures import Arch
+
+    from kvevict.eval.forward import log_probs
+    from kvevict.eval.streaming import boundaries
+
+    model = Arch("gemma3", ("cache",)).build(seed=43)
+    tokens = TOKENS % 101
+    cache = EvictingCache(model, [spec], budget=HYBRID_CTX, positions="cache", per_token=True)
+    nll = torch.zeros(T - 1)
+    held = []
+    with torch.inference_mode():
+        for start, stop in boundaries(T, 1, chunk):
+            hidden = body(model, tokens[None, start:stop], cache)
+            lp = log_probs(model, hidden)[0, : T - 1 - start]
+            targets = tokens[start + 1 : stop + 1]
+            nll[start : start + targets.numel()] = -lp.gather(-1, targets[:, None])[:, 0]
+            held.append([layer.kept_positions()[0, 0].tolist() for layer in cache.layers])
+    return nll, held
+
+
+def test_llama_cpp_bounds_the_sliding_layers_of_a_hybrid_model():
+    """Every layer, sliding ones included, holds llama-server's cells; the sliding layers still see only
+    their window (7 < 9 held) over the renumbered positions, the same in chunks as token by token."""
+    expected = llama_server(HYBRID_CTX, 0, True)
+    ref_nll, held = hybrid_stream("llamacpp:keep=0,bos=1", 1)
+    for t, layers in enumerate(held):
+        assert all(layer == expected[t] for layer in layers), (t, layers)
+    nll, _ = hybrid_stream("llamacpp:keep=0,bos=1", 6)
+    assert (nll - ref_nll).abs().max() < 1e-4

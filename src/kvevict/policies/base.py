@@ -125,6 +125,9 @@ class Policy:
     #: reproduces a serving engine's whole rule (`engines.md`): wrappers refuse to wrap it, since
     #: pinning more sinks or sharing its budget across heads is no longer that engine
     preset: ClassVar[bool] = False
+    #: on a hybrid model, the budget bounds the sliding-window layers too (llama.cpp's `n_ctx` holds every
+    #: layer, and its sliding layers mask by the renumbered positions): they run this policy's schedule
+    bounds_every_layer: ClassVar[bool] = False
 
     @property
     def own_batch(self) -> bool:
@@ -188,19 +191,6 @@ class Policy:
 
     def __repr__(self) -> str:
         return f"<policy {self.spec()}>"
-
-
-def held_per_step(policy: Policy, budget: int | None, steps: int) -> list[int]:
-    """Entries a full-attention layer holds after each of `steps` one-token steps under `policy`'s
-    schedule (`Policy.evict_to`) at `budget`: the memory it actually uses, step by step. Chunked
-    evaluation replays the same steps, so this is what any evaluation holds."""
-    held, out = 0, []
-    for _ in range(steps):
-        held += 1
-        target = None if budget is None or policy.unbounded else policy.evict_to(budget, held)
-        held = held if target is None else target
-        out.append(held)
-    return out
 
 
 def recency(view: SlotView) -> torch.Tensor:

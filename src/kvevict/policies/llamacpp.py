@@ -30,6 +30,8 @@ class LlamaCpp(EnginePreset):
     keep: int = 0
     bos: int = 0
 
+    bounds_every_layer = True  # n_ctx cells hold every layer; SWA layers shift only with --swa-full
+
     def __post_init__(self) -> None:
         if self.keep < 0 or self.bos not in (0, 1):
             raise KvevictError(
