@@ -193,6 +193,19 @@ class Policy:
         return f"<policy {self.spec()}>"
 
 
+def held_per_step(policy: Policy, budget: int | None, steps: int) -> list[int]:
+    """Entries a full-attention layer holds after each of `steps` one-token steps under `policy`'s
+    schedule (`Policy.evict_to`) at `budget`: the memory it actually uses, step by step. Chunked
+    evaluation replays the same steps, so this is what any evaluation holds."""
+    held, out = 0, []
+    for _ in range(steps):
+        held += 1
+        target = None if budget is None or policy.unbounded else policy.evict_to(budget, held)
+        held = held if target is None else target
+        out.append(held)
+    return out
+
+
 def recency(view: SlotView) -> torch.Tensor:
     """Position as a float64 score: the most recent slots score highest."""
     return view.positions.to(torch.float64)
