@@ -266,7 +266,6 @@ HYBRID_CTX = 10  # up to 9 entries held, beyond the sliding window of 7: the ban
 def hybrid_stream(spec: str, chunk: int) -> tuple[torch.Tensor, list[list[list[int]]]]:
     """NLL `[T-1]` and, after each forward, every layer's held positions on the tiny Gemma 3 (window 7)."""
     from architectures import Arch
-
     from kvevict.eval.forward import log_probs
     from kvevict.eval.streaming import boundaries
 
