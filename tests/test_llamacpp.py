@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from kvevict.data import load_tokens
-from kvevict.gguf import embedded_gguf
-from kvevict.models import load_model
+from kvevict.loading import load_model
+from kvevict.loading.gguf import embedded_gguf
 
 pytestmark = [pytest.mark.llamacpp, pytest.mark.model]
 

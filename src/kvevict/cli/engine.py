@@ -61,10 +61,10 @@ def engine_check(
 
     require()  # the extra first: a missing install is named before any model loads
     from ..data import load_tokens
-    from ..gguf import EMBEDDED, embedded_gguf
     from ..llamacpp.check import engine_check as run_check
     from ..llamacpp.check import engine_side
-    from ..models import load_model, load_tokenizer
+    from ..loading import load_model, load_tokenizer
+    from ..loading.gguf import EMBEDDED, embedded_gguf
 
     keeps = parse_ints(keep, "--keep")
     chunk_size = parse_chunk(chunk)
