@@ -339,7 +339,7 @@ def test_ppl_table_fits_80_columns_without_cutting_numbers(tiny_dir):
             assert all(len(line) <= 80 for line in result.stdout.splitlines())
             assert "left out s, positions" in result.stderr
         else:
-            assert len(rows[0]) == 9 and "left out" not in result.stderr
+            assert len(rows[0]) == 10 and "left out" not in result.stderr
 
 
 def test_real_process_exit_code_and_no_traceback():

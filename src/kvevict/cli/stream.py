@@ -23,7 +23,7 @@ from .common import (
 from .tables import show
 
 #: the `ppl` / `compare` table over `RowResult.summary()` rows; narrow terminals drop s, positions, kept, top1,
-#: sink_loss, kl_to_full in that order
+#: sink_loss, kl_to_full in that order (mean kept goes with kept)
 PPL: list[Column[dict]] = [
     Column("policy", lambda r: r["policy"], align="left"),
     Column("budget", lambda r: str(r["budget"] if r["budget"] is not None else "-")),
