@@ -293,3 +293,9 @@ def test_llama_cpp_bounds_the_sliding_layers_of_a_hybrid_model():
         assert all(layer == expected[t] for layer in layers), (t, layers)
     nll, _ = hybrid_stream("llamacpp:keep=0,bos=1", 6)
     assert (nll - ref_nll).abs().max() < 1e-4
+
+
+def test_an_own_schedule_cannot_share_a_cache():
+    with pytest.raises(KvevictError, match="evicts on its own schedule and cannot share a batch with window"):
+        EvictingCache(MODEL, ["llamacpp", "window"], budget=CTX, positions="cache")
+    EvictingCache(MODEL, ["llamacpp", "llamacpp"], budget=CTX, positions="cache")  # copies of itself share

@@ -29,6 +29,15 @@ from helpers import cli_error
         (["--policy", "trtllm:sink=4,streamingllm=1"], ["--positions cache"]),
         (["--policy", "sink4+llamacpp", "--positions", "cache"], ["wraps an engine preset", "llamacpp:keep=N"]),
         (["--policy", "adakv:mlc", "--positions", "original"], ["wraps an engine preset"]),
+        (["--policy", "h2o:page=0"], ["page must be a number of tokens >= 1"]),
+        (["--policy", "h2o:page=x"], ["page needs a whole number"]),
+        (["--policy", "h2o:page=40", "--budget", "64"], ["no whole page to evict", "a page of at most 33"]),
+        (["--policy", "h2o:page=300", "--budget", "256"], ["no whole page to evict"]),
+        (["--policy", "sink4+h2o:page=32", "--budget", "64"], ["1 sink page", "at least 94"]),
+        (["--policy", "h2o:pagescore=max"], ["pagescore without page"]),
+        (["--policy", "h2o:page=16,pagescore=median"], ["pagescore must be mean or max"]),
+        (["--policy", "llamacpp:page=4", "--positions", "cache"], ["engine preset", "without page="]),
+        (["--policy", "full:page=4"], ["scores entries"]),
     ],
 )
 def test_preset_bad_input_is_one_line(args, needles):
