@@ -299,3 +299,21 @@ def test_an_own_schedule_cannot_share_a_cache():
     with pytest.raises(KvevictError, match="evicts on its own schedule and cannot share a batch with window"):
         EvictingCache(MODEL, ["llamacpp", "window"], budget=CTX, positions="cache")
     EvictingCache(MODEL, ["llamacpp", "llamacpp"], budget=CTX, positions="cache")  # copies of itself share
+
+
+def test_compare_runs_a_preset_in_its_own_batch(tiny_dir):
+    """`kvevict compare` with a preset beside other policies: each own-schedule policy runs in a batch of
+    its own, against the same full cache, and gives what `kvevict ppl` gives for it alone."""
+    import json
+
+    from helpers import cli
+
+    common = ["--model", str(tiny_dir), "--tokens", "48", "--budget", "12", "--positions", "cache"]
+    out = cli("compare", *common, "--policies", "llamacpp:keep=2,window:page=3", "--json")
+    assert out.exit_code == 0, out.output
+    rows = {r["policy"]: r for r in json.loads(out.stdout.strip().splitlines()[-1])["rows"]}
+    alone = json.loads(cli("ppl", *common, "--policy", "llamacpp:keep=2", "--json").stdout.strip().splitlines()[-1])
+    preset = rows["llamacpp:keep=2,bos=0"]
+    assert abs(preset["ppl"] - alone["ppl"]) < 1e-4 * alone["ppl"]
+    assert preset["mean_kept"] < preset["max_kept"] <= 12
+    assert {"full", "window:page=3"} <= set(rows)
