@@ -242,7 +242,7 @@ def full_reference(model, tokens: torch.Tensor, progress=True, label: str = "str
     reference.result = RowResult(
         policy="full", budget=None, positions="original", nll=nll,
         kl=torch.zeros(steps), agree=torch.ones(steps, dtype=torch.bool),
-        max_kept=kept.most, seconds=lane.seconds,
+        max_kept=kept.most, mean_kept=(steps + 2) / 2, seconds=lane.seconds,  # holds 1, 2, ... T tokens
     )
     return reference
 
