@@ -3,11 +3,12 @@ PY      := .venv/bin/python
 PIP     := .venv/bin/pip
 STAMP   := .venv/.kvevict-installed
 EXTRAS  := .venv/.kvevict-extras-installed
+LLAMACPP := .venv/.kvevict-llamacpp-installed
 
 # transformers releases `make test-compat` checks: the lowest and the newest of the range in pyproject.toml
 COMPAT  := 5.20.2 5.24.0
 
-.PHONY: demo test test-fast test-compat lint bench clean .chromium-checked
+.PHONY: demo test test-fast test-compat test-llamacpp lint bench clean .chromium-checked
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -27,6 +28,16 @@ $(STAMP): pyproject.toml
 $(EXTRAS): $(STAMP)
 	$(PIP) install -q -e '.[dev,ray,lm-eval]'
 	touch $(EXTRAS)
+
+# llama.cpp itself for `kvevict engine-check`: a source build (~4.5 min on 2 cores), CPU only, no server/examples
+$(LLAMACPP): $(STAMP)
+	CMAKE_ARGS="-DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_BLAS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+	  -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF" $(PIP) install -q -e '.[llamacpp]'
+	touch $(LLAMACPP)
+
+# the llama.cpp cross-check in its small form (both embedded models, keep 0 and 4, a short stream)
+test-llamacpp: $(LLAMACPP)
+	$(PY) -m pytest -q -m llamacpp tests/test_llamacpp.py
 
 # the report test renders the HTML in a real browser: Debian's chromium
 .chromium-checked:

@@ -21,21 +21,42 @@ TEST_OPTIONS = {
 # wrappers that are not registry names: Ada-KV's head-wise budgets over a policy of each kind
 # (accumulated attention, a query window, the last query, keys)
 WRAPPED = ["adakv:h2o:recent=0.25", "adakv:snapkv:window=2,interval=3", "adakv:tova", "adakv:keydiff"]
+# page-granular eviction (`:page=P`, whole pages at once) over a policy of each kind, both page scores
+PAGED = ["h2o:recent=0.25,page=3", "snapkv:window=2,interval=3,page=2,pagescore=max", "tova:page=3", "window:page=4"]
 
 
 def base_specs() -> list[str]:
-    return [TEST_OPTIONS.get(name, name) for name in REGISTRY] + WRAPPED
+    return [TEST_OPTIONS.get(name, name) for name in REGISTRY] + WRAPPED + PAGED
 
 
 def position_modes(spec: str) -> list[str]:
-    """The position modes `spec` runs in: per-head budgets refuse `cache` (each head would need its own positions)."""
-    return ["original"] if parse_policy(spec).varies_by_head else ["original", "cache"]
+    """The position modes `spec` runs in: an engine preset runs in its engine's; per-head budgets refuse
+    `cache` (each head would need its own positions)."""
+    policy = parse_policy(spec)
+    if policy.position_mode is not None:
+        return [policy.position_mode]
+    return ["original"] if policy.varies_by_head else ["original", "cache"]
 
 
 def bounded_specs() -> list[str]:
-    """Every registered bounded policy, bare and under each sink wrapper."""
+    """Every registered bounded policy, bare and under each sink wrapper (engine presets bare: a preset
+    is its engine's whole rule, wrappers refuse it)."""
     bare = [spec for spec in base_specs() if not parse_policy(spec).unbounded]
-    return bare + [f"sink2+{spec}" for spec in bare] + [f"sinkauto2+{spec}" for spec in bare]
+    wrappable = [spec for spec in bare if not parse_policy(spec).preset]
+    return bare + [f"sink2+{spec}" for spec in wrappable] + [f"sinkauto2+{spec}" for spec in wrappable]
+
+
+def held_after(spec: str, budget: int, chunks: list[int]) -> list[int]:
+    """Entries a layer holds after each forward of `chunks` tokens when it evicts at the end of each
+    forward (no per-token replay): the policy's schedule (`Policy.evict_to`), the budget for most."""
+    policy = parse_policy(spec)
+    held, out = 0, []
+    for q in chunks:
+        held += q
+        target = policy.evict_to(budget, held)
+        held = held if target is None else target
+        out.append(held)
+    return out
 
 
 def neighbours(spec: str, others: list[str]) -> list[str]:

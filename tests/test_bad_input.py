@@ -298,8 +298,9 @@ def test_every_command_turns_errors_into_one_line():
 
     guarded = one_line_errors(lambda: None).__code__
     commands = {c.callback.__name__: c.callback for c in app.registered_commands}
-    assert set(commands) == {"ppl", "compare", "ab", "report", "demo", "needle", "generation", "sinks", "lm_eval",
-                             "ruler"}
+    assert set(commands) == {
+        "ppl", "compare", "ab", "report", "demo", "needle", "generation", "sinks", "lm_eval", "ruler", "engine_check"
+    }
     for name, callback in commands.items():
         assert callback.__code__ is guarded, f"`kvevict {name}` is not wrapped in one_line_errors"
     result = cli("report", "/nonexistent/run")
@@ -338,7 +339,7 @@ def test_ppl_table_fits_80_columns_without_cutting_numbers(tiny_dir):
             assert all(len(line) <= 80 for line in result.stdout.splitlines())
             assert "left out s, positions" in result.stderr
         else:
-            assert len(rows[0]) == 9 and "left out" not in result.stderr
+            assert len(rows[0]) == 10 and "left out" not in result.stderr
 
 
 def test_real_process_exit_code_and_no_traceback():

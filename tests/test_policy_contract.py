@@ -20,7 +20,7 @@ from kvevict.policies.h2o import H2O
 from kvevict.policies.sinkauto import SinkAuto
 
 from conftest import make_tiny, random_tokens
-from policy_matrix import bounded_specs, neighbours, position_modes
+from policy_matrix import bounded_specs, held_after, neighbours, position_modes
 
 MODEL = make_tiny(seed=11, layers=2)
 TOKENS = random_tokens(64, seed=12)
@@ -46,7 +46,8 @@ def test_budget_and_pinned_tokens_hold(spec, positions):
     _, kept, cache = run([spec], positions)
     policy = cache.row_policies()[0]
     seen = 0
-    for q, layers in zip(CHUNKS, kept):
+    schedule = held_after(spec, BUDGET, CHUNKS)
+    for q, layers, scheduled in zip(CHUNKS, kept, schedule):
         seen += q
         for index, pos in enumerate(layers):  # [1, H, n], ascending (per-head budgets: padded with -1 at the end)
             budget = cache.layers[index].budget  # BUDGET, or the layer's share of it (pyramidkv)
@@ -54,6 +55,8 @@ def test_budget_and_pinned_tokens_hold(spec, positions):
             if policy.varies_by_head:  # the heads share H x budget; each keeps at least its floor
                 assert sum(h.numel() for h in heads) == len(heads) * min(seen, budget), f"{spec}: layer over budget"
                 assert all(h.numel() >= min(seen, policy.head_floor(budget)) for h in heads), f"{spec}: below floor"
+            elif policy.own_schedule:  # an engine's schedule: what it says, never over the budget
+                assert pos.shape[-1] == scheduled <= budget, f"{spec}: holds {pos.shape[-1]} after {seen} tokens"
             else:
                 assert pos.shape[-1] == min(seen, budget), f"{spec}: holds {pos.shape[-1]} after {seen} tokens"
             assert all(bool((h.diff() > 0).all()) and bool((h < seen).all()) for h in heads)
@@ -67,15 +70,16 @@ def test_budget_and_pinned_tokens_hold(spec, positions):
 
 @pytest.mark.parametrize("spec", bounded_specs())
 def test_runs_are_deterministic_and_rows_independent(spec):
-    alone_hidden, alone_kept, _ = run([spec], "original")
-    again_hidden, again_kept, _ = run([spec], "original")
+    mode = position_modes(spec)[0]
+    alone_hidden, alone_kept, _ = run([spec], mode)
+    again_hidden, again_kept, _ = run([spec], mode)
     for a, b in zip(alone_hidden, again_hidden):
         assert torch.equal(a, b), f"{spec}: two runs differ"
     for a, b in zip(alone_kept, again_kept):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
     # the same policy as the middle row of a batch, between two others
     first, last = neighbours(spec, ["window", "h2o:recent=0.5"])
-    mixed_hidden, mixed_kept, _ = run([first, spec, last], "original")
+    mixed_hidden, mixed_kept, _ = run([first, spec, last], mode)
     for a, b in zip(alone_hidden, mixed_hidden):
         # rounding only (SDPA beside other rows vs attention by hand alone): the kept sets must be equal
         assert torch.allclose(a[0], b[1], atol=5e-5, rtol=1e-4), f"{spec}: result depends on its neighbours"

@@ -168,12 +168,19 @@ class EvictingCache(Cache):
     def _check_budget(self, value: int | None, layers: int) -> list[int] | None:
         """Validate `value` for every row's policy; the per-layer profile all rows share (None: uniform)."""
         for p in self.policies:
-            check_policy(p, value)
+            check_policy(p, value, self.positions)
         profiles = {p.spec(): p.layer_budgets(value, layers) if value is not None else None for p in self.policies}
         if len({None if b is None else tuple(b) for b in profiles.values()}) > 1:
             raise KvevictError(
                 f"policies with different per-layer budgets cannot share a batch ({', '.join(profiles)}): "
                 "a layer stores one budget for all rows; run each per-layer policy (pyramidkv) in its own batch"
+            )
+        own = sorted({p.spec() for p in self.policies if p.own_schedule})
+        if own and len({p.spec() for p in self.policies}) > 1:
+            others = sorted({p.spec() for p in self.policies} - {own[0]})
+            raise KvevictError(
+                f"'{own[0]}' evicts on its own schedule and cannot share a batch with {', '.join(others)}: every row "
+                "of a layer holds the same number of entries; run it in a batch of its own"
             )
         return next(iter(profiles.values()))
 

@@ -250,9 +250,15 @@ class EvictingLayer(CacheLayerMixin):
         """A mask narrower than "every kept entry and the causal new tokens", or None (a full-attention layer)."""
         return None
 
+    def window_size(self) -> int | None:
+        """The band a replay must mask beyond the held entries (a sliding layer under an engine's
+        schedule), or None: every held entry is visible."""
+        return None
+
     def replays(self, q: int) -> bool:
-        """Whether a forward of `q` tokens must replay token-by-token eviction inside itself."""
-        return self.settings.per_token and q > 1 and self.budget is not None and self.n + q > self.budget
+        """Whether a forward of `q` tokens must replay token-by-token eviction inside itself (a schedule
+        that does not evict at the end of the forward evicts at none of its steps: the count only grows)."""
+        return self.settings.per_token and q > 1 and self._target(self.n + q) is not None
 
     def replay(self, query: torch.Tensor, kwargs: dict, scaling: float) -> torch.Tensor:
         """Attention and eviction of a chunk, exactly as `q` one-token forwards would do them.
@@ -312,9 +318,10 @@ class EvictingLayer(CacheLayerMixin):
         if query_positions is not None:
             self.statistics.remember(query, query_positions, self.seen)
         views = self.statistics.feed(s.layout, self.storage, s.mode, query, scaling, self.seen, self.new, total, probs)
-        if self._will_evict(total):
+        target = self._target(total)
+        if target is not None:
             self.identical = False
-            self._evict(views, total, self.budget)
+            self._evict(views, total, target)
         else:
             self.n = total
         self.new = 0
@@ -322,7 +329,12 @@ class EvictingLayer(CacheLayerMixin):
             observer.on_forward(self.index, self.n)
 
     def _will_evict(self, total: int) -> bool:
-        return self.budget is not None and total > self.budget
+        return self._target(total) is not None
+
+    def _target(self, total: int) -> int | None:
+        """Entries to keep when holding `total`, or None: the rows' schedule (`Policy.evict_to`), which for
+        the papers' policies is "the budget, once exceeded" and for an engine may be a burst."""
+        return None if self.budget is None else self.settings.layout.evict_to(self.budget, total)
 
     def _view(self, group: RowGroup, total: int) -> SlotView:
         storage = self.storage
@@ -335,16 +347,16 @@ class EvictingLayer(CacheLayerMixin):
             keys=lambda: group.take(storage.keys[:, :, :total]),
         )
 
-    def _evict(self, views: list[SlotView], total: int, budget: int) -> None:
+    def _evict(self, views: list[SlotView], total: int, keep_count: int) -> None:
         layout = self.settings.layout
         storage = self.storage
         parts = [group.policy.scores(view) for group, view in zip(layout.groups, views)]
         scores = layout.merge(parts, self.batch_size, self.heads, total)
         wanted = any(o.wants_victims for o in self.settings.observers)
         # the mode decides how: a decode step in original positions fills the victim's slot in place
-        victims, self.ordered = self.settings.mode.evict(storage, scores, total, budget, self.ordered, wanted)
-        self.n = budget
-        self.report_eviction(self.seen, storage.pos[:, :, :budget], victims)
+        victims, self.ordered = self.settings.mode.evict(storage, scores, total, keep_count, self.ordered, wanted)
+        self.n = keep_count
+        self.report_eviction(self.seen, storage.pos[:, :, :keep_count], victims)
 
     def report_eviction(self, seen: int, kept: torch.Tensor | None, victims: torch.Tensor | None) -> None:
         """Tell the observers what this layer evicted when it had seen `seen` tokens (see `Eviction`)."""

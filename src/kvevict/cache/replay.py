@@ -64,6 +64,8 @@ class ReplayingLayer(Protocol):
 
     def report_evictions(self, seen: torch.Tensor, victims: torch.Tensor) -> None: ...
 
+    def window_size(self) -> int | None: ...
+
 
 @dataclass(eq=False)
 class StaticPlan:
@@ -287,11 +289,14 @@ class _Stepper:
     ) -> torch.Tensor | None:
         """The policies' statistics of the step, then its eviction. keys `[B, H, total, D]` as the step
         sees them (None: the stored ones), probs `[B, H, g, total]` the step query's attention.
-        Returns the victim slot index `[B, H]` (into `slots`) when the step evicts, else None."""
+        Returns the victim slot index `[B, H]` (into `slots`) when the step evicts one entry, else None:
+        a step that evicts several (the rows' schedule, `Policy.evict_to`: an engine's burst, whole
+        pages) compacts the virtual slots in positional order here, as a compaction does."""
         layer, storage, budget = self.layer, self.layer.storage, self.layer.budget
         total = slots.shape[-1]
         layer.statistics.remember(query, query_positions, seen)
-        will_evict = total > budget
+        target = layer.settings.layout.evict_to(budget, total)
+        will_evict = target is not None
         views = [_view(layer, g, positions, slots, seen, budget, storage, keys) for g in self.stepping]
         for g, view in zip(self.stepping, views):
             request = g.policy.request(view, will_evict)
@@ -318,6 +323,12 @@ class _Stepper:
             scores = self.fixed.gather(-1, slots)
             for g, v in zip(self.stepping, views):
                 g.put(scores, g.policy.scores(v))
+        self.k = target
+        if target < total - 1:
+            keep = selection.keep_slots(scores, positions, target, ordered=False)
+            self.vslot[:, :, :target] = slots.gather(-1, keep)
+            layer.report_eviction(seen, positions.gather(-1, keep), None)
+            return None
         victim = selection.victim(scores, positions, ordered=False)
         layer.report_eviction(seen, None, positions.gather(-1, victim[..., None])[..., 0])
         return victim
@@ -333,7 +344,7 @@ def _steps_fixed_keys(layer: ReplayingLayer, query: torch.Tensor, used: torch.Te
     it could see are computed once for the chunk, each step reads its alive slots from them,
     and the output is one masked softmax at the end. A step that evicts moves the newest
     slot into the victim's place (as a decode step does)."""
-    storage, budget = layer.storage, layer.budget
+    storage = layer.storage
     n0, q = layer.n, layer.new
     b, hq, _, d = query.shape
     hkv = layer.heads
@@ -352,8 +363,8 @@ def _steps_fixed_keys(layer: ReplayingLayer, query: torch.Tensor, used: torch.Te
             logit = logits[:, :, :, i].gather(-1, slots[:, :, None, :].expand(-1, -1, group, -1))
             probs = torch.softmax(logit, dim=-1)  # [B, H_kv, g, total]
         victim = step.end(slots, positions, seen, None, probs, query[:, :, i : i + 1], used[i : i + 1])
-        if victim is not None:  # the newest slot fills the victim's place
-            step.vslot.scatter_(-1, victim[..., None], step.vslot[:, :, budget : budget + 1])
+        if victim is not None:  # the newest slot (now just past the kept ones) fills the victim's place
+            step.vslot.scatter_(-1, victim[..., None], step.vslot[:, :, step.k : step.k + 1])
     logits.masked_fill_(~alive[:, :, None], float("-inf"))
     probs = torch.softmax(logits, dim=-1).to(storage.values.dtype)  # [B, H_kv, g, q, n0 + q]
     result = torch.einsum("bhgqn,bhnd->bhgqd", probs, storage.values[:, :, :total_all]).reshape(b, hq, q, d)
@@ -368,12 +379,13 @@ def _steps_renumbered(layer: ReplayingLayer, query: torch.Tensor, used: torch.Te
     """Position shift: the kept entries are renumbered `0..k-1` at every step, so each step
     rotates the un-rotated keys to their slots and its query to `k`, and attends on its own.
     A step that evicts compacts the virtual slots (positional order is kept)."""
-    storage, budget, mode = layer.storage, layer.budget, layer.settings.mode
+    storage, mode = layer.storage, layer.settings.mode
     b, hq, q, d = query.shape
     hkv = layer.heads
     group = hq // hkv
     step = _Stepper(layer, scaling)
     raw_query = mode.rotary.unrotate(query, *mode.rotary.at(used))
+    window = layer.window_size()  # a sliding layer that runs an engine's schedule masks its band
     outs = []
     for i in range(q):
         slots, positions, seen = step.begin(i)
@@ -382,14 +394,16 @@ def _steps_renumbered(layer: ReplayingLayer, query: torch.Tensor, used: torch.Te
         keys = mode.rotary.rotate(_take_slots(storage.raw, slots), cos, sin)
         q_i = mode.rotary.rotate(raw_query[:, :, i : i + 1], cos[k : k + 1], sin[k : k + 1])
         logit = torch.bmm(q_i.reshape(b * hkv, group, d), keys.reshape(b * hkv, total, d).transpose(1, 2))
+        if window is not None and total > window:  # a sliding layer under an engine's schedule: its band
+            logit[..., : total - window] = float("-inf")
         probs = torch.softmax(logit.float().mul_(scaling), dim=-1).view(b, hkv, group, total)
         values = _take_slots(storage.values, slots)
         out = torch.bmm(probs.to(values.dtype).view(b * hkv, group, total), values.reshape(b * hkv, total, d))
         outs.append(out.view(b, hq, 1, d))
         victim = step.end(slots, positions, seen, keys, probs, q_i, torch.tensor([k], device=layer.device))
         if victim is not None:  # compaction keeps positional order
-            keep = torch.arange(budget, device=layer.device)
-            step.vslot[:, :, :budget] = slots.gather(-1, keep + (keep >= victim[..., None]).long())
+            keep = torch.arange(step.k, device=layer.device)
+            step.vslot[:, :, : step.k] = slots.gather(-1, keep + (keep >= victim[..., None]).long())
     mode.compact(storage, step.vslot[:, :, : step.k], step.k)
     layer.n = step.k
     return torch.cat(outs, dim=2)

@@ -79,6 +79,12 @@ class RowLayout:
             p.reset()
         return True
 
+    def evict_to(self, budget: int, held: int) -> int | None:
+        """Entries each row keeps when a layer holds `held` after a forward (None: keep all). Rows share
+        one count (a layer stores one), which the cache checked: a policy with its own schedule
+        (`Policy.own_schedule`) runs alone or beside copies of itself."""
+        return self.policies[0].evict_to(budget, held)
+
     def row_policies(self) -> list[Policy]:
         """The policy of each row (after the first forward)."""
         rows: dict[int, Policy] = {}

@@ -10,6 +10,12 @@ window: `window_mask` gives the band (the held entries are the latest tokens), s
 exact without the token-by-token replay (the band is what one-token forwards would
 have seen). In position-shift mode the kept entries are contiguous stream tokens, so
 renumbering them `0..L-1` changes no relative distance: RoPE logits are the same.
+
+An engine whose budget holds every layer (`Policy.bounds_every_layer`: llama.cpp's `n_ctx`
+cells hold its sliding layers too, which it shifts only when they are full size) makes
+this layer run the rows' policy like a full-attention one, at the cache's budget, while
+each query still sees only the band of its window over the entries held: llama.cpp masks
+by the renumbered positions, which are exactly the held entries' order.
 """
 
 from __future__ import annotations
@@ -21,23 +27,29 @@ from .layer_settings import LayerSettings
 
 
 class SlidingLayer(EvictingLayer):
-    """Keeps the last `window - 1` entries (the model's own window); no policy, no statistics."""
+    """Keeps the last `window - 1` entries (the model's own window); no policy, no statistics
+    (unless the policy bounds every layer, see the module)."""
 
     is_sliding = True
 
     def __init__(self, index: int, settings: LayerSettings) -> None:
         super().__init__(index, settings)
         self.window = int(settings.window)
+        self.engine_bounded = any(p.bounds_every_layer for p in settings.layout.policies)
 
     @property
-    def budget(self) -> int:
-        return self.window - 1
+    def budget(self) -> int | None:
+        return self._budget if self.engine_bounded else self.window - 1
+
+    def window_size(self) -> int | None:
+        return self.window if self.engine_bounded else None
 
     def replays(self, q: int) -> bool:
-        return False  # the band mask already shows each query its own window
+        # the band mask already shows each query its own window, unless the engine's schedule evicts mid-chunk
+        return super().replays(q) if self.engine_bounded else False
 
     def plan(self) -> bool:
-        return False  # no policy runs here: nothing to measure
+        return super().plan() if self.engine_bounded else False  # no policy runs here: nothing to measure
 
     def window_mask(self, q: int) -> torch.Tensor:
         """`[q, n + q]` bool: the held entries are always the latest stream tokens (contiguous), so
@@ -46,6 +58,9 @@ class SlidingLayer(EvictingLayer):
 
     def finish(self, query, query_positions, scaling, probs=None) -> None:
         """Drop what fell out of the window: the oldest slots (kept in positional order)."""
+        if self.engine_bounded:
+            super().finish(query, query_positions, scaling, probs)
+            return
         self.pending = False
         total = self.n + self.new
         self.new = 0

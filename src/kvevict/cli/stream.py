@@ -23,7 +23,7 @@ from .common import (
 from .tables import show
 
 #: the `ppl` / `compare` table over `RowResult.summary()` rows; narrow terminals drop s, positions, kept, top1,
-#: sink_loss, kl_to_full in that order
+#: sink_loss, kl_to_full in that order (mean kept goes with kept)
 PPL: list[Column[dict]] = [
     Column("policy", lambda r: r["policy"], align="left"),
     Column("budget", lambda r: str(r["budget"] if r["budget"] is not None else "-")),
@@ -33,6 +33,7 @@ PPL: list[Column[dict]] = [
     Column("top1", lambda r: f"{r['top1_agreement']:.3f}" if "top1_agreement" in r else "-", drop=4),
     Column("sink_loss", lambda r: f"{r.get('sink_loss', 0.0):.2f}", drop=5),
     Column("kept", lambda r: str(r["max_kept"]), drop=3),
+    Column("mean kept", lambda r: f"{r['mean_kept']:.0f}" if "mean_kept" in r else "-", drop=3),
     Column("s", lambda r: f"{r['seconds']:.1f}", drop=1),
 ]
 
@@ -100,7 +101,6 @@ def compare(
 ) -> None:
     """Streaming perplexity of several policies side by side, with the full cache as reference."""
     from ..data import load_tokens
-    from ..eval.streaming import compare as run_compare
     from ..loading import load_model, load_tokenizer
 
     specs = split_specs(policies)
@@ -111,10 +111,28 @@ def compare(
     chunk_size = parse_chunk(chunk)
     ids, _ = load_tokens(text, load_tokenizer(model, allow_download), tokens)
     lm, _ = load_model(model, allow_download=allow_download)
-    rows, full = run_compare(lm, ids, specs, budget, positions, chunk=chunk_size)
+    rows, full = _compare_in_batches(lm, ids, specs, budget, positions, chunk_size)
     note_unreached(budget, ids.numel())
     summaries = [full.summary()] + [r.summary() for r in rows]
     if as_json:
         print(json.dumps({"rows": summaries}))
         return
     show(Table.of(PPL, summaries), f"streaming perplexity, {model} on {text}, {tokens} tokens, budget {budget}")
+
+
+def _compare_in_batches(lm, ids, specs: list[str], budget: int, positions: str, chunk: int):
+    """`compare` over the batches `specs` can share (`shared_batches`: a policy with its own per-layer
+    budgets, per-head budgets or eviction schedule runs alone), against one full-cache reference."""
+    from ..eval.streaming import compare as run_compare
+    from ..eval.streaming import full_reference
+    from ..policies import shared_batches
+
+    batches = shared_batches(specs)
+    if len(batches) == 1:
+        return run_compare(lm, ids, specs, budget, positions, chunk=chunk)
+    reference = full_reference(lm, ids)
+    by_spec = {}
+    for batch in batches:
+        rows, _ = run_compare(lm, ids, batch, budget, positions, reference=reference, chunk=chunk)
+        by_spec.update(zip(batch, rows))
+    return [by_spec[spec] for spec in specs], reference.result

@@ -23,10 +23,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache import EvictingCache, KeptTracker, SinkTracker
+from ..cache import EvictingCache, KeptTracker, Observer, SinkTracker
 from ..cache.observers import held_pinned_lost
 from ..defaults import DEFAULT_CHUNK
 from ..errors import KvevictError
+from ..policies.base import held_per_step
 from ..progress import bars
 from .forward import body, log_probs
 from .sink_loss import sink_loss
@@ -48,6 +49,7 @@ class RowResult:
     agree: torch.Tensor | None = None  # [T-1] top-1 equal to the full cache's
     hit: torch.Tensor | None = None  # [T-1] top-1 is the next token (lm-eval's is_greedy under protocol=stream)
     max_kept: int = 0
+    mean_kept: float = 0.0  # entries a full-attention layer held on average over the stream's steps
     pinned_sink_evicted: bool = False
     first_token_evicted: bool = False
     sink_loss: float = 0.0
@@ -122,6 +124,7 @@ class RowResult:
             "ppl": self.ppl,
             "nll_mean": self.nll_mean,
             "max_kept": self.max_kept,
+            "mean_kept": self.mean_kept,
             "sink_evicted": self.pinned_sink_evicted,
             "first_token_evicted": self.first_token_evicted,
             "sink_loss": self.sink_loss,
@@ -239,7 +242,7 @@ def full_reference(model, tokens: torch.Tensor, progress=True, label: str = "str
     reference.result = RowResult(
         policy="full", budget=None, positions="original", nll=nll,
         kl=torch.zeros(steps), agree=torch.ones(steps, dtype=torch.bool),
-        max_kept=kept.most, seconds=lane.seconds,
+        max_kept=kept.most, mean_kept=(steps + 2) / 2, seconds=lane.seconds,  # holds 1, 2, ... T tokens
     )
     return reference
 
@@ -255,6 +258,7 @@ def compare(
     label: str = "stream",
     on_step: Callable[[int], None] | None = None,
     chunk: int = DEFAULT_CHUNK,
+    observers: Sequence[Observer] = (),
 ) -> tuple[list[RowResult], RowResult | None]:
     """Streaming NLL of every policy (rows of one batch) and of the full cache.
 
@@ -263,7 +267,8 @@ def compare(
     row also gets per-token KL(full || policy) and top-1 agreement with the full cache,
     computed block by block as the rows are scored. `chunk` tokens are read per forward
     after the prefill (1: one token per forward, the reference path). `progress` is a
-    bool or an existing rich Progress to add a bar to.
+    bool or an existing rich Progress to add a bar to. `observers` are attached to the
+    cache beside the ones this protocol uses (the llama.cpp check records shift points).
     """
     tokens = _validate(tokens)
     chunk = check_chunk(chunk)
@@ -274,7 +279,8 @@ def compare(
     with torch.inference_mode():
         kept, sinks = KeptTracker(), SinkTracker()
         cache = EvictingCache(
-            model, list(policies), budget=budget, positions=positions, observers=[kept, sinks], per_token=True
+            model, list(policies), budget=budget, positions=positions, observers=[kept, sinks, *observers],
+            per_token=True,
         )
         lane = _Lane(model, cache, rows)
         budget = cache.budget  # None when every row is the full cache
@@ -329,6 +335,7 @@ def compare(
                 agree=agree[row].clone() if full is not None else None,
                 hit=hit[row].clone(),
                 max_kept=kept.most,
+                mean_kept=sum(held_per_step(policy, budget, tokens.numel())) / tokens.numel(),
                 pinned_sink_evicted=bool(pinned_lost[row]),
                 first_token_evicted=bool((lost_at[:, row] >= 0).any()),
                 sink_loss=sink_loss(grids[row]).share or 0.0,

@@ -45,6 +45,11 @@ class AdaKV(Wrapper):
                 f"adakv:alpha must be in [0, 1] (the share of the budget every head keeps at least), got {self.alpha}"
             )
         name = self.inner.spec()
+        if self.inner.preset:
+            raise KvevictError(
+                f"'adakv:{name}' wraps an engine preset: the engine gives every head the same entries, so run "
+                f"'{name}' bare"
+            )
         if isinstance(self.inner, AdaKV):
             raise KvevictError(f"'adakv:{name}' nests adakv in adakv: allocate across heads once, e.g. adakv:snapkv")
         if isinstance(self.inner, SinkWrapper):

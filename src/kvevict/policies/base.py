@@ -118,12 +118,39 @@ class Policy:
     #: The layer then stores ragged per-head segments and attends by hand (`cache/per_head/layer.py`),
     #: so such a policy runs in a batch of its own beside the uniform ones
     varies_by_head: ClassVar[bool] = False
+    #: evicts on its own schedule (`evict_to`: many entries at once, or below the budget) instead of
+    #: one entry whenever the budget is exceeded. Every row of a layer holds the same number of
+    #: entries, so such a policy runs in a batch of its own
+    own_schedule: ClassVar[bool] = False
+    #: reproduces a serving engine's whole rule (`engines.md`): wrappers refuse to wrap it, since
+    #: pinning more sinks or sharing its budget across heads is no longer that engine
+    preset: ClassVar[bool] = False
+    #: on a hybrid model, the budget bounds the sliding-window layers too (llama.cpp's `n_ctx` holds every
+    #: layer, and its sliding layers mask by the renumbered positions): they run this policy's schedule
+    bounds_every_layer: ClassVar[bool] = False
 
     @property
     def own_batch(self) -> bool:
         """Whether this policy cannot share a batch with uniform-budget policies: a layer stores one
-        budget for all its rows (`varies_by_layer`), and one storage layout (`varies_by_head`)."""
-        return self.varies_by_layer or self.varies_by_head
+        budget for all its rows (`varies_by_layer`), one storage layout (`varies_by_head`) and one
+        number of entries held (`own_schedule`)."""
+        return self.varies_by_layer or self.varies_by_head or self.own_schedule
+
+    @property
+    def position_mode(self) -> str | None:
+        """The position mode the engine this policy reproduces uses (`"original"` or `"cache"`), or
+        None when the policy runs in either. `check_policy` refuses the other mode."""
+        return None
+
+    def evict_to(self, budget: int, held: int) -> int | None:
+        """How many entries a layer keeps when it holds `held` after a forward (that forward's tokens
+        included), or None to keep them all.
+
+        The default is the papers' rule: down to the budget as soon as it is exceeded, one entry per
+        decode step. An engine's rule may evict earlier or many at once (llama.cpp's context shift
+        drops half of what is not kept); the most a layer ever holds must stay within `budget`.
+        """
+        return budget if held > budget else None
 
     def head_floor(self, budget: int) -> int:
         """The fewest entries each KV head keeps when a layer shares `KV heads x budget` entries
@@ -164,6 +191,19 @@ class Policy:
 
     def __repr__(self) -> str:
         return f"<policy {self.spec()}>"
+
+
+def held_per_step(policy: Policy, budget: int | None, steps: int) -> list[int]:
+    """Entries a full-attention layer holds after each of `steps` one-token steps under `policy`'s
+    schedule (`Policy.evict_to`) at `budget`: the memory it actually uses, step by step. Chunked
+    evaluation replays the same steps, so this is what any evaluation holds."""
+    held, out = 0, []
+    for _ in range(steps):
+        held += 1
+        target = None if budget is None or policy.unbounded else policy.evict_to(budget, held)
+        held = held if target is None else target
+        out.append(held)
+    return out
 
 
 def recency(view: SlotView) -> torch.Tensor:

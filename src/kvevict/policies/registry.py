@@ -24,12 +24,16 @@ from .full import Full
 from .h2o import H2O
 from .keydiff import KeyDiff
 from .knorm import KNorm
+from .llamacpp import LlamaCpp, Ollama
+from .paged import Paged
 from .pyramidkv import PyramidKV
 from .random_subset import Random
 from .sinkauto import SinkAuto
 from .sinks import SinkPinned
+from .sliding_engines import HfSinkCache, Mlc, TrtLlm, VllmSlidingWindow
 from .snapkv import SnapKV
 from .tova import TOVA
+from .truncation import KeepHead, KeepTail
 from .window import Window
 
 REGISTRY: dict[str, Callable[..., Policy]] = {
@@ -42,11 +46,23 @@ REGISTRY: dict[str, Callable[..., Policy]] = {
     "knorm": KNorm,
     "keydiff": KeyDiff,
     "pyramidkv": PyramidKV,
+    # serving engines' own rules (docs/engines.md)
+    "llamacpp": LlamaCpp,
+    "ollama": Ollama,
+    "trtllm": TrtLlm,
+    "mlc": Mlc,
+    "hf-sinkcache": HfSinkCache,
+    "vllm-swa": VllmSlidingWindow,
+    "vllm-truncate": KeepTail,
+    "sglang-truncate": KeepHead,
 }
 ALIASES = {"streamingllm": "sink4+window", "local": "window", "fifo": "window"}
 _SINK = re.compile(r"^sink(\d+)\+(.+)$")
 _SINKAUTO = re.compile(r"^sinkauto(\d*)\+(.+)$")
 _ADAKV = "adakv"
+# page-granular eviction, an option of the whole spec wherever it is written (`sink4+snapkv:page=32`)
+_PAGE_OPTION = re.compile(r"(?<=[:,;])(page|pagescore)=([^,;:+]*)")
+_MODE_WORDS = {"original": "the stream's own (original)", "cache": "renumbered within the cache (cache)"}
 
 
 def register(name: str, factory: Callable[..., Policy]) -> None:
@@ -55,7 +71,7 @@ def register(name: str, factory: Callable[..., Policy]) -> None:
 
 
 def known_specs() -> str:
-    return ", ".join([*REGISTRY, *ALIASES, "sinkN+<policy>", "sinkauto+<policy>", "adakv:<policy>"])
+    return ", ".join([*REGISTRY, *ALIASES, "sinkN+<policy>", "sinkauto+<policy>", "adakv:<policy>", "<policy>:page=N"])
 
 
 def parse_policy(spec: str | Policy) -> Policy:
@@ -65,6 +81,9 @@ def parse_policy(spec: str | Policy) -> Policy:
     if not isinstance(spec, str) or not spec.strip():
         raise KvevictError(f"empty policy spec: use one of {known_specs()}")
     text = spec.strip().lower()
+    paging = dict(_PAGE_OPTION.findall(text))
+    if paging:
+        return _parse_paged(spec, text, paging)
     text = ALIASES.get(text, text)
     auto = _SINKAUTO.match(text)
     if auto:
@@ -83,6 +102,19 @@ def parse_policy(spec: str | Policy) -> Policy:
         raise KvevictError(f"unknown policy '{name}' in spec '{spec}': use one of {known_specs()}")
     factory = REGISTRY[name]
     return factory(**_parse_options(factory, name, options))
+
+
+def _parse_paged(spec: str, text: str, paging: dict[str, str]) -> Policy:
+    """`P:page=N[,pagescore=mean|max]`: the spec without its page options, wrapped in `Paged`."""
+    rest = _PAGE_OPTION.sub("", text)
+    rest = re.sub(r"([:,;])[,;]+", r"\1", rest).rstrip(":,;")
+    if "page" not in paging:
+        raise KvevictError(f"'{spec}' sets pagescore without page: write e.g. h2o:page=16,pagescore=max")
+    try:
+        page = int(paging["page"])
+    except ValueError:
+        raise KvevictError(f"option page needs a whole number of tokens, got '{paging['page']}' in '{spec}'") from None
+    return Paged(parse_policy(rest), page, paging.get("pagescore", "mean"))
 
 
 def _parse_adakv(spec: str, rest: str) -> Policy:
@@ -112,6 +144,12 @@ def check_policy(spec: str | Policy, budget: int | None, positions: str = "origi
     sweep planner, so every entry point refuses the same inputs with the same words.
     """
     policy = parse_policy(spec)
+    engine = policy.position_mode
+    if engine is not None and positions != engine:
+        raise KvevictError(
+            f"'{policy.spec()}' reproduces an engine whose positions are {_MODE_WORDS[engine]}: the engine decides "
+            f"positions, so run it with positions='{engine}' (--positions {engine})"
+        )
     if policy.varies_by_head and positions != "original":
         raise KvevictError(
             f"'{policy.spec()}' gives each KV head its own number of entries, so positions='{positions}' would "

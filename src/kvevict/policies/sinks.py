@@ -27,6 +27,11 @@ class SinkWrapper(Wrapper):
     inner: Policy
 
     def __post_init__(self) -> None:
+        if self.inner.preset:
+            raise KvevictError(
+                f"'{self.prefix()}+{self.inner.spec()}' wraps an engine preset: a preset is that engine's whole rule, "
+                "so set its own sink option instead (llamacpp:keep=N, trtllm:sink=N, mlc:sinks=N, ...)"
+            )
         if isinstance(self.inner, SinkWrapper):
             raise KvevictError(
                 f"'{self.prefix()}+{self.inner.spec()}' nests sink wrappers: pin sinks once, "

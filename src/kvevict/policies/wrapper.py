@@ -47,6 +47,17 @@ class Wrapper(Policy):
     def varies_by_head(self) -> bool:
         return self.inner.varies_by_head
 
+    @property
+    def own_schedule(self) -> bool:
+        return self.inner.own_schedule
+
+    @property
+    def position_mode(self) -> str | None:
+        return self.inner.position_mode
+
+    def evict_to(self, budget: int, held: int) -> int | None:
+        return self.inner.evict_to(budget, held)
+
     def layer_budgets(self, budget: int, layers: int) -> list[int] | None:
         return self.inner.layer_budgets(budget, layers)
 
