@@ -40,7 +40,7 @@ def ruler(
 ) -> None:
     """RULER's tasks, offline: accuracy per task, policy, budget and protocol, with 95% intervals."""
     from ..ab.ruler import RulerRun, run_ruler
-    from ..eval.compress import parse_budget
+    from ..policies.budget import parse_budget
     from ..eval.ruler.grid import RulerGrid
     from ..eval.ruler.qa import QaFile, load_qa
     from ..eval.ruler.registry import parse_tasks
