@@ -40,10 +40,10 @@ def ruler(
 ) -> None:
     """RULER's tasks, offline: accuracy per task, policy, budget and protocol, with 95% intervals."""
     from ..ab.ruler import RulerRun, run_ruler
-    from ..policies.budget import parse_budget
     from ..eval.ruler.grid import RulerGrid
     from ..eval.ruler.qa import QaFile, load_qa
     from ..eval.ruler.registry import parse_tasks
+    from ..policies.budget import parse_budget
     from ..report import ruler as ruler_report
     from ..report.html import render
     from ..report.records import ruler_records
