@@ -48,7 +48,7 @@ demo: $(STAMP)
 	.venv/bin/kvevict demo
 
 test: $(EXTRAS) .chromium-checked
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not llamacpp"
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not model and not browser"
