@@ -126,3 +126,31 @@ def test_equal_scores_evict_the_earliest_token(budget, chunks, positions):
             seen += q
             for tied, window in zip(caches[0].layers, caches[1].layers):
                 assert torch.equal(tied.kept_positions(), window.kept_positions())
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    budget=st.integers(2, 12),
+    sinks=st.integers(0, 4),
+    chunks=st.lists(st.integers(1, 9), min_size=1, max_size=6),
+    positions=st.sampled_from(["original", "cache"]),
+)
+def test_window_behind_sinks_holds_the_sinks_and_the_latest(budget, sinks, chunks, positions):
+    """A window behind N sinks holds tokens 0..N-1 and the latest `budget - N`, after every forward:
+    written out from the count of tokens seen, whatever ring of slots the cache turns (the decode
+    steps find their victim without scores) and however chunks interrupt it."""
+    assume(sinks < budget)
+    spec = f"sink{sinks}+window" if sinks else "window"
+    cache = EvictingCache(MODEL, spec, budget=budget, positions=positions)
+    tokens = torch.arange(45) % VOCAB
+    with torch.inference_mode():
+        seen, chunk_iter = 0, iter(chunks)
+        while seen < tokens.numel():
+            q = min(next(chunk_iter, 1), tokens.numel() - seen)
+            body(MODEL, tokens[None, seen : seen + q], cache)
+            seen += q
+            latest = range(max(sinks, seen - (budget - sinks)), seen) if seen > budget else range(seen)
+            expected = sorted({*range(min(sinks, seen)), *latest})
+            for layer in cache.layers:
+                kept = layer.kept_positions()[0]  # [H, n]
+                assert kept.tolist() == [expected] * kept.shape[0], (seen, layer.index)

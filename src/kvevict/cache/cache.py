@@ -120,6 +120,8 @@ class EvictingCache(Cache):
         modes = {kind: shared or MODES[positions](rotary(kind)) for kind in set(kinds)}
         slots = handoffs(model)
         window = getattr(text, "sliding_window", None)
+        fifo = {p.fifo_after for p in self.policies}
+        fifo_after = fifo.pop() if len(fifo) == 1 else None  # one ring for all rows, or none
 
         def settings(index: int, kind: str) -> LayerSettings:
             return LayerSettings(
@@ -134,6 +136,7 @@ class EvictingCache(Cache):
                 observers=tuple(self.observers),
                 handoff=slots.get(index),
                 window=int(window) if kind == "sliding_attention" else None,
+                fifo_after=fifo_after,
             )
 
         attach(model)

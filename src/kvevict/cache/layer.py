@@ -81,6 +81,9 @@ class EvictingLayer(CacheLayerMixin):
         self.identical = True
         self.ordered = True  # slots sit in positional order (until a hole is filled in place)
         self._budget: int | None = None
+        # (slot of the oldest unpinned entry, tokens seen when it was found): valid for the next
+        # decode step only, see `_fifo_victim`
+        self._ring: tuple[int, int] | None = None
         self.forward = Forward()  # the forward in flight, handed over by the cache at `update`
 
     @property
@@ -215,6 +218,7 @@ class EvictingLayer(CacheLayerMixin):
         self.n = self.seen = self.new = 0
         self.identical = True
         self.ordered = True
+        self._ring = None
         self.pending = False
         self.statistics.reset()
         if self.storage is not None:
@@ -321,7 +325,11 @@ class EvictingLayer(CacheLayerMixin):
         target = self._target(total)
         if target is not None:
             self.identical = False
-            self._evict(views, total, target)
+            slot = self._fifo_victim(total, target)
+            if slot is None:
+                self._evict(views, total, target)
+            else:
+                self._evict_slot(slot, target)
         else:
             self.n = total
         self.new = 0
@@ -346,6 +354,35 @@ class EvictingLayer(CacheLayerMixin):
             stats={name: group.take(stat[:, :, :total]) for name, stat in storage.stats.items()},
             keys=lambda: group.take(storage.keys[:, :, :total]),
         )
+
+    def _fifo_victim(self, total: int, keep_count: int) -> int | None:
+        """The victim slot of a decode step under a first-in-first-out policy (`Policy.fifo_after`),
+        found without scores, or None (score and select).
+
+        Slots in positional order hold the pinned tokens `0..N-1` first, so the oldest unpinned
+        entry sits in slot N. Each in-place eviction puts the newest entry into the victim's slot,
+        so the unpinned slots `N..budget-1` turn like a ring: the next oldest is the next slot. The
+        ring is trusted only right after its own eviction one token earlier; anything else
+        (a chunk, a compaction, a budget change) starts again from positional order or scores.
+        """
+        fifo = self.settings.fifo_after
+        if fifo is None or total != keep_count + 1 or not self.settings.mode.fills_in_place:
+            return None
+        if self.ordered:
+            return fifo
+        if self._ring is not None and self._ring[1] == self.seen - 1:
+            return self._ring[0]
+        return None
+
+    def _evict_slot(self, slot: int, keep_count: int) -> None:
+        """Evict slot `slot` (the newest entry, slot `keep_count`, takes its place) and report it."""
+        gone = self.storage.move_slot(keep_count, slot)
+        following = slot + 1 if slot + 1 < keep_count else self.settings.fifo_after
+        self._ring = (following, self.seen)
+        self.ordered = False
+        self.n = keep_count
+        wanted = any(o.wants_victims for o in self.settings.observers)
+        self.report_eviction(self.seen, self.storage.pos[:, :, :keep_count], gone if wanted else None)
 
     def _evict(self, views: list[SlotView], total: int, keep_count: int) -> None:
         layout = self.settings.layout

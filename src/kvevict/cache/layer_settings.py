@@ -39,6 +39,9 @@ class LayerSettings:
     # a thread-local slot on this layer's attention module (see attention.handoffs), or None
     handoff: object | None = None
     window: int | None = None  # a sliding-window layer's window (`config.sliding_window`)
+    # every row's policy evicts the oldest entry after its first `fifo_after` tokens (`Policy.fifo_after`),
+    # so a decode step's victim slot is known without scores; None otherwise
+    fifo_after: int | None = None
 
 
 @dataclass(eq=False)

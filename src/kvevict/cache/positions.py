@@ -36,6 +36,8 @@ class PositionMode:
     name: str
     #: the storage keeps un-rotated copies of the keys (to rotate them again after an eviction)
     raw_keys: bool
+    #: a decode step's victim slot may be refilled in place by the newest entry (nothing is renumbered)
+    fills_in_place: bool
 
     def __init__(self, rotary: Rotary) -> None:
         self.rotary = rotary
@@ -91,6 +93,7 @@ class PositionMode:
 class OriginalPositions(PositionMode):
     name = "original"
     raw_keys = False
+    fills_in_place = True
 
     def seq_length(self, n: int, seen: int) -> int:
         """What the cache reports to transformers: where the next token's position starts."""
@@ -134,6 +137,7 @@ class OriginalPositions(PositionMode):
 class ShiftedPositions(PositionMode):
     name = "cache"
     raw_keys = True
+    fills_in_place = False
 
     def seq_length(self, n: int, seen: int) -> int:
         return n

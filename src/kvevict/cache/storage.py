@@ -91,6 +91,16 @@ class SlotStorage:
             rows = buffer.view(slots, -1)
             rows.index_copy_(0, flat, rows.index_select(0, newest_rows))
 
+    def move_slot(self, source: int, dest: int) -> torch.Tensor:
+        """Move slot `source` into slot `dest` for every (row, head): the one victim of a decode step
+        whose slot is known ahead (a first-in-first-out policy). Returns the positions `[B, H]`
+        that slot `dest` held (a view of a fresh copy)."""
+        gone = self.pos[:, :, dest].clone()
+        self.kv[:, :, :, dest] = self.kv[:, :, :, source]
+        for buffer in self._per_slot():
+            buffer[:, :, dest] = buffer[:, :, source]
+        return gone
+
     def _newest_rows(self, newest: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat rows of slot `newest`: in `kv`, and in a per-slot buffer (memoized)."""
         if self._newest is None or self._newest[0] != newest:

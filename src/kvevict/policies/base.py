@@ -128,6 +128,10 @@ class Policy:
     #: on a hybrid model, the budget bounds the sliding-window layers too (llama.cpp's `n_ctx` holds every
     #: layer, and its sliding layers mask by the renumbered positions): they run this policy's schedule
     bounds_every_layer: ClassVar[bool] = False
+    #: evicts the oldest entry after its first `fifo_after` tokens (a window, or a window behind
+    #: pinned sinks), None for any other rule. Then a decode step's victim is known without
+    #: scoring or ranking anything: the layer keeps a ring of slots (`EvictingLayer.finish`)
+    fifo_after: ClassVar[int | None] = None
 
     @property
     def own_batch(self) -> bool:

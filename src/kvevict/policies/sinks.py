@@ -100,6 +100,11 @@ class SinkPinned(SinkWrapper):
     def pinned(self) -> int:
         return max(self.n_sinks, self.inner.pinned)
 
+    @property
+    def fifo_after(self) -> int | None:
+        """A window behind N pinned sinks evicts the oldest entry after the first N."""
+        return None if self.inner.fifo_after != 0 else self.n_sinks
+
     def prefix(self) -> str:
         return f"sink{self.n_sinks}"
 

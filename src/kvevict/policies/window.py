@@ -16,6 +16,7 @@ from .base import Policy, SlotView, recency
 @dataclass(eq=False)
 class Window(Policy):
     static_scores = True  # its position
+    fifo_after = 0  # the oldest entry goes, whatever it is
 
     def spec(self) -> str:
         return "window"

@@ -55,6 +55,10 @@ class Wrapper(Policy):
     def position_mode(self) -> str | None:
         return self.inner.position_mode
 
+    @property
+    def fifo_after(self) -> int | None:
+        return None  # a wrapper changes which entry goes; one that keeps first-in-first-out says so
+
     def evict_to(self, budget: int, held: int) -> int | None:
         return self.inner.evict_to(budget, held)
 
