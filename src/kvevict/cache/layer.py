@@ -283,6 +283,7 @@ class EvictingLayer(CacheLayerMixin):
             out = replay_steps(self, query, used, scaling)
         self.identical = False
         self.new = 0
+        self.fit_storage()
         for observer in self.settings.observers:
             observer.on_forward(self.index, self.n)
         return out
@@ -333,8 +334,15 @@ class EvictingLayer(CacheLayerMixin):
         else:
             self.n = total
         self.new = 0
+        self.fit_storage()
         for observer in s.observers:
             observer.on_forward(self.index, self.n)
+
+    def fit_storage(self) -> None:
+        """After a forward: give back buffers a long forward grew beyond twice the budget and its
+        slack (a compressed prompt keeps `budget + slack` slots, not the prompt's length)."""
+        if self.budget is not None:
+            self.storage.fit(self.budget + self.settings.slack, self.n)
 
     def _will_evict(self, total: int) -> bool:
         return self._target(total) is not None

@@ -69,6 +69,7 @@ class SlidingLayer(EvictingLayer):
             slots = torch.arange(total - keep, total, device=self.device)
             self.settings.mode.compact(self.storage, slots.expand(self.batch_size, self.heads, -1), keep)
         self.n = keep
+        self.fit_storage()
 
 
 def band(q: int, kv: int, window: int, device: torch.device) -> torch.Tensor:

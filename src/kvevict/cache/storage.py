@@ -63,6 +63,16 @@ class SlotStorage:
         if needed > self.capacity:
             self._allocate(max(needed, grow_to), n)
 
+    def fit(self, capacity: int, n: int) -> bool:
+        """Give back buffers far larger than needed: when more than twice `capacity` slots are
+        allocated (a long forward grew them, then evicted), copy the first `n` into buffers of
+        `capacity` slots. Returns whether it did. Twice, so a stream of chunks that each
+        outgrow the room does not reallocate at every chunk for a few slots."""
+        if self.capacity <= 2 * capacity or n > capacity:
+            return False
+        self._allocate(capacity, n)
+        return True
+
     def open(self, n: int, values: torch.Tensor, seen: int) -> None:
         """Write a forward's `q` new entries into slots `n..n+q-1`: values, positions from
         `seen` on, zeroed statistics. Keys are written by the position mode."""
