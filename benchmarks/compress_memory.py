@@ -1,0 +1,86 @@
+"""Memory of a compressed prompt: what the cache holds and allocates, and the process's peak.
+
+Each arm compresses the first `--tokens` pg-essays tokens to `--budget` entries
+(`kvevict.compress`, one forward), then decodes `--decode` greedy tokens through the
+frozen cache. Per arm: the cache's `kv_bytes` (entries held), `allocated_kv_bytes` (its
+buffers) and the full cache of the tokens seen, right after compression and after the
+decode; the process's peak resident memory above what it held before, during the
+prefill+compression and during the decode (`kvevict.ab.meter.measure`: the high-water
+mark reset per block). The `chunks` arm feeds the prompt in chunks of `--chunk` tokens
+through an `EvictingCache` at the budget (each chunk evicts at its end, as the streaming
+path does): the prefill's peak is then bounded by a chunk, not the prompt.
+One process, arms in turn, the model loaded once.
+
+    .venv/bin/python benchmarks/compress_memory.py --tokens 2048 --budget 512 --decode 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+import torch
+
+from kvevict import EvictingCache, load_model, load_tokens
+from kvevict.ab.meter import measure
+from kvevict.eval.compress import Compressed, compress
+from kvevict.eval.forward import body
+
+ARMS = ["full", "snapkv:window=64,kernel=5,pooling=avg", "adakv:snapkv:window=64,kernel=5,pooling=avg", "chunks"]
+MB = 1e6
+
+
+def resident_mb() -> float:
+    text = Path("/proc/self/status").read_text()
+    return int(re.search(r"VmRSS:\s+(\d+)\s+kB", text).group(1)) / 1024
+
+
+def by_chunks(model, tokens: torch.Tensor, budget: int, chunk: int) -> Compressed:
+    """SnapKV at `budget`, the prompt fed `chunk` tokens at a time (each chunk evicts at its end)."""
+    spec = ARMS[1]
+    cache = EvictingCache(model, spec, budget=budget)
+    for start in range(0, tokens.numel(), chunk):
+        hidden = body(model, tokens[None, start : start + chunk], cache)
+    kept = max(layer.n for layer in cache.layers)
+    cache.freeze()
+    return Compressed(cache, hidden[:, -1], tokens.numel(), budget, [spec], kept)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--budget", type=int, default=512)
+    parser.add_argument("--decode", type=int, default=32)
+    parser.add_argument("--chunk", type=int, default=256)
+    parser.add_argument("--arms", default=",".join(ARMS))
+    args = parser.parse_args()
+    model, tokenizer = load_model(args.model)
+    tokens, _ = load_tokens("pg-essays", tokenizer, args.tokens)
+    print(f"{args.model}: {args.tokens} pg-essays tokens compressed to {args.budget}, then {args.decode} decode steps")
+    print(f"{'arm':<46}{'kv MB':>8}{'alloc MB':>10}{'full MB':>9}{'prefill peak':>14}"
+          f"{'decode peak':>13}{'alloc after decode':>20}")
+    with torch.inference_mode():
+        for arm in args.arms.split(","):
+            before = resident_mb()
+            with measure() as prefill:
+                if arm == "chunks":
+                    state = by_chunks(model, tokens, args.budget, args.chunk)
+                else:
+                    state = compress(model, tokens, arm, "full" if arm == "full" else args.budget)
+            after = state.cache.memory()
+            with measure() as decode:
+                for _ in range(args.decode):
+                    state.feed(model, state.next_logits(model).argmax(dim=-1)[:, None])
+            final = state.cache.memory()
+            name = f"chunks of {args.chunk} ({ARMS[1].split(':')[0]})" if arm == "chunks" else arm
+            print(f"{name:<46}{after.kv_bytes / MB:>8.1f}{after.allocated_kv_bytes / MB:>10.1f}"
+                  f"{after.full_kv_bytes / MB:>9.1f}{prefill.peak_mb - before:>11.1f} MB"
+                  f"{decode.peak_mb - before:>10.1f} MB{final.allocated_kv_bytes / MB:>17.1f} MB"
+                  f"   ({prefill.peak_mb_scope})")
+            del state
+
+
+if __name__ == "__main__":
+    main()
