@@ -85,9 +85,10 @@ class SinkTracker(Observer):
 
     def reset(self) -> None:
         self.lost: dict[int, torch.Tensor] = {}  # layer -> [B, H_kv]
+        self.settled: set[int] = set()  # layers where token 0 left every (row, KV head): nothing left to note
 
     def on_evict(self, event: Eviction) -> None:
-        if not self.wants_victims:
+        if not self.wants_victims or event.layer in self.settled:
             return
         if event.victims is not None:
             lost = event.victims == 0
@@ -96,7 +97,7 @@ class SinkTracker(Observer):
         self._record(event.layer, lost, event.seen)
 
     def on_evict_steps(self, layer: int, seen: torch.Tensor, victims: torch.Tensor) -> None:
-        if not self.wants_victims:
+        if not self.wants_victims or layer in self.settled:
             return
         lost = victims == 0  # [B, H, k]; token 0 leaves a (row, head) at most once
         first = lost.to(torch.uint8).argmax(dim=-1)  # [B, H], the step it left at (0 when it stayed)
@@ -108,6 +109,8 @@ class SinkTracker(Observer):
         if at is None:
             at = self.lost[layer] = torch.full(lost.shape, -1, dtype=torch.long, device=lost.device)
         at.copy_(torch.where(lost & (at < 0), seen, at))
+        if bool((at >= 0).all()):  # a token never comes back: this layer has nothing more to tell
+            self.settled.add(layer)
 
     def lost_at(self, layers: int, heads: int) -> torch.Tensor:
         """`[layers, B, H_kv]`: tokens seen when token 0 was evicted, -1 if it never was."""
