@@ -53,6 +53,7 @@ def plain_forward_seconds(model, tokens: torch.Tensor, rows: int, chunk: int) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:1 ...")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--tokens", type=int, default=2000)
     parser.add_argument("--budget", type=int, default=256)
@@ -63,8 +64,9 @@ def main() -> None:
     parser.add_argument("--single", default="streamingllm", help="also time this policy alone (empty: skip)")
     parser.add_argument("--floor-only", action="store_true", help="time only each case's plain-forward floor")
     args = parser.parse_args()
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, device=args.device)
     tokens, _ = load_tokens("pg-essays", tokenizer, args.tokens)
+    tokens = tokens.to(args.device)
     specs = [s for s in args.policies.split(",") if s]
     with torch.inference_mode():  # warm-up, untimed: kernel selection and first allocations
         compare(model, tokens[: args.budget + 64], specs, args.budget, args.positions, progress=False, chunk=32)

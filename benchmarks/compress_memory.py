@@ -49,6 +49,7 @@ def by_chunks(model, tokens: torch.Tensor, budget: int, chunk: int) -> Compresse
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:1 ...")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--budget", type=int, default=512)
@@ -56,21 +57,22 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--arms", default=",".join(ARMS))
     args = parser.parse_args()
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, device=args.device)
     tokens, _ = load_tokens("pg-essays", tokenizer, args.tokens)
+    tokens = tokens.to(args.device)
     print(f"{args.model}: {args.tokens} pg-essays tokens compressed to {args.budget}, then {args.decode} decode steps")
     print(f"{'arm':<46}{'kv MB':>8}{'alloc MB':>10}{'full MB':>9}{'prefill peak':>14}"
           f"{'decode peak':>13}{'alloc after decode':>20}")
     with torch.inference_mode():
         for arm in args.arms.split(","):
             before = resident_mb()
-            with measure() as prefill:
+            with measure(args.device) as prefill:
                 if arm == "chunks":
                     state = by_chunks(model, tokens, args.budget, args.chunk)
                 else:
                     state = compress(model, tokens, arm, "full" if arm == "full" else args.budget)
             after = state.cache.memory()
-            with measure() as decode:
+            with measure(args.device) as decode:
                 for _ in range(args.decode):
                     state.feed(model, state.next_logits(model).argmax(dim=-1)[:, None])
             final = state.cache.memory()
@@ -78,7 +80,9 @@ def main() -> None:
             print(f"{name:<46}{after.kv_bytes / MB:>8.1f}{after.allocated_kv_bytes / MB:>10.1f}"
                   f"{after.full_kv_bytes / MB:>9.1f}{prefill.peak_mb - before:>11.1f} MB"
                   f"{decode.peak_mb - before:>10.1f} MB{final.allocated_kv_bytes / MB:>17.1f} MB"
-                  f"   ({prefill.peak_mb_scope})")
+                  f"   ({prefill.peak_mb_scope})"
+                  + (f"  device peak: prefill {prefill.device_peak_mb:.1f} MB, decode {decode.device_peak_mb:.1f} MB"
+                     if prefill.device_peak_mb is not None else ""))
             del state
 
 

@@ -46,12 +46,14 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=512)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:1 ...")
     parser.add_argument("--model", default="smollm2-135m", help="an embedded model (smollm2-135m, gemma3-270m)")
     parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated arms; 'dynamic' is always measured")
     args = parser.parse_args()
     arms = ["dynamic", *(a for a in args.arms.split(",") if a and a != "dynamic")]
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, device=args.device)
     tokens, _ = load_tokens("pg-essays", tokenizer, args.budget + args.steps + 1)
+    tokens = tokens.to(args.device)
     times: dict[str, list[float]] = {arm: [] for arm in arms}
     with torch.inference_mode():
         for _ in range(args.rounds):
@@ -65,6 +67,8 @@ def main() -> None:
                     use(model, arm)
                     t0 = time.perf_counter()
                     body(model, tokens[None, at + step : at + step + 1], cache)
+                    if tokens.is_cuda:  # a step is timed when its kernels finished, not when they were queued
+                        torch.cuda.synchronize(tokens.device)
                     times[arm].append(time.perf_counter() - t0)
     base = sorted(times["dynamic"])[len(times["dynamic"]) // 2]
     print(f"decode step, {args.model}, budget {args.budget}, batch 1, median of {args.steps * args.rounds} steps")
