@@ -170,8 +170,10 @@ class EvictingLayer(CacheLayerMixin):
         storage = self.storage
         end = self.n + key_states.shape[2]
         if end > storage.capacity:
-            # Only a prefill longer than the slack, or a frozen (growing) cache, gets here.
-            grow = 2 * storage.capacity if self.budget is None else 0
+            # Only a prefill longer than the slack, or a frozen (growing) cache, gets here. A frozen
+            # cache grows by a quarter (amortized: each entry is copied ~4 times), not by doubling: a
+            # compressed prompt's decode should not allocate twice what it holds.
+            grow = storage.capacity + storage.capacity // 4 if self.budget is None else 0
             storage.ensure(end, self.n, max(end + self.settings.slack, grow))
         storage.open(self.n, value_states, self.seen)
         self.settings.mode.store_keys(storage, key_states, used, self.n)
