@@ -92,6 +92,10 @@ class SinkTracker(Observer):
             return
         if event.victims is not None:
             lost = event.victims == 0
+            # token 0 leaves a (row, head) once: most steps evict something else. On the CPU looking
+            # costs less than the update; on a GPU it would wait for the device, so it updates blindly
+            if not lost.is_cuda and not bool(lost.any()):
+                return
         else:
             lost = event.kept[:, :, 0] != 0  # kept positions ascend: token 0 held iff first
         self._record(event.layer, lost, event.seen)
@@ -109,7 +113,7 @@ class SinkTracker(Observer):
         if at is None:
             at = self.lost[layer] = torch.full(lost.shape, -1, dtype=torch.long, device=lost.device)
         at.copy_(torch.where(lost & (at < 0), seen, at))
-        if bool((at >= 0).all()):  # a token never comes back: this layer has nothing more to tell
+        if not at.is_cuda and bool((at >= 0).all()):  # a token never comes back: nothing more to tell
             self.settled.add(layer)
 
     def lost_at(self, layers: int, heads: int) -> torch.Tensor:
