@@ -59,6 +59,7 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=32)
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--arms", default=";".join(ARMS))
+    parser.add_argument("--warm", action="store_true", help="an untimed forward of --chunk tokens first")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the arm this (child) process runs
     args = parser.parse_args()
     if args.one is None:
@@ -74,6 +75,8 @@ def main() -> None:
     tokens = tokens.to(args.device)
     arm = args.one
     with torch.inference_mode():
+        if args.warm:  # the first forward of a process pays one-time costs (kernels, thread pools)
+            body(model, tokens[None, : args.chunk], EvictingCache(model, "window", budget=args.chunk))
         before = resident_mb()
         with measure(args.device) as prefill:
             if arm == "chunks":
