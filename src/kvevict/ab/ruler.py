@@ -10,15 +10,14 @@ another protocol adds to the same folder.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..errors import KvevictError
 from ..eval.ruler.grid import RulerGrid, preflight, run_grid
 from ..progress import bars
 from ..report.records import Record, RulerRecord, load
 from ..report.store import ResultStore
+from .folder import open_run_folder
 from .plan import run_folder
 
 
@@ -49,20 +48,7 @@ class RulerRun:
 
 def prepare(run: RulerRun) -> ResultStore:
     """The run folder, writable and holding the same experiment (or none yet)."""
-    folder = run.folder
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise KvevictError(f"cannot write to '{folder}' ({exc.strerror}): choose a writable --out folder") from None
-    meta = folder / "run.json"
-    if meta.exists():
-        before = json.loads(meta.read_text()).get("identity", {})
-        if before and before != run.identity():
-            raise KvevictError(
-                f"'{folder}' holds answers for {before}, not {run.identity()}: use another --name to start fresh"
-            )
-    meta.write_text(json.dumps({"identity": run.identity(), "config": run.config()}, indent=2))
-    return ResultStore(folder / "results.jsonl")
+    return open_run_folder(run.folder, run.identity(), run.config(), what="answers")
 
 
 def max_positions(model) -> int | None:

@@ -24,29 +24,14 @@ from ..report.records import Record, load
 from ..report.store import ResultStore
 from . import tasks
 from .executors import Executor, LocalExecutor, WorkerSpec
+from .folder import open_run_folder
 from .plan import SweepConfig, plan
 from .worker import batches
 
 
 def prepare_folder(config: SweepConfig) -> ResultStore:
-    """Create the run folder, check it is writable and belongs to the same experiment."""
-    folder = config.folder
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / ".write-probe"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as exc:
-        raise KvevictError(f"cannot write to '{folder}' ({exc.strerror}): choose a writable --out folder") from None
-    meta = folder / "run.json"
-    if meta.exists():
-        before = json.loads(meta.read_text()).get("identity", {})
-        if before and before != config.identity():
-            raise KvevictError(
-                f"'{folder}' holds results for {before}, not {config.identity()}: use another --name to start fresh"
-            )
-    meta.write_text(json.dumps({"identity": config.identity(), "config": asdict(config)}, indent=2))
-    return ResultStore(folder / "results.jsonl")
+    """The sweep's run folder (see `open_run_folder`)."""
+    return open_run_folder(config.folder, config.identity(), asdict(config))
 
 
 def record_stream_start(config: SweepConfig, tokenizer) -> None:

@@ -1,0 +1,34 @@
+"""Opening a run folder: writable, holding the same experiment or none yet, its `run.json` pinned.
+
+Shared by `kvevict ab` (`run.prepare_folder`) and `kvevict ruler` (`ruler.prepare`), so
+both refuse a folder of another experiment the same way.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import KvevictError
+from ..report.store import ResultStore
+
+
+def open_run_folder(folder: Path, identity: dict, config: dict, what: str = "results") -> ResultStore:
+    """Create a run folder, check it is writable and holds the same experiment (`identity`) or none yet,
+    and pin `identity` and `config` in its `run.json`. `what` names what it holds in the refusal."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / ".write-probe"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        raise KvevictError(f"cannot write to '{folder}' ({exc.strerror}): choose a writable --out folder") from None
+    meta = folder / "run.json"
+    if meta.exists():
+        before = json.loads(meta.read_text()).get("identity", {})
+        if before and before != identity:
+            raise KvevictError(
+                f"'{folder}' holds {what} for {before}, not {identity}: use another --name to start fresh"
+            )
+    meta.write_text(json.dumps({"identity": identity, "config": config}, indent=2))
+    return ResultStore(folder / "results.jsonl")
