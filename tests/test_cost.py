@@ -94,6 +94,7 @@ def test_every_record_carries_time_throughput_and_peak_memory(tmp_path):
     rows = [r for r in records if isinstance(r, PplRecord)]
     assert {r.kind for r in rows} == {"full", "oracle", "policy"}
     for r in rows:
+        assert r.mean_kept is not None and 0 < r.mean_kept <= r.max_kept  # held on average, never above the most
         assert r.batch_seconds > 0 and r.peak_mb > 10 and r.peak_mb_scope in ("batch", "sampled", "process")
         assert r.tokens_per_s == pytest.approx(200 / r.batch_seconds)
     for budget in (16, 32):  # the policies of one budget ran as one batch: one time, one peak

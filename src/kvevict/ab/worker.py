@@ -11,7 +11,6 @@ batch: the numbers depend only on the model, the stream and the batch.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -71,9 +70,8 @@ def ppl_record(cell: Cell, result: RowResult, config: SweepConfig, cost: Cost, t
         curve=result.ppl_windows(width), kl_curve=result.kl_windows(width) or None,
         sink_lost_at=result.sink_lost_at, sliding_window=result.sliding_window,
         model=identity["model"], text=identity["text"], tokens=identity["tokens"],
-        full_ppl_same_tokens=None if result.baseline_nll is None else math.exp(result.baseline_nll),
-        kl_to_full=None if result.kl is None else result.mean(result.kl),
-        top1_agreement=None if result.agree is None else result.mean(result.agree),
+        full_ppl_same_tokens=result.full_ppl_same_tokens, kl_to_full=result.kl_to_full,
+        top1_agreement=result.top1_agreement, mean_kept=result.mean_kept,
         layer_budgets=result.layer_budgets, held_per_layer_kind=memory.get("held"),
         kv_bytes=memory.get("kv_bytes"), full_kv_bytes=memory.get("full_kv_bytes"),
         held_per_head=memory.get("held_per_head"),

@@ -115,6 +115,19 @@ class RowResult:
             return []
         return [{"start": a, "end": b, "n": n, "kl": m} for a, b, n, m in self._windows(self.kl, width)]
 
+    @property
+    def full_ppl_same_tokens(self) -> float | None:
+        """The full cache's PPL on exactly the predictions this row scored (the oracle's fair baseline)."""
+        return None if self.baseline_nll is None else math.exp(self.baseline_nll)
+
+    @property
+    def kl_to_full(self) -> float | None:
+        return None if self.kl is None else self.mean(self.kl)
+
+    @property
+    def top1_agreement(self) -> float | None:
+        return None if self.agree is None else self.mean(self.agree)
+
     def summary(self) -> dict:
         data = {
             "policy": self.policy,
@@ -139,10 +152,10 @@ class RowResult:
             if "held_per_head" in self.memory:  # adakv: [layer][KV head] entries each head holds
                 data["held_per_head"] = self.memory["held_per_head"]
         if self.baseline_nll is not None:
-            data["full_ppl_same_tokens"] = math.exp(self.baseline_nll)
+            data["full_ppl_same_tokens"] = self.full_ppl_same_tokens
         if self.kl is not None:
-            data["kl_to_full"] = self.mean(self.kl)
-            data["top1_agreement"] = self.mean(self.agree)
+            data["kl_to_full"] = self.kl_to_full
+            data["top1_agreement"] = self.top1_agreement
         return data
 
 

@@ -66,6 +66,9 @@ class PplRecord:
     n_predictions: int = 0
     nll_mean: float | None = None
     max_kept: int | None = None
+    #: entries a full-attention layer held on average over the stream's steps (below `max_kept` under
+    #: burst eviction: the memory actually saved)
+    mean_kept: float | None = None
     sink_evicted: bool | None = None
     first_token_evicted: bool | None = None
     sink_loss: float | None = None
@@ -105,9 +108,8 @@ class PplRecord:
 
     #: keys written only when they hold a value (older lines, and the full row, lack them)
     OPTIONAL: ClassVar[tuple[str, ...]] = (
-        "label", "nll_mean", "max_kept", "sink_evicted", "first_token_evicted", "sink_loss", "batch_seconds",
-        "tokens_per_s",
-        "peak_mb", "peak_mb_scope", "device_peak_mb", "seed",
+        "label", "nll_mean", "max_kept", "mean_kept", "sink_evicted", "first_token_evicted", "sink_loss",
+        "batch_seconds", "tokens_per_s", "peak_mb", "peak_mb_scope", "device_peak_mb", "seed",
         "kl_curve", "sink_lost_at", "sliding_window", "model", "text", "tokens", "full_ppl_same_tokens",
         "kl_to_full", "top1_agreement",
         "layer_budgets", "held_per_layer_kind", "kv_bytes", "full_kv_bytes", "held_per_head",
