@@ -80,7 +80,7 @@ def recompute_oracle(
     mask = ~torch.isnan(nll)
     result = RowResult(
         policy="oracle", budget=budget, positions="original", nll=nll, kl=kl, agree=agree,
-        max_kept=budget, seconds=time.perf_counter() - t0, scored=mask, head=head,
+        max_kept=budget, mean_kept=budget, seconds=time.perf_counter() - t0, scored=mask, head=head,
     )
     # A strided sample's PPL is noisy: the full cache on the very same predictions is its fair baseline.
     result.baseline_nll = result.mean(reference.result.nll)
