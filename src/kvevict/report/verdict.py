@@ -27,6 +27,7 @@ import html
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from ..eval.sink_loss import unbounded_note
 from .columns import number
@@ -87,11 +88,11 @@ class Candidate:
     def rank(self) -> tuple[float, float]:
         return (math.inf if self.kl is None else self.kl, self.ppl)
 
-    @property
+    @cached_property  # a bootstrap: drawn once, read by the collapse test and every sentence
     def ppl_interval(self) -> Interval | None:
         return None if self.nll_blocks is None else mean_interval(self.nll_blocks, exp=True)
 
-    @property
+    @cached_property
     def kl_interval(self) -> Interval | None:
         return None if self.kl_blocks is None else mean_interval(self.kl_blocks)
 
