@@ -249,6 +249,10 @@ def test_allocated_bytes_stay_bounded_over_a_long_decode():
             allocated.append(memory.allocated_kv_bytes)
             assert memory.kv_bytes == config.num_hidden_layers * config.num_key_value_heads * budget * entry
     assert max(allocated) <= bound, f"allocated {max(allocated)} bytes, bound {bound}"
+    # what the layers told the sink tracker on the way agrees with what they hold at the end
+    lost = cache.sink_lost_at()[:, 0]  # [layers, H_kv]
+    held = torch.stack([(layer.kept_positions()[0] == 0).any(dim=-1) for layer in cache.layers])
+    assert torch.equal(lost < 0, held) and bool((lost >= 0).any()) and bool(held.any())
     assert any(max(max(row) for row in p) > budget for p in memory.per_head)  # the heads did split unevenly
 
 

@@ -25,7 +25,8 @@ _HIGHEST = torch.iinfo(torch.long).max
 def order_keys(scores: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """`[B, H, L]` int64, distinct per (head, position), ordered as (score, position, -head).
 
-    scores `[B, H, L]` float (at most float32 precision), pos `[B, H, L]` non-negative."""
+    scores `[B, H, L]` float (at most float32 precision), pos `[B, H, L]` (distinct where they
+    are >= 0; a pad's key means nothing)."""
     heads = scores.shape[1]
     bits = (scores.float() + 0.0).view(torch.int32)  # + 0.0: -0.0 and 0.0 are equal scores
     monotone = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()  # negative floats: reverse their order
@@ -56,7 +57,7 @@ def allocate(
     if scores.dtype == torch.float64 and not torch.equal(scores.float().double(), scores):
         return _allocate_by_sorting(scores, pos, valid, total, floor)
     b, h, length = scores.shape
-    keys = order_keys(scores, pos.clamp(min=0)).masked_fill(~valid, _LOWEST)
+    keys = order_keys(scores, pos).masked_fill(~valid, _LOWEST)  # pads' positions do not matter
     held = valid.sum(dim=-1)  # [B, H]
     floors = torch.minimum(floor.view(b, 1), held)  # [B, H] what each head is sure to keep
     excess = (held.sum(dim=-1) - total).clamp(min=0)  # [B] entries a row must give up

@@ -144,13 +144,12 @@ class RaggedLayer(EvictingLayer):
             scores = scores.masked_fill(hidden, float("-inf"))
             keep = allocate(scores, positions, members, self.heads * self.budget, self._floors())
             # a row keeps its allowance, or all it held (each head's floor is within its budget)
-            storage.evict(keep, members, min(storage.most_held, self.heads * self.budget))
+            storage.evict(keep, min(storage.most_held, self.heads * self.budget))
             if m > 1 and storage.capacity > storage.base:  # a long prefill grew the buffer: give it back
                 storage.repack(0)
             self.identical = False
-            if s.observers:  # they read whether token 0 leads each head's kept positions
-                first = positions.masked_fill(~keep, LATEST_LAST).amin(dim=-1, keepdim=True)
-                self.report_eviction(seen, first.masked_fill(first == LATEST_LAST, -1), None)
+            if s.observers:  # they read whether token 0 leads each head's kept positions: `kept` [B, H, 1]
+                self.report_eviction(seen, storage.first_slots(), None)
         self.n = int(storage.held.max())
         return out
 

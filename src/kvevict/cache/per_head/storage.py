@@ -116,12 +116,20 @@ class RaggedStorage:
         self.held += q
         self.most_held += self.heads * q
 
-    def evict(self, keep: torch.Tensor, members: torch.Tensor, most: int) -> None:
-        """Keep the entries `keep` `[B, H, capacity]` of `members`; the others become holes.
-        `most`: what the fullest row holds after it (the caller knows: its allowance)."""
-        self.pos.masked_fill_((members & ~keep).any(dim=1), -1)
+    def evict(self, keep: torch.Tensor, most: int) -> None:
+        """Keep the entries `keep` `[B, H, capacity]` (a subset of `members`); the others become
+        holes. `most`: what the fullest row holds after it (the caller knows: its allowance)."""
+        self.pos.masked_fill_(~keep.any(dim=1), -1)
         self.held = keep.sum(dim=-1)
         self.most_held = most
+
+    def first_slots(self) -> torch.Tensor:
+        """`[B, H, 1]` the position in the first slot of each head's segment: its earliest held
+        token if that slot is held (segments hold their entries in positional order, and
+        nothing is written before a segment's start), else -1 or a later token. So token 0
+        is held by a head exactly when this is 0."""
+        first = self.pos.gather(1, self.start)  # an empty segment may start where the next one does
+        return first.masked_fill(self.held == 0, -1)[..., None]
 
     def repack(self, extra: int) -> None:
         """Lay the segments out again so every head has room for `extra` more entries, the
