@@ -48,6 +48,7 @@ class RaggedLayer(EvictingLayer):
     def _new_storage(self) -> RaggedStorage:
         s = self.settings
         self._incoming: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._floor_cache: tuple[int | None, torch.Tensor] | None = None  # (budget, floors) of the bound rows
         return RaggedStorage(
             self.batch_size, self.heads, self.head_dim, self.dtype, self.device, s.stat_names, self.budget or 0, s.slack
         )
@@ -155,7 +156,7 @@ class RaggedLayer(EvictingLayer):
 
     def _floors(self) -> torch.Tensor:
         """`[B]` the fewest entries each head of a row keeps (its policy's `head_floor`)."""
-        if getattr(self, "_floor_cache", None) is None or self._floor_cache[0] != self.budget:
+        if self._floor_cache is None or self._floor_cache[0] != self.budget:
             floors = [p.head_floor(self.budget) for p in self.settings.layout.row_policies()]
             self._floor_cache = (self.budget, torch.tensor(floors, device=self.device))
         return self._floor_cache[1]
