@@ -55,11 +55,14 @@ def main() -> None:
     tokens, _ = load_tokens("pg-essays", tokenizer, args.budget + args.steps + 1)
     tokens = tokens.to(args.device)
     times: dict[str, list[float]] = {arm: [] for arm in arms}
+    allocated: dict[str, list[int]] = {}  # an EvictingCache's allocated KV bytes after its prefill, then each step
     with torch.inference_mode():
         for _ in range(args.rounds):
             caches = {}
             for arm in arms:
                 caches[arm] = make(model, arm, args.budget, args.steps, tokens)
+                if arm != "dynamic":
+                    allocated[arm] = [caches[arm][0].memory().allocated_kv_bytes]
             for step in range(args.steps):
                 for k in range(len(arms)):
                     arm = arms[(step + k) % len(arms)]
@@ -70,6 +73,8 @@ def main() -> None:
                     if tokens.is_cuda:  # a step is timed when its kernels finished, not when they were queued
                         torch.cuda.synchronize(tokens.device)
                     times[arm].append(time.perf_counter() - t0)
+                    if arm != "dynamic":
+                        allocated[arm].append(cache.memory().allocated_kv_bytes)
     base = sorted(times["dynamic"])[len(times["dynamic"]) // 2]
     print(f"decode step, {args.model}, budget {args.budget}, batch 1, median of {args.steps * args.rounds} steps")
     print(f"{'cache':<14}{'ms/step':>10}{'vs DynamicCache':>18}{'target':>10}")
@@ -77,6 +82,9 @@ def main() -> None:
         median = sorted(times[arm])[len(times[arm]) // 2]
         target = f"<= {TARGETS[arm]:.2f}x" if arm in TARGETS else ""
         print(f"{arm:<14}{median * 1000:>10.1f}{median / base:>17.3f}x{target:>10}")
+    for arm, seen in allocated.items():  # the last round's: memory given back, not only evicted
+        print(f"{arm}: allocated KV {seen[0] / 1e6:.2f} MB after prefill, at most {max(seen) / 1e6:.2f} MB "
+              f"over {args.steps} decode steps, {seen[-1] / 1e6:.2f} MB at the end")
 
 
 if __name__ == "__main__":

@@ -49,6 +49,38 @@ def test_allocation_is_floor_then_joint_top_k(seed):
         assert not bool((keep & ~valid).any())
 
 
+@pytest.mark.parametrize("case", ["decode", "decode_at_floor", "prefill", "float64"])
+def test_allocation_finds_the_few_worst_or_the_few_best_or_sorts_fine_scores(case):
+    """Each way `allocate` can take against the same reference: a decode step drops one entry per
+    head (it looks for the row's worst), unless those worst would take a head below its floor
+    (head 0 scores worst and holds just its floor: the general way), a long prefill keeps few of
+    many (it looks for the best), and float64 scores that float32 cannot tell apart go through
+    stable sorts."""
+    g = torch.Generator().manual_seed(7)
+    b, h, total = 2, 3, 12
+    held = total + h if case.startswith("decode") else 5 * total
+    width = held  # one head may hold them all
+    lengths = torch.stack([torch.multinomial(torch.ones(h), held, replacement=True, generator=g).bincount(
+        minlength=h) for _ in range(b)])
+    valid = torch.arange(width) < lengths[..., None]
+    pos = torch.stack([torch.stack([torch.randperm(200, generator=g)[:width] for _ in range(h)]) for _ in range(b)])
+    scores = torch.randint(0, 5, (b, h, width), generator=g).double()
+    if case == "float64":
+        scores = 1.0 + scores * 1e-12  # all equal in float32
+    else:
+        scores = scores.float()
+    floor = torch.tensor([1, 0])
+    if case == "decode_at_floor":
+        scores[:, 0] -= 10.0
+        floor = lengths[:, 0].clamp(min=1)
+    keep = allocate(scores.masked_fill(~valid, float("-inf")), pos, valid, total, floor)
+    for row in range(b):
+        alive = [pos[row, head, : lengths[row, head]].tolist() for head in range(h)]
+        where = {(head, int(pos[row, head, j])): float(scores[row, head, j]) for head in range(h) for j in range(width)}
+        expected = reference_keep(alive, lambda hh, p, w=where: w[(hh, p)], total, int(floor[row]))
+        assert [set(pos[row, head][keep[row, head]].tolist()) for head in range(h)] == expected
+
+
 def test_a_head_whose_scores_are_low_keeps_its_floor_and_the_rest_goes_to_the_others():
     scores = torch.tensor([[[9.0, 8, 7, 6], [1, 1, 1, 1]]])
     pos = torch.tensor([[[0, 1, 2, 3], [0, 1, 2, 3]]])
@@ -108,13 +140,13 @@ class AdaH2OReference:
         return out.transpose(1, 2).contiguous(), probs
 
 
-@pytest.mark.parametrize("budget,recent,sinks,alpha", [(12, 0.25, 0, 0.2), (14, 0.5, 2, 0.0), (16, 0.25, 2, 0.2)])
-def test_adakv_h2o_matches_masked_reference(budget, recent, sinks, alpha):
+def run_against_reference(budget: int, recent: float, sinks: int, alpha: float, prefill: int, tokens: int = 90):
+    """Our logits and kept positions against `AdaH2OReference`'s, prefill of `prefill` tokens then decode."""
     model = make_tiny(seed=12)
-    tokens = random_tokens(90, seed=budget)
+    tokens = random_tokens(tokens, seed=budget)
     spec = f"adakv:alpha={alpha}:h2o:recent={recent}"
     spec = spec if sinks == 0 else f"sink{sinks}+{spec}"
-    chunks = [tokens[:budget]] + [tokens[t : t + 1] for t in range(budget, tokens.numel())]
+    chunks = [tokens[:prefill]] + [tokens[t : t + 1] for t in range(prefill, tokens.numel())]
     cache = EvictingCache(model, spec, budget=budget)
     ours = []
     with torch.inference_mode():
@@ -136,6 +168,22 @@ def test_adakv_h2o_matches_masked_reference(budget, recent, sinks, alpha):
             assert kept[head][kept[head] >= 0].tolist() == expected, f"layer {index} head {head}"
             unequal |= len(expected) != budget
     assert unequal, "every head kept exactly the budget: the test does not exercise head-wise budgets"
+
+
+@pytest.mark.parametrize("budget,recent,sinks,alpha", [(12, 0.25, 0, 0.2), (14, 0.5, 2, 0.0), (16, 0.25, 2, 0.2)])
+def test_adakv_h2o_matches_masked_reference(budget, recent, sinks, alpha):
+    run_against_reference(budget, recent, sinks, alpha, prefill=budget)
+
+
+def test_a_long_prefill_attends_in_blocks_of_queries_and_matches_the_reference(monkeypatch):
+    """A prefill bigger than `BLOCK_ELEMENTS` logits goes through the layer's attention a few
+    queries at a time (here 3: the bound shrunk so a tiny model reaches it); every block's causal
+    mask and its share of H2O's attention must add up to the reference's one pass."""
+    import kvevict.cache.per_head.layer as ragged
+
+    heads, width = 4, 2 * (16 + 16)  # query heads, one row's buffer: KV heads x (budget + slack)
+    monkeypatch.setattr(ragged, "BLOCK_ELEMENTS", 3 * heads * width)
+    run_against_reference(16, 0.25, 0, 0.2, prefill=30, tokens=60)
 
 
 # --- real memory ------------------------------------------------------------------------
@@ -180,6 +228,33 @@ def test_streaming_records_say_what_each_head_holds():
     assert len(held) == model.config.num_hidden_layers and all(len(layer) == heads for layer in held)
     assert all(sum(layer) == heads * 10 for layer in held)
     assert data["kv_bytes"] == 2 * model.config.head_dim * 4 * sum(map(sum, held))
+
+
+def test_allocated_bytes_stay_bounded_over_a_long_decode():
+    """Evictions leave holes that the next re-pack gives back: over hundreds of decode steps the
+    buffers stay at `KV heads x (budget + slack)` entries a row, and what is held is the allowance."""
+    model = make_tiny(seed=3)
+    budget, slack, steps = 12, 4, 400
+    tokens = random_tokens(budget + steps, seed=4)
+    cache = EvictingCache(model, "adakv:h2o", budget=budget, slack=slack)
+    config = model.config
+    entry = 2 * config.head_dim * 4  # a float32 key and its value
+    bound = config.num_hidden_layers * config.num_key_value_heads * (budget + slack) * entry
+    allocated = []
+    gone_at = torch.full((config.num_hidden_layers, config.num_key_value_heads), -1)  # tokens seen when 0 left
+    with torch.inference_mode():
+        body(model, tokens[None, :budget], cache)
+        for t in range(budget, tokens.numel()):
+            body(model, tokens[None, t : t + 1], cache)
+            memory = cache.memory()
+            allocated.append(memory.allocated_kv_bytes)
+            held = torch.stack([(layer.kept_positions()[0] == 0).any(dim=-1) for layer in cache.layers])
+            gone_at = torch.where(~held & (gone_at < 0), t + 1, gone_at)
+            assert memory.kv_bytes == config.num_hidden_layers * config.num_key_value_heads * budget * entry
+    assert max(allocated) <= bound, f"allocated {max(allocated)} bytes, bound {bound}"
+    # what the layers told the sink tracker: token 0 left a (layer, head) at the first step it was not held
+    assert torch.equal(cache.sink_lost_at()[:, 0], gone_at)
+    assert any(max(max(row) for row in p) > budget for p in memory.per_head)  # the heads did split unevenly
 
 
 # --- prefill compression ----------------------------------------------------------------

@@ -2,8 +2,8 @@
 
 | module | owns |
 |---|---|
-| `layer.py` | `RaggedLayer`: one allowance of `KV heads x budget` per row, attention by hand per (row, KV head) |
-| `storage.py` | `RaggedStorage`: per (row, KV head) a contiguous segment of one flat buffer, with room to grow |
+| `layer.py` | `RaggedLayer`: `KV heads x budget` entries per row; all rows and heads attend at once, masked |
+| `storage.py` | `RaggedStorage`: per (row, KV head) a segment of one flat buffer; evictions leave holes |
 | `allocation.py` | `allocate`: which entries survive when the heads share the allowance |
 
 The cache swaps these layers in through `PER_HEAD_KINDS` when a batch's policy

@@ -3,17 +3,21 @@
 The layer's allowance is `KV heads x budget` entries per row, shared by its heads
 (`allocation.allocate`), and stored for real in ragged per-head segments
 (`RaggedStorage`): a head holds exactly its share, no head is padded to the longest.
-SDPA wants one length for every head, so this layer attends by hand: a loop over
-(row, KV head), each head's query group `[G, q, D]` against its contiguous segment
-`[length, D]` (matmul, softmax, matmul). The loop also yields the probabilities that
-attention-driven policies (h2o, tova) fold into their statistics, at no extra pass.
+SDPA wants one length for every head, so this layer attends by hand, but all rows and
+heads in one computation: each query group reads its row's whole buffer
+`[capacity, D]` as it lies (no gather, no copy) with a mask that shows it its own
+head's held entries (`RaggedStorage.members`); the padding is in the compute, never in
+the storage. The same probabilities give the attention that attention-driven policies
+(h2o, tova) fold into their statistics, at no extra pass, and since every entry
+belongs to one head they go back to the per-entry statistics with one gather.
 
-Policies score through a padded view: per head its entries padded to the longest
-head, pads at position -1 with zero keys and statistics, scored `-inf` after the
-policy scored them, so the policies run unchanged (a pad draws no attention, adds
-nothing to keydiff's mean, and sits before every token in SnapKV's pooling, where a
-zero next to non-negative masses changes neither max- nor average pooling with
-zero padding).
+Policies score through the same masked view: per head the whole row, the other heads'
+entries and the holes as pads at position -1 with zero keys and statistics, scored
+`-inf` after the policy scored them, so the policies run unchanged (a pad draws no
+attention, adds nothing to keydiff's mean, and sits before every token in SnapKV's
+pooling, where a zero next to non-negative masses changes neither max- nor average
+pooling with zero padding). Eviction leaves holes (`RaggedStorage.evict`): a decode
+step moves no keys, and a row is re-packed only when a head's segment is full.
 
 Every forward goes through `replay` (the attention function hands it the whole call).
 A forward of many tokens under `per_token=True` that would evict steps through its
@@ -28,7 +32,7 @@ import torch
 
 from ...policies import SlotView
 from ..layer import EvictingLayer
-from ..probabilities import attention_mass
+from ..probabilities import BLOCK_ELEMENTS, attention_mass
 from ..rows import RowGroup
 from ..selection import LATEST_LAST
 from ..statistics import measure
@@ -44,6 +48,7 @@ class RaggedLayer(EvictingLayer):
     def _new_storage(self) -> RaggedStorage:
         s = self.settings
         self._incoming: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._floor_cache: tuple[int | None, torch.Tensor] | None = None  # (budget, floors) of the bound rows
         return RaggedStorage(
             self.batch_size, self.heads, self.head_dim, self.dtype, self.device, s.stat_names, self.budget or 0, s.slack
         )
@@ -88,8 +93,7 @@ class RaggedLayer(EvictingLayer):
     def _overflows(self, q: int) -> bool:
         """Whether `q` more tokens per head would take some row past its allowance `H x budget`."""
         budget = self.budget
-        held = self.storage.length.sum(dim=-1)  # [B]
-        return budget is not None and bool((held + self.heads * q > self.heads * budget).any())
+        return budget is not None and self.storage.most_held + self.heads * q > self.heads * budget
 
     def _forward(
         self,
@@ -103,114 +107,132 @@ class RaggedLayer(EvictingLayer):
         """One forward of `m` tokens (`seen` counts them): store, attend, feed statistics, allocate.
 
         query `[B, H_q, m, D]`, keys/values `[B, H_kv, m, D]`, used `[m]` their positions.
+        Every step works on all rows and heads at once, each head seeing the whole row
+        buffer through `members` `[B, H_kv, capacity]` (its own held entries).
         """
         s, storage = self.settings, self.storage
         m = query.shape[2]
         storage.append(keys, values, seen - m)
         self.statistics.remember(query, used, seen)
         will_evict = self._overflows(0)
-        flat, valid = storage.padded()
-        positions = storage.take(storage.pos, flat).masked_fill(~valid, -1)
-        budget = self.budget if self.budget is not None else flat.shape[-1]
+        members = storage.members()
+        hidden = ~members
+        positions = storage.per_head(storage.pos, hidden, -1)
+        width = storage.capacity
+        budget = self.budget if self.budget is not None else width
         groups = s.layout.groups
-        views = [self._ragged_view(g, positions, flat, valid, seen, budget) for g in groups]
+        views = [self._ragged_view(g, positions, hidden, seen, budget) for g in groups]
         requests = [g.policy.request(v, will_evict) for g, v in zip(groups, views)]
         kinds = {r.kind for r in requests if r is not None}
-        out, new_mass, last_mass = self._attend(query, scaling, flat.shape[-1], "new" in kinds, "last" in kinds)
+        out, new_mass, last_mass = self._attend(query, scaling, hidden, seen - m, "new" in kinds, "last" in kinds)
         for g, view, request in zip(groups, views, requests):
             if request is None:
                 continue
 
-            def window(size: int) -> torch.Tensor:  # SnapKV's last queries, pads made invisible
-                queries, q_pos = self.statistics.window_queries(s.mode, size, seen, flat.shape[-1])
-                key_pos = positions.masked_fill(~valid, LATEST_LAST)
-                keys_now = storage.take(storage.keys, flat)
+            def window(size: int) -> torch.Tensor:  # SnapKV's last queries, other heads' entries invisible
+                queries, q_pos = self.statistics.window_queries(s.mode, size, seen, width)
+                key_pos = storage.per_head(storage.pos, hidden, LATEST_LAST)
+                keys_now = storage.keys[:, None].expand(-1, self.heads, -1, -1)
                 return attention_mass(queries, q_pos, keys_now, key_pos, scaling).nan_to_num(0.0)
 
             mass = measure(request, new=lambda: new_mass, last=lambda: last_mass, window=window)
             stat = storage.stats[request.stat]
-            padded = storage.take(stat, flat).masked_fill(~valid, 0.0)
-            updated = g.policy.absorb(view, request, g.take(mass)).to(stat.dtype).masked_fill(~g.take(valid), 0.0)
-            g.put(padded, updated)
-            stat.view(-1)[flat[valid]] = padded[valid]
-            view.stats[request.stat] = updated
+            updated = g.policy.absorb(view, request, g.take(mass)).to(stat.dtype)
+            g.put(stat, updated.gather(1, g.take(storage.owner)[:, None]).squeeze(1))  # its own head's value
+            view.stats[request.stat] = updated  # read only where the head holds an entry
         if will_evict:
-            scores = s.layout.merge([g.policy.scores(v) for g, v in zip(groups, views)], *flat.shape)
-            scores = scores.masked_fill(~valid, float("-inf"))
-            floors = torch.tensor([p.head_floor(self.budget) for p in s.layout.row_policies()], device=self.device)
-            keep = allocate(scores, positions, valid, self.heads * self.budget, floors)
-            storage.compact(keep, flat)
+            scores = s.layout.merge([g.policy.scores(v) for g, v in zip(groups, views)], *members.shape)
+            scores = scores.masked_fill(hidden, float("-inf"))
+            keep = allocate(scores, positions, members, self.heads * self.budget, self._floors())
+            # a row keeps its allowance, or all it held (each head's floor is within its budget)
+            storage.evict(keep, min(storage.most_held, self.heads * self.budget))
             if m > 1 and storage.capacity > storage.base:  # a long prefill grew the buffer: give it back
                 storage.repack(0)
             self.identical = False
-            self.report_eviction(seen, self.kept_positions(), None)
-        self.n = int(storage.length.max())
+            if s.observers:  # they read whether token 0 leads each head's kept positions: `kept` [B, H, 1]
+                self.report_eviction(seen, storage.first_slots(), None)
+        self.n = int(storage.held.max())
         return out
 
+    def _floors(self) -> torch.Tensor:
+        """`[B]` the fewest entries each head of a row keeps (its policy's `head_floor`)."""
+        if self._floor_cache is None or self._floor_cache[0] != self.budget:
+            floors = [p.head_floor(self.budget) for p in self.settings.layout.row_policies()]
+            self._floor_cache = (self.budget, torch.tensor(floors, device=self.device))
+        return self._floor_cache[1]
+
     def _ragged_view(
-        self, group: RowGroup, positions: torch.Tensor, flat: torch.Tensor, valid: torch.Tensor, seen: int, budget: int
+        self, group: RowGroup, positions: torch.Tensor, hidden: torch.Tensor, seen: int, budget: int
     ) -> SlotView:
-        """What `group`'s policy sees: each head's entries padded to the longest head (position -1,
-        zero keys and statistics at the pads)."""
+        """What `group`'s policy sees: per head the whole row, the other heads' entries and the
+        holes as pads (position -1, zero keys and statistics)."""
         storage = self.storage
-        mask = group.take(valid)
+        mask = group.take(hidden)
 
         def keys() -> torch.Tensor:
-            return storage.take(storage.keys, group.take(flat)).masked_fill(~mask[..., None], 0.0)
+            head_keys = group.take(storage.keys)[:, None].expand(-1, self.heads, -1, -1)
+            return head_keys.masked_fill(mask[..., None], 0.0)
 
         return SlotView(
             positions=group.take(positions),
             seen=seen,
             budget=budget,
             layer=self.index,
-            stats={
-                name: storage.take(storage.stats[name], group.take(flat)).masked_fill(~mask, 0.0)
-                for name in group.policy.stats
-            },
+            stats={name: storage.per_head(group.take(storage.stats[name]), mask, 0.0) for name in group.policy.stats},
             keys=keys,
         )
 
     def _attend(
-        self, query: torch.Tensor, scaling: float, width: int, want_new: bool, want_last: bool
+        self, query: torch.Tensor, scaling: float, hidden: torch.Tensor, first: int, want_new: bool, want_last: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Attention over each head's segment; the new tokens (its last `m` entries) causal.
+        """Attention of all rows and heads at once, each query group over its own head's entries.
 
-        query `[B, H_q, m, D]`. Returns the output `[B, H_q, m, D]`, and, when asked, the
-        attention every entry got `[B, H_kv, width]` (float32, summed over the query group)
-        from all `m` queries and from the last one.
+        query `[B, H_q, m, D]` at positions `first ..`; the keys are the row buffers
+        `[B, capacity, D]` as they are (no gather, no copy), and a query sees the entries
+        of its KV head (all but `hidden` `[B, H_kv, capacity]`) at positions up to its own, so the
+        new tokens are causal. Queries go in blocks so that a long prefill never holds
+        more than `BLOCK_ELEMENTS` logits. Returns the output `[B, H_q, m, D]`, and, when
+        asked, the attention every entry got `[B, H_kv, capacity]` (float32, summed over the
+        query group) from all `m` queries and from the last one.
         """
         storage = self.storage
-        b, hq, m, _ = query.shape
-        group = hq // self.heads
-        out = torch.empty_like(query)
-        new_mass = torch.zeros(b, self.heads, width, device=self.device) if want_new else None
-        last_mass = torch.zeros(b, self.heads, width, device=self.device) if want_last else None
-        starts, lengths = storage.start.tolist(), storage.length.tolist()
-        for r in range(b):
-            for h in range(self.heads):
-                length = lengths[r][h]
-                k, v = storage.segment(r, h, starts[r][h], length)
-                heads = slice(h * group, (h + 1) * group)
-                logits = torch.matmul(query[r, heads], k.transpose(0, 1)).float().mul_(scaling)  # [G, m, length]
-                if m > 1:  # new token i sees the kept entries and new tokens up to itself
-                    cols = torch.arange(length, device=self.device)
-                    rows = torch.arange(m, device=self.device) + (length - m)
-                    logits.masked_fill_(cols[None, :] > rows[:, None], float("-inf"))
-                probs = torch.softmax(logits, dim=-1)
-                out[r, heads] = torch.matmul(probs.to(v.dtype), v)
-                if new_mass is not None:
-                    new_mass[r, h, :length] = probs.sum(dim=(0, 1))
-                if last_mass is not None:
-                    last_mass[r, h, :length] = probs[:, -1].sum(dim=0)
+        b, hq, m, d = query.shape
+        heads, width = self.heads, storage.capacity
+        group = hq // heads
+        keys, values = storage.keys, storage.values
+        hidden = hidden[:, :, None, None, :]  # [B, H_kv, 1, 1, capacity]: not this head's held entries
+        block = max(1, BLOCK_ELEMENTS // max(1, b * hq * width))
+        new_mass = torch.zeros(b, heads, width, device=self.device) if want_new and m > block else None
+        outs, probs = [], None
+        for a in range(0, m, block):
+            q_blk = query[:, :, a : a + block]
+            mb = q_blk.shape[2]
+            logits = torch.bmm(q_blk.reshape(b, hq * mb, d), keys.transpose(1, 2)).float().mul_(scaling)
+            logits = logits.view(b, heads, group, mb, width)
+            if m > 1:  # the new token at `first + i` sees the entries up to itself
+                at = torch.arange(first + a, first + a + mb, device=self.device)
+                logits.masked_fill_(hidden | (storage.pos[:, None, None, None, :] > at[:, None]), float("-inf"))
+            else:
+                logits.masked_fill_(hidden, float("-inf"))
+            probs = torch.softmax(logits, dim=-1)
+            out = torch.bmm(probs.view(b, hq * mb, width).to(values.dtype), values)
+            outs.append(out.view(b, hq, mb, d))
+            if new_mass is not None:
+                new_mass += probs.sum(dim=(2, 3))
+        if want_new and new_mass is None:  # one block: no running sum
+            new_mass = probs.sum(dim=(2, 3))
+        last_mass = probs[:, :, :, -1].sum(dim=2) if want_last else None
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         return out, new_mass, last_mass
 
     # --- inspection ------------------------------------------------------------------
     def kept_positions(self) -> torch.Tensor:
         """`[B, H_kv, L]` original positions each head holds, ascending, padded with -1 at the
         end to the longest head (`L`); `head_lengths` says how many are real."""
-        flat, valid = self.storage.padded()
-        pos = self.storage.take(self.storage.pos, flat).masked_fill(~valid, LATEST_LAST).sort(dim=-1).values
+        storage = self.storage
+        pos = storage.per_head(storage.pos, ~storage.members(), LATEST_LAST).sort(dim=-1).values
+        pos = pos[..., : max(1, int(storage.held.max()))]
         return pos.masked_fill(pos == LATEST_LAST, -1)
 
     def head_lengths(self) -> torch.Tensor:
-        return self.storage.length.clone().cpu()
+        return self.storage.held.clone().cpu()

@@ -1,14 +1,19 @@
 """Ragged storage: one layer's entries when each KV head holds its own number of them (Ada-KV).
 
 Per row one flat buffer of `capacity` entries, keys and values in `kv` `[2, B, capacity, D]`,
-original positions `pos` `[B, capacity]` (-1 where free), per-entry statistics `[B, capacity]`
-float32. Each (row, KV head) owns a segment: its entries sit contiguously at
-`start .. start + length`, with free room up to `limit` for the next forward's tokens.
-So a head's keys are one contiguous `[length, D]` view (attention reads it as is), and
-the layer allocates `KV heads x (budget + room)` entries per row, not `KV heads x` the
-longest head. When a head runs out of room, the row is re-packed: segments are laid out
-again with the free room shared evenly (and the buffer grown only if the row holds
-more than it can). Knows nothing of policies or positions modes: it moves entries.
+original positions `pos` `[B, capacity]` (-1 where nothing is held), per-entry statistics
+`[B, capacity]` float32. Each (row, KV head) owns a segment `start .. limit` of the row:
+new tokens go at its `tail` (flat index), and an evicted entry only has its position set to -1
+(a hole), so a decode step moves no keys. A head's entries stay in positional order in
+its segment. When a head reaches its limit the row is re-packed: the held entries move
+to the front of their segments and the free room is shared evenly again (the buffer
+grows only if the row holds more than it can). So the layer allocates
+`KV heads x (budget + room)` entries per row, not `KV heads x` the longest head.
+
+`owner` `[B, capacity]` names the head each entry's segment belongs to, so a per-entry
+buffer reads as a per-head one by masking (`members`): attention and the policies see
+every head of a row at once, with the padding in the compute and none in the storage.
+Knows nothing of policies or positions modes: it moves entries.
 """
 
 from __future__ import annotations
@@ -30,18 +35,38 @@ class RaggedStorage:
     ) -> None:
         self.batch, self.heads, self.head_dim = batch, heads, head_dim
         self.dtype, self.device = dtype, device
-        self.room = room
+        self.room, self.stat_names = room, tuple(stat_names)
         self.base = heads * (per_head + room)  # the capacity a row needs at its budget
-        self.capacity = self.base
-        self.kv = torch.zeros(2, batch, self.capacity, head_dim, dtype=dtype, device=device)
-        self.pos = torch.full((batch, self.capacity), -1, dtype=torch.long, device=device)
-        self.stats = {name: torch.zeros(batch, self.capacity, device=device) for name in stat_names}
-        self.start = (torch.arange(heads, device=device) * (per_head + room)).expand(batch, heads).clone()
-        self.limit = self.start + per_head + room
-        self.length = torch.zeros(batch, heads, dtype=torch.long, device=device)
+        self._allocate(self.base)
+        start = (torch.arange(heads, device=device) * (per_head + room)).expand(batch, heads).clone()
+        self._lay_out(start, start + per_head + room)
+        self.held = torch.zeros(batch, heads, dtype=torch.long, device=device)  # [B, H] entries held
+        self.most_held = 0  # entries the fullest row holds (a Python int: no sync to read it)
+        self._rewind()
+
+    def _allocate(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.kv = torch.zeros(2, self.batch, capacity, self.head_dim, dtype=self.dtype, device=self.device)
+        self.pos = torch.full((self.batch, capacity), -1, dtype=torch.long, device=self.device)
+        self.stats = {name: torch.zeros(self.batch, capacity, device=self.device) for name in self.stat_names}
+
+    def _lay_out(self, start: torch.Tensor, limit: torch.Tensor) -> None:
+        """Segments `start .. limit` `[B, H]` (ascending by head); `owner` and `own` follow them."""
+        self.start, self.limit = start, limit
+        at = torch.arange(self.capacity, device=self.device).expand(self.batch, -1).contiguous()
+        self.owner = (torch.searchsorted(start, at, right=True) - 1).clamp(min=0)  # [B, capacity]
+        self.own = self.owner[:, None, :] == torch.arange(self.heads, device=self.device)[None, :, None]
+
+    def _rewind(self, used: torch.Tensor | None = None) -> None:
+        """Each head's next free slot after its first `used` `[B, H]` slots (none by default)."""
+        row_base = torch.arange(self.batch, device=self.device)[:, None] * self.capacity
+        self.tail = row_base + self.start + (used if used is not None else 0)  # [B, H] flat index
+        self.room_left = int((row_base + self.limit - self.tail).min())  # every head advances alike
 
     def reset(self) -> None:
-        self.length.zero_()
+        self.held.zero_()
+        self.most_held = 0
+        self._rewind()
         self.pos.fill_(-1)
         for stat in self.stats.values():
             stat.zero_()
@@ -50,100 +75,92 @@ class RaggedStorage:
         """Entries the buffers hold room for, all rows: `kv.numel() / (2 x D)`."""
         return self.kv.numel() // (2 * self.head_dim)
 
-    def _row_base(self) -> torch.Tensor:
-        return (torch.arange(self.batch, device=self.device) * self.capacity)[:, None]
-
-    def append(self, keys: torch.Tensor, values: torch.Tensor, first: int) -> None:
-        """Write `q` new entries `[B, H, q, D]` at the end of every head's segment, at
-        positions `first .. first + q - 1`, statistics zeroed."""
-        q = keys.shape[2]
-        if bool((self.start + self.length + q > self.limit).any()):
-            self.repack(q)
-        steps = torch.arange(q, device=self.device)
-        flat = (self._row_base()[..., None] + (self.start + self.length)[..., None] + steps).reshape(-1)
-        kv = self.kv.view(2, -1, self.head_dim)
-        kv[0].index_copy_(0, flat, keys.reshape(-1, self.head_dim).to(self.dtype))
-        kv[1].index_copy_(0, flat, values.reshape(-1, self.head_dim).to(self.dtype))
-        self.pos.view(-1).index_copy_(0, flat, (first + steps).repeat(self.batch * self.heads))
-        for stat in self.stats.values():
-            stat.view(-1)[flat] = 0
-        self.length += q
-
-    def padded(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flat entry index `[B, H, L]` of each head's entries, padded to the longest head
-        `L`, and which of them are held `[B, H, L]` (pads point at an entry of the row)."""
-        width = max(1, int(self.length.max()))
-        steps = torch.arange(width, device=self.device)
-        valid = steps < self.length[..., None]
-        at = torch.where(valid, self.start[..., None] + steps, 0)
-        return self._row_base()[..., None] + at, valid
-
-    def take(self, buffer: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
-        """A per-entry buffer (`pos`, a statistic `[B, capacity]`, or `keys`) at `flat` `[B, H, L]`."""
-        if buffer.dim() == 2:
-            return buffer.reshape(-1)[flat]
-        return buffer.reshape(-1, self.head_dim).index_select(0, flat.reshape(-1)).view(*flat.shape, -1)
-
     @property
     def keys(self) -> torch.Tensor:
+        """`[B, capacity, D]`, every head's segment of a row in one buffer."""
         return self.kv[0]
 
     @property
     def values(self) -> torch.Tensor:
         return self.kv[1]
 
-    def segment(self, row: int, head: int, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values `[length, D]` of one head's segment: views, no copy."""
-        return self.kv[0, row, start : start + length], self.kv[1, row, start : start + length]
+    def members(self) -> torch.Tensor:
+        """`[B, H, capacity]` bool: the entries each head holds (its segment, not a hole)."""
+        return self.own & (self.pos >= 0)[:, None, :]
 
-    def compact(self, keep: torch.Tensor, flat: torch.Tensor) -> None:
-        """Keep the padded entries `keep` `[B, H, L]` (from `padded`'s `flat`): each head's
-        kept entries move to the front of its segment, in their order."""
-        width = keep.shape[-1]
-        order = (~keep).to(torch.int8).argsort(dim=-1, stable=True)  # kept entries first
-        src = flat.gather(-1, order)
-        kept = keep.sum(dim=-1)
-        moving = torch.arange(width, device=self.device) < kept[..., None]
-        dst = self._row_base()[..., None] + self.start[..., None] + torch.arange(width, device=self.device)
-        self._move(src[moving], dst[moving])
-        freed = moving.logical_not() & (torch.arange(width, device=self.device) < self.length[..., None])
-        self.pos.view(-1)[dst[freed]] = -1
-        self.length = kept
+    def per_head(self, buffer: torch.Tensor, hidden: torch.Tensor, fill: float | int) -> torch.Tensor:
+        """A per-entry buffer `[b, capacity]` as each head sees it `[b, H, capacity]`: `fill`
+        where the head holds nothing (`hidden`, the negation of `members`)."""
+        return buffer[:, None, :].expand(-1, self.heads, -1).masked_fill(hidden, fill)
 
-    def _move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy entries `src` to `dst` (flat indices; every source is read before any write)."""
+    def append(self, keys: torch.Tensor, values: torch.Tensor, first: int) -> None:
+        """Write `q` new entries `[B, H, q, D]` at the end of every head's segment, at
+        positions `first .. first + q - 1`, statistics zeroed."""
+        q = keys.shape[2]
+        if q > self.room_left:
+            self.repack(q)
         kv = self.kv.view(2, -1, self.head_dim)
-        kv.index_copy_(1, dst, kv.index_select(1, src))
-        for buffer in (self.pos, *self.stats.values()):
-            flat = buffer.view(-1)
-            flat.index_copy_(0, dst, flat.index_select(0, src))
+        if q == 1:  # a decode step: one slot per head, all at position `first`
+            flat = self.tail.view(-1)
+            self.pos.view(-1).index_fill_(0, flat, first)
+        else:
+            steps = torch.arange(q, device=self.device)
+            flat = (self.tail[..., None] + steps).reshape(-1)
+            self.pos.view(-1).index_copy_(0, flat, (first + steps).repeat(self.batch * self.heads))
+        kv[0].index_copy_(0, flat, keys.reshape(-1, self.head_dim).to(self.dtype))
+        kv[1].index_copy_(0, flat, values.reshape(-1, self.head_dim).to(self.dtype))
+        for stat in self.stats.values():
+            stat.view(-1).index_fill_(0, flat, 0.0)
+        self.tail = self.tail + q
+        self.room_left -= q
+        self.held += q
+        self.most_held += self.heads * q
+
+    def evict(self, keep: torch.Tensor, most: int) -> None:
+        """Keep the entries `keep` `[B, H, capacity]` (a subset of `members`); the others become
+        holes. `most`: what the fullest row holds after it (the caller knows: its allowance)."""
+        self.pos.masked_fill_(~keep.any(dim=1), -1)
+        self.held = keep.sum(dim=-1)
+        self.most_held = most
+
+    def first_slots(self) -> torch.Tensor:
+        """`[B, H, 1]` the position in the first slot of each head's segment: its earliest held
+        token if that slot is held (segments hold their entries in positional order, and
+        nothing is written before a segment's start), else -1 or a later token. So token 0
+        is held by a head exactly when this is 0."""
+        first = self.pos.gather(1, self.start)  # an empty segment may start where the next one does
+        return first.masked_fill(self.held == 0, -1)[..., None]
 
     def repack(self, extra: int) -> None:
         """Lay the segments out again so every head has room for `extra` more entries, the
-        free room shared evenly; the buffer grows (or shrinks back to `base`) to fit."""
-        need = self.length + extra  # [B, H]
+        free room shared evenly; the held entries move to the front of their segments, in
+        order, and the buffer grows (or shrinks back to `base`) to fit."""
+        need = self.held + extra  # [B, H]
         most = int(need.sum(dim=-1).max())
         capacity = self.base if most <= self.base else most + self.heads * self.room  # grow only past `base`
         share = (capacity - need.sum(dim=-1, keepdim=True)) // self.heads  # [B, 1]
         size = need + share
         start = size.cumsum(dim=-1) - size
-        old_flat, valid = self.padded()
-        old_pos = self.take(self.pos, old_flat)
-        old_stats = {name: self.take(stat, old_flat) for name, stat in self.stats.items()}
-        old_kv = self.kv.view(2, -1, self.head_dim).index_select(1, old_flat.reshape(-1))
+        held = self.pos >= 0  # [B, capacity]
+        # an entry's place among its head's held entries, counted along the row
+        before = held.long().cumsum(dim=-1) - 1  # held entries of the row before it
+        head_first = self.held.cumsum(dim=-1) - self.held  # [B, H] held entries of the heads before
+        rank = before - head_first.gather(1, self.owner)
+        dst = start.gather(1, self.owner) + rank  # [B, capacity] its slot in the new layout
+        rows = torch.arange(self.batch, device=self.device)[:, None] * capacity
+        src_rows = torch.arange(self.batch, device=self.device)[:, None] * self.capacity
+        src = (src_rows + torch.arange(self.capacity, device=self.device))[held]
+        dst = (rows + dst)[held]
+        old_kv = self.kv.view(2, -1, self.head_dim).index_select(1, src)
+        old_pos = self.pos.view(-1).index_select(0, src)
+        old_stats = {name: stat.view(-1).index_select(0, src) for name, stat in self.stats.items()}
         if capacity != self.capacity:
-            self.capacity = capacity
-            self.kv = torch.zeros(2, self.batch, capacity, self.head_dim, dtype=self.dtype, device=self.device)
-            self.pos = torch.full((self.batch, capacity), -1, dtype=torch.long, device=self.device)
-            self.stats = {name: torch.zeros(self.batch, capacity, device=self.device) for name in self.stats}
+            self._allocate(capacity)
         else:
             self.pos.fill_(-1)
-        width = valid.shape[-1]
-        dst = self._row_base()[..., None] + start[..., None] + torch.arange(width, device=self.device)
-        where = valid.reshape(-1)
-        dst = dst.reshape(-1)[where]
-        self.kv.view(2, -1, self.head_dim).index_copy_(1, dst, old_kv[:, where])
-        self.pos.view(-1)[dst] = old_pos.reshape(-1)[where]
+        self.kv.view(2, -1, self.head_dim).index_copy_(1, dst, old_kv)
+        self.pos.view(-1).index_copy_(0, dst, old_pos)
         for name, stat in self.stats.items():
-            stat.view(-1)[dst] = old_stats[name].reshape(-1)[where]
-        self.start, self.limit = start, start + size
+            stat.view(-1).index_copy_(0, dst, old_stats[name])
+        self._lay_out(start, start + size)
+        self._rewind(self.held)
