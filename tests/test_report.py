@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvevict.report import plots
-from kvevict.report.columns import Table
+from kvevict.report.columns import MEAN_KEPT, Table
 from kvevict.report.html import render
 from kvevict.report.records import DoneMarker, PplRecord, SinkMapRecord, TaskRecord, cell_key, from_dict, load
 from kvevict.report.sections import SECTIONS
@@ -115,9 +115,9 @@ def test_one_column_spec_feeds_markdown_html_and_terminal(demo):
     from kvevict.report.markup import table_html
 
     table = summary_table(demo)
-    # the demo records predate cost measurement: its columns are left out, the rest keep their order
-    spec = [c for c in SUMMARY if c.header not in COST_COLUMNS]
-    assert len(spec) == len(SUMMARY) - 2
+    # the demo records predate cost measurement and mean_kept: those columns are left out, the rest keep their order
+    spec = [c for c in SUMMARY if c.header not in (*COST_COLUMNS, MEAN_KEPT)]
+    assert len(spec) == len(SUMMARY) - 3
     assert table.headers == [c.header for c in spec] and table.aligns[0] == "left"
     markdown = table.markdown().splitlines()
     assert markdown[0] == "| " + " | ".join(c.header for c in spec) + " |"
