@@ -367,3 +367,22 @@ def test_ab_records_and_reports_what_a_burst_preset_holds_on_average(tiny_dir, t
     column = headers.index("mean kept")
     assert cells["llamacpp:keep=2"][column] == "8" and cells["window"][column] == "10"
     assert "mean kept" in (run / "report.html").read_text()
+
+
+def test_needle_runs_a_preset_in_its_engines_position_mode(tiny_dir):
+    """`kvevict needle --positions cache` with `llamacpp` runs (its budget check is made in the mode the
+    cells run in, not in the default `original`), and `--positions original` is refused in one line that
+    names the fix."""
+    import json
+
+    from helpers import cli
+
+    common = ["needle", "--model", str(tiny_dir), "--lengths", "120", "--depths", "0.5", "--trials", "1",
+              "--policies", "llamacpp:keep=2", "--budgets", "32"]
+    ran = cli(*common, "--positions", "cache", "--json")
+    assert ran.exit_code == 0, ran.output
+    cells = json.loads(ran.stdout.strip().splitlines()[-1])["cells"]
+    assert [c["policy"] for c in cells] == ["llamacpp:keep=2,bos=0"] and cells[0]["trials"] == 1
+    refused = cli(*common, "--positions", "original")
+    assert refused.exit_code == 2 and "--positions cache" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1
