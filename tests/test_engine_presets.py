@@ -382,7 +382,7 @@ def test_needle_runs_a_preset_in_its_engines_position_mode(tiny_dir):
     ran = cli(*common, "--positions", "cache", "--json")
     assert ran.exit_code == 0, ran.output
     cells = json.loads(ran.stdout.strip().splitlines()[-1])["cells"]
-    assert [c["policy"] for c in cells] == ["llamacpp:keep=2,bos=0"] and cells[0]["trials"] == 1
+    assert [c["policy"] for c in cells] == ["llamacpp:keep=2"] and cells[0]["trials"] == 1
     refused = cli(*common, "--positions", "original")
     assert refused.exit_code == 2 and "--positions cache" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1
