@@ -317,3 +317,72 @@ def test_compare_runs_a_preset_in_its_own_batch(tiny_dir):
     assert abs(preset["ppl"] - alone["ppl"]) < 1e-4 * alone["ppl"]
     assert preset["mean_kept"] < preset["max_kept"] <= 12
     assert {"full", "window:page=3"} <= set(rows)
+
+
+# --- the memory a burst-evicting engine actually holds: `mean_kept` from `kvevict ab` to the report ----
+
+
+def llama_server_held(n_ctx: int, keep: int, steps: int) -> list[int]:
+    """Cells llama-server holds after each token of a stream, the shift included (no BOS), counted
+    one token at a time: append the token, then shift when `held + 1 >= n_ctx`."""
+    held, out = 0, []
+    for _ in range(steps):
+        held += 1
+        if held + 1 >= n_ctx:
+            left = held - keep
+            held -= max(0, min(left // 2, left - 1))
+        out.append(held)
+    return out
+
+
+def test_ab_records_and_reports_what_a_burst_preset_holds_on_average(tiny_dir, tmp_path):
+    """`kvevict ab` with `llamacpp:keep=2` at n_ctx 12 over 40 tokens. Worked by hand: the cache grows to
+    10 (tokens 0-9: 1..10, sum 55); token 10 makes 11, and 11 + 1 >= 12 shifts out (11 - 2) // 2 = 4,
+    leaving 7; from then on it holds 8, 9, 10, 7 (one shift every 4 tokens): tokens 11-38 are 7 such
+    rounds (7 x 34 = 238) and token 39 holds 8. Mean 308 / 40 = 7.7 entries, against `kept` (the most)
+    11 - 1 = 10 between tokens, and 10.35 for a window of 12 (1..12, then 12: 414 / 40)."""
+    import json
+
+    from helpers import cli
+
+    assert sum(llama_server_held(12, 2, 40)) == 308  # the loop above agrees with the hand count
+    run = tmp_path / "runs" / "burst"
+    out = cli("ab", "--model", str(tiny_dir), "--tokens", "40", "--budgets", "12", "--positions", "cache",
+              "--policies", "llamacpp:keep=2,window", "--oracle-stride", "0", "--out", str(tmp_path / "runs"),
+              "--name", "burst")
+    assert out.exit_code == 0, out.output
+    lines = [json.loads(line) for line in (run / "results.jsonl").read_text().splitlines() if line.strip()]
+    rows = {r["policy"]: r for r in lines if r.get("kind") in ("policy", "full")}
+    preset, window, full = rows["llamacpp:keep=2,bos=0"], rows["window"], rows["full"]
+    assert preset["mean_kept"] == pytest.approx(7.7)
+    assert window["mean_kept"] == pytest.approx(10.35)
+    assert full["mean_kept"] == pytest.approx(20.5)  # the full cache holds 1, 2, ... 40
+    # every table shows it, in one column: the terminal summary of `ab`, the Markdown and the HTML report
+    assert "mean kept" in next(line for line in out.stdout.splitlines() if line.startswith("┃"))
+    markdown = cli("report", str(run), "--markdown")
+    assert markdown.exit_code == 0, markdown.output
+    table = [line for line in markdown.stdout.splitlines() if line.startswith("| ")]
+    headers = [h.strip() for h in table[0].strip("|").split("|")]
+    cells = {r[0]: r for r in ([c.strip() for c in line.strip("|").split("|")] for line in table[1:])}
+    column = headers.index("mean kept")
+    assert cells["llamacpp:keep=2"][column] == "8" and cells["window"][column] == "10"
+    assert "mean kept" in (run / "report.html").read_text()
+
+
+def test_needle_runs_a_preset_in_its_engines_position_mode(tiny_dir):
+    """`kvevict needle --positions cache` with `llamacpp` runs (its budget check is made in the mode the
+    cells run in, not in the default `original`), and `--positions original` is refused in one line that
+    names the fix."""
+    import json
+
+    from helpers import cli
+
+    common = ["needle", "--model", str(tiny_dir), "--lengths", "120", "--depths", "0.5", "--trials", "1",
+              "--policies", "llamacpp:keep=2", "--budgets", "32"]
+    ran = cli(*common, "--positions", "cache", "--json")
+    assert ran.exit_code == 0, ran.output
+    cells = json.loads(ran.stdout.strip().splitlines()[-1])["cells"]
+    assert [c["policy"] for c in cells] == ["llamacpp:keep=2"] and cells[0]["trials"] == 1
+    refused = cli(*common, "--positions", "original")
+    assert refused.exit_code == 2 and "--positions cache" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1

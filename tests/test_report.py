@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from kvevict.report import plots
-from kvevict.report.columns import Table
+from kvevict.report.columns import MEAN_KEPT, Table
 from kvevict.report.html import render
 from kvevict.report.records import DoneMarker, PplRecord, SinkMapRecord, TaskRecord, cell_key, from_dict, load
 from kvevict.report.sections import SECTIONS
 from kvevict.report.store import ResultStore
-from kvevict.report.tables import COST_COLUMNS, SUMMARY, sinks_table, summary_table
+from kvevict.report.tables import COST_COLUMNS, SUMMARY, sinks_table, summary_rows, summary_table
 
 from helpers import close, series
 
@@ -115,9 +115,9 @@ def test_one_column_spec_feeds_markdown_html_and_terminal(demo):
     from kvevict.report.markup import table_html
 
     table = summary_table(demo)
-    # the demo records predate cost measurement: its columns are left out, the rest keep their order
-    spec = [c for c in SUMMARY if c.header not in COST_COLUMNS]
-    assert len(spec) == len(SUMMARY) - 2
+    # the demo records predate cost measurement and mean_kept: those columns are left out, the rest keep their order
+    spec = [c for c in SUMMARY if c.header not in (*COST_COLUMNS, MEAN_KEPT)]
+    assert len(spec) == len(SUMMARY) - 3
     assert table.headers == [c.header for c in spec] and table.aligns[0] == "left"
     markdown = table.markdown().splitlines()
     assert markdown[0] == "| " + " | ".join(c.header for c in spec) + " |"
@@ -181,6 +181,30 @@ def test_narrow_terminal_drops_columns_in_the_documented_order(demo, monkeypatch
     printed = _printed_rows(capsys.readouterr().out)
     # ... and keep their numbers whole even when that is wider than the terminal
     assert printed == [row[:3] for row in table.rows]
+
+
+def test_mean_kept_is_a_column_when_records_carry_it(demo):
+    """Records written before `mean_kept` get no such column (nothing to show); records that carry it
+    show it right after "kept", whole entries, and a narrow terminal leaves it out right after "kept"."""
+    from dataclasses import replace
+
+    from kvevict.cli.tables import layout
+
+    assert "mean kept" not in summary_table(demo).headers
+    held = [replace(r, mean_kept=None if r.max_kept is None else r.max_kept * 0.75) for r in demo]
+    table = summary_table(held)
+    at = table.headers.index("mean kept")
+    assert table.headers[at - 1] == "kept"
+    for row, source in zip(table.rows, summary_rows(held)):
+        expected = source.record.mean_kept
+        assert row[at] == ("-" if expected is None else str(round(expected)))
+    assert any(row[at] != "-" for row in table.rows)
+    order = [layout(table, width).dropped for width in (160, 120, 100, 90, 80, 70, 60, 50, 40, 20)]
+    documented = ["ppl 95% CI", "batch seconds", "kept", "mean kept", "top-1 agree", "sink loss", "KL to full",
+                  "ppl / full"]
+    for dropped in order:
+        assert dropped == documented[: len(dropped)]
+    assert order[-1] == documented
 
 
 def test_piped_result_table_keeps_every_column(demo, monkeypatch, capsys):

@@ -8,7 +8,7 @@ import typer
 
 from ..defaults import DEFAULT_CHUNK
 from ..errors import KvevictError
-from ..report.columns import Column, Table
+from ..report.columns import MEAN_KEPT, Column, Table, mean_kept
 from .common import (
     CHUNK_HELP,
     DOWNLOAD_HELP,
@@ -33,7 +33,7 @@ PPL: list[Column[dict]] = [
     Column("top1", lambda r: f"{r['top1_agreement']:.3f}" if "top1_agreement" in r else "-", drop=4),
     Column("sink_loss", lambda r: f"{r.get('sink_loss', 0.0):.2f}", drop=5),
     Column("kept", lambda r: str(r["max_kept"]), drop=3),
-    Column("mean kept", lambda r: f"{r['mean_kept']:.0f}" if "mean_kept" in r else "-", drop=3),
+    Column(MEAN_KEPT, lambda r: mean_kept(r.get("mean_kept")), drop=3),
     Column("s", lambda r: f"{r['seconds']:.1f}", drop=1),
 ]
 

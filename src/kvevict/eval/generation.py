@@ -149,7 +149,7 @@ def run_generation(
             f"prompts of {length} tokens plus {max_new_tokens} generated need {longest} positions, more than the "
             f"model's context of {limit}: lower the length"
         )
-    check_budgets(policies, budgets, [p.ids.numel() - 1 for p in prompts])
+    check_budgets(policies, budgets, [p.ids.numel() - 1 for p in prompts], positions)
     plan = _batches(policies, budgets)
     stops = stop_ids(tokenizer) if maker.chat else []
     result = GenerationResult(chat=maker.chat)

@@ -159,8 +159,11 @@ def _batches(policies: Sequence[str], budgets: Sequence[Budget]) -> list[tuple[l
     return plan
 
 
-def check_budgets(policies: Sequence[str], budgets: Sequence[Budget], context_lengths: Sequence[int]) -> None:
-    """Every bounded policy must be able to run at every budget, for every context length.
+def check_budgets(
+    policies: Sequence[str], budgets: Sequence[Budget], context_lengths: Sequence[int], positions: str = "original"
+) -> None:
+    """Every bounded policy must be able to run at every budget, for every context length, in the
+    position mode it will run in (an engine preset runs only in its engine's).
 
     A share budget (`25%`) only becomes entries against a context, so the same policy is
     checked once per context length, and the error says which length made it impossible.
@@ -170,7 +173,7 @@ def check_budgets(policies: Sequence[str], budgets: Sequence[Budget], context_le
             entries = resolve_budget(budget, length)
             for spec in specs:
                 try:
-                    check_policy(spec, entries)
+                    check_policy(spec, entries, positions)
                 except KvevictError as exc:
                     if entries is None:
                         raise
@@ -213,7 +216,7 @@ def run_needle(
                 f"model's context of {limit}: use lengths up to {limit - maker.overhead() - max_new_tokens}"
             )
     contexts = [length + maker.overhead() - (maker.question.numel() if question_after else 1) for length in lengths]
-    check_budgets(policies, budgets, contexts)
+    check_budgets(policies, budgets, contexts, positions)
     plan = _batches(policies, budgets)
     stops = stop_ids(tokenizer)
     result = NeedleResult(chat_template=maker.frame.chat, question_after=question_after)

@@ -71,3 +71,14 @@ def number(value: object, digits: int = 2) -> str:
     if isinstance(value, float):
         return f"{value:.{digits}f}"
     return str(value)
+
+
+#: the header of the entries a layer held on average over the stream; under burst eviction (an engine's
+#: context shift, whole pages) it stays below "kept", the most ever held: the memory a policy actually saves
+MEAN_KEPT = "mean kept"
+
+
+def mean_kept(value: float | None) -> str:
+    """The "mean kept" cell: whole entries (an average over steps, so a fraction says nothing), `-` when the
+    record predates the figure."""
+    return number(None if value is None else float(value), 0)

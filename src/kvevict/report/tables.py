@@ -2,8 +2,10 @@
 
 `SUMMARY` is the A/B summary (`kvevict ab`, the report's first table, `kvevict report
 --markdown`). Its `drop` numbers are the documented order in which a narrow terminal
-leaves columns out: peak MB, ppl 95% CI, tokens/s, batch seconds, kept, top-1 agree,
-sink loss, KL to full, ppl / full; policy, budget and ppl always stay. An oracle row
+leaves columns out: peak MB, ppl 95% CI, tokens/s, batch seconds, kept, mean kept, top-1
+agree, sink loss, KL to full, ppl / full; policy, budget and ppl always stay. "kept" is the
+most a layer held, "mean kept" what it held on average (`MEAN_KEPT`, shown when the records
+carry it: run folders written before it lack the figure). An oracle row
 with fewer than `MIN_ORACLE_PREDICTIONS` re-computed predictions shows "n too small".
 """
 
@@ -13,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from . import traits
-from .columns import Column, Table, number
+from .columns import MEAN_KEPT, Column, Table, mean_kept, number
 from .records import PplRecord
 from .uncertainty import blocks, mean_interval
 
@@ -59,6 +61,7 @@ SUMMARY: list[Column[SummaryRow]] = [
     Column("top-1 agree", _when_enough(lambda s: s.record.top1_agreement, 3), drop=4),
     Column("sink loss", lambda s: number(s.record.sink_share), drop=5),
     Column("kept", lambda s: number(s.record.max_kept), drop=3),
+    Column(MEAN_KEPT, lambda s: mean_kept(s.record.mean_kept), drop=3),  # left out right after "kept"
     Column("batch seconds", lambda s: number(s.record.batch_seconds, 1), drop=2),
     Column("tokens/s", lambda s: number(s.record.tokens_per_s, 0), drop=1),
     Column("peak MB", lambda s: number(s.record.peak_mb, 0), drop=-1),
@@ -87,7 +90,10 @@ def summary_rows(records: Sequence[PplRecord]) -> list[SummaryRow]:
 def summary_table(records: Sequence[PplRecord]) -> Table:
     rows = summary_rows(records)
     measured = any(r.record.peak_mb is not None for r in rows)
-    return Table.of([c for c in SUMMARY if measured or c.header not in COST_COLUMNS], rows)
+    held = any(r.record.mean_kept is not None for r in rows)
+    return Table.of(
+        [c for c in SUMMARY if (measured or c.header not in COST_COLUMNS) and (held or c.header != MEAN_KEPT)], rows
+    )
 
 
 def sinks_table(records: Sequence[PplRecord]) -> Table | None:
