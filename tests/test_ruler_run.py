@@ -82,6 +82,9 @@ def test_ruler_on_a_qa_file(tmp_path, tiny_dir):
     (["--budgets", "400"], "keeps the whole context, which is the full cache"),
     (["--protocol", "aware"], "aware is meaningless for 'window'"),
     (["--protocol", "multi"], "protocol multi needs several keys"),
+    (["--protocol", "multi", "--form", "aware-requests", "--tasks", "niah_multikey_1"],
+     "protocol multi --form aware-requests is meaningless for 'window'"),
+    (["--protocol", "multi", "--form", "sideways", "--tasks", "niah_multikey_1"], "unknown multi form 'sideways'"),
     (["--lengths", "9000"], "more than the model's context of 8192: use lengths up to 8192"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, tiny_dir, extra, says):

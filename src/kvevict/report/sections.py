@@ -119,7 +119,8 @@ RULER_INTRO = (
     "this length, shown but left out of the rank correlation. Protocols: <em>agnostic</em> compresses the "
     "context, then reads the question; <em>aware</em> compresses the question too; <em>stream</em> evicts while "
     "reading; <em>multi</em> asks several questions of one compressed context (requests: each from the same "
-    "state; turns: a dialogue, evicting throughout).</p>"
+    "state; turns: a dialogue, evicting throughout; aware-requests: the first question compressed with the "
+    "context, every later one served from that state).</p>"
 )
 
 
