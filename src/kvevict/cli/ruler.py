@@ -48,6 +48,7 @@ def ruler(
     from ..report import ruler as ruler_report
     from ..report.html import render
     from ..report.records import ruler_records
+    from ..report.verdict import verdict
 
     check_positions(positions)
     specs = split_specs(policies)
@@ -77,3 +78,5 @@ def ruler(
         print(json.dumps({"cells": [vars(c) for c in cells], "report": str(path)}))
         return
     show(ruler_report.ruler_table(cells), f"RULER, {model} ({path})")
+    for found in verdict(records):  # the report's verdict, drawn from the same records
+        print(found.sentence)

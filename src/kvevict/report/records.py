@@ -225,7 +225,7 @@ class RulerRecord:
 
     @property
     def shape(self) -> str:
-        """The protocol as tables name it: `multi-requests` / `multi-turns` / `multi-aware-requests` for multi's forms."""
+        """The protocol as tables name it: `multi-requests`, `multi-turns`, `multi-aware-requests` for multi."""
         return f"multi-{self.form}" if self.protocol == "multi" and self.form else self.protocol
 
 

@@ -129,7 +129,7 @@ def ruler(records: Sequence[Record]) -> tuple[str, str] | None:
     if not found:
         return None
     parts = [RULER_INTRO.format(floor=ruler_report.FLOOR), table_html(ruler_report.ruler_table(found), "ruler")]
-    agreement = ruler_report.rank_agreement(ppl_records(records), found)
+    agreement = ruler_report.rank_agreement(ppl_records(records), ruler_records(records))
     if agreement:
         rows = [f"<li>{html.escape(a['protocol'])}, budget {html.escape(a['budget'])}: Spearman ρ = "
                 + ("n/a (no spread)" if a["rho"] is None else f"{a['rho']:+.2f}")

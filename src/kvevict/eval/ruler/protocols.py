@@ -20,8 +20,9 @@
   case): the first question is read with the context and compressed with it, as in
   `aware`, and every later question starts from that compressed state, as in `requests`:
   it follows the first question as a later turn (`follow_ups`), the first answer left
-  out, as a prefix cache holding the first request would serve it. What a query-aware policy kept for the first question is all the later
-  ones get. Like `aware`, it runs only policies that rank by attention.
+  out, as a prefix cache holding the first request would serve it. What a query-aware
+  policy kept for the first question is all the later ones get. Like `aware`, it runs
+  only policies that rank by attention.
 
 The context prefill is computed once for all the policy rows of a batch: one row is
 fed and stands for all (`EvictingCache.shares_rows`), each row's policy then keeps its
