@@ -303,7 +303,7 @@ def _sentence(v: BudgetVerdict) -> str:
         text = f"At budget {v.budget} ship {best.name} ({_task_scores(best)})"
         others = [c for c in v.tied if c is not best]
         if others:
-            text += (f"; the tasks cannot tell it, {_names(others)} from the full cache, "
+            text += (f"; the tasks cannot tell it or {_names(others)} from the full cache, "
                      f"and it is the cheapest ({_cost_text(best)})")
         else:
             text += f"; the only policy the tasks cannot tell from the full cache ({_cost_text(best)})"
