@@ -54,3 +54,15 @@ def test_keys_sorted_with_a_tail_no_block_sees(monkeypatch):
     torch.testing.assert_close(got, plain(query, torch.arange(10, 40), keys, torch.arange(80), 0.5),
                                atol=1e-5, rtol=1e-5)
     assert (got[:, :, 40:] == 0).all() and (got[:, :, :40] > 0).all()
+
+
+def test_early_tokens_held_in_the_last_slots_are_not_skipped(monkeypatch):
+    """A cache that wrote old tokens into its last slots (positions 0, 1, 2 after 5..79): every query sees them,
+    so no block may stop at the first key past its last query."""
+    monkeypatch.setattr(probabilities, "QUERY_BLOCK", 4)
+    g = torch.Generator().manual_seed(3)
+    query, keys = torch.randn(1, 4, 30, 8, generator=g), torch.randn(1, 2, 78, 8, generator=g)
+    key_pos = torch.cat([torch.arange(5, 80), torch.arange(3)])
+    got = attention_mass(query, torch.arange(10, 40), keys, key_pos, 0.5)
+    torch.testing.assert_close(got, plain(query, torch.arange(10, 40), keys, key_pos, 0.5), atol=1e-5, rtol=1e-5)
+    assert (got[:, :, -3:] > 0).all()
