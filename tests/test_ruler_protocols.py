@@ -140,6 +140,29 @@ def test_multi_turns_equal_each_policy_alone_evicting_throughout(model):
                 assert _tokens(got, q)[row] == tokens, (spec, q)
 
 
+def test_multi_aware_requests_compress_the_first_question_and_serve_the_others_from_it(model):
+    """The independent path: every request compressed anew with every row fed, the first question (but its last
+    token) in what is compressed, the later ones read after it as turns of a dialogue."""
+    prompt = _prompt(questions=3)
+    specs = ["h2o", "snapkv:window=8"]
+    got = answer(model, Words(), prompt, specs, 40, "multi", form="aware-requests")
+    first = prompt.per_key[0]
+    split = prompt.context.numel() + first.numel() - 1
+    for q in range(3):
+        ids = torch.cat([prompt.context, first] + ([prompt.follow_ups[q]] if q else []))
+        ref = compress_prompt(model, ids, specs, 40, split=split)
+        assert _tokens(got, q) == greedy(model, ref, NEW), q
+    assert {a.question for a in got} == {0, 1, 2} and len(got) == 6
+
+
+def test_multi_aware_requests_full_cache_reads_the_same_tokens(tiny):
+    prompt = _prompt(questions=2)
+    got = answer(tiny, Words(), prompt, ["full"], None, "multi", form="aware-requests")
+    ids = torch.cat([prompt.context, prompt.per_key[0], prompt.follow_ups[1]])
+    ref = compress_prompt(tiny, ids, ["full"], None)
+    assert _tokens(got, 1) == greedy(tiny, ref, NEW)
+
+
 def test_snapshot_is_independent_of_the_original(model):
     prompt = _prompt()
     state = prefill(model, prompt.context, SPECS, 40, "original")
@@ -163,6 +186,9 @@ def test_aware_refuses_policies_that_ignore_attention():
     (RulerGrid(protocol="multi", tasks=["niah_single_1"]), "protocol multi needs several keys"),
     (RulerGrid(protocol="aware", policies=["window", "snapkv"]), "aware is meaningless"),
     (RulerGrid(protocol="sideways"), "unknown protocol"),
+    (RulerGrid(protocol="multi", form="aware-requests", tasks=["niah_multikey_1"], policies=["h2o", "window"]),
+     "protocol multi --form aware-requests is meaningless for 'window'"),
+    (RulerGrid(protocol="multi", form="sideways", tasks=["niah_multikey_1"]), "unknown multi form"),
 ])
 def test_grid_refuses_before_any_model_work(grid, says):
     with pytest.raises(KvevictError, match=says):

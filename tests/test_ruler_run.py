@@ -41,6 +41,7 @@ def test_ruler_records_every_answer_and_resumes_only_what_is_missing(tmp_path, t
     assert {r["policy"] for r in records} == {"full", "window", "h2o"}
     assert all(r["budget_tokens"] == round(r["context_tokens"] / 2) for r in records if r["policy"] != "full")
     assert "RULER tasks" in (tmp_path / "r" / "report.html").read_text()
+    assert "At budget 50% " in stdout  # the verdict of a run of tasks alone, printed as the report shows it
     # a rerun answers nothing again
     assert _invoke(*_args(tiny_dir, tmp_path))[0] == 0
     assert results.read_text().splitlines() == lines
@@ -82,6 +83,9 @@ def test_ruler_on_a_qa_file(tmp_path, tiny_dir):
     (["--budgets", "400"], "keeps the whole context, which is the full cache"),
     (["--protocol", "aware"], "aware is meaningless for 'window'"),
     (["--protocol", "multi"], "protocol multi needs several keys"),
+    (["--protocol", "multi", "--form", "aware-requests", "--tasks", "niah_multikey_1"],
+     "protocol multi --form aware-requests is meaningless for 'window'"),
+    (["--protocol", "multi", "--form", "sideways", "--tasks", "niah_multikey_1"], "unknown multi form 'sideways'"),
     (["--lengths", "9000"], "more than the model's context of 8192: use lengths up to 8192"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, tiny_dir, extra, says):
@@ -123,7 +127,7 @@ def test_rank_correlation_between_perplexity_and_tasks():
     for policy, scores in [("window", [0, 0]), ("h2o", [1, 0]), ("snapkv", [1, 1])]:
         records += [_record(policy, "64", s, i) for i, s in enumerate(scores)]
     records += [_record("full", "full", 1, i) for i in range(2)]
-    [row] = ruler_report.rank_agreement(ppl, ruler_report.cells(records))
+    [row] = ruler_report.rank_agreement(ppl, records)
     # -PPL ranks window 1, snapkv 2, h2o 3; accuracy ranks window 1, h2o 2, snapkv 3: d = (0, 1, 1), rho = 1 - 6*2/24
     assert row["rho"] == pytest.approx(0.5)
     assert ruler_report.spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)

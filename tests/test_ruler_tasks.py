@@ -19,8 +19,9 @@ from kvevict.eval.ruler.niah import Niah
 from kvevict.eval.ruler.qa import QaFile, load_qa
 from kvevict.eval.ruler.registry import TASKS, parse_tasks
 from kvevict.eval.ruler.sample import encode, fit, seeded
-from kvevict.eval.ruler.scoring import match_all, match_part, wilson
+from kvevict.eval.ruler.scoring import match_all, match_part
 from kvevict.eval.ruler.words import Material, sentences, spread_depths, van_der_corput
+from kvevict.report.uncertainty import wilson
 
 LENGTH = 1000
 
@@ -180,9 +181,9 @@ def test_scores_against_hand_scored_answers():
     assert match_part("Paris, France", ["paris", "Lyon"]) == 1.0
     assert match_part("London", ["paris", "Lyon"]) == 0.0
     # Wilson 95% interval of 5/10 (hand-computed: 0.2366, 0.7634) and of 0/10 (0, 0.2775)
-    lo, hi = wilson(5, 10)
+    lo, hi = wilson(5, 10).low, wilson(5, 10).high
     assert lo == pytest.approx(0.2366, abs=1e-4) and hi == pytest.approx(0.7634, abs=1e-4)
-    lo, hi = wilson(0, 10)
+    lo, hi = wilson(0, 10).low, wilson(0, 10).high
     assert lo == 0.0 and hi == pytest.approx(0.2775, abs=1e-4)
 
 

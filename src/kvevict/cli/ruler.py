@@ -26,7 +26,8 @@ def ruler(
     policies: str = typer.Option("window,streamingllm,h2o,snapkv", help="comma-separated specs; full runs first"),
     budgets: str = typer.Option("50%,25%", help="entries or shares of the compressed context"),
     protocol: str = typer.Option("agnostic", help="agnostic | aware | stream | multi"),
-    form: str = typer.Option("requests", help="multi only: requests (each from the compressed context) | turns"),
+    form: str = typer.Option("requests", help="multi only: requests (each from the compressed context) | turns | "
+                                             "aware-requests (the first question compressed with the context)"),
     qa: str = typer.Option("", help="a JSONL file of {context, question, answers[, answer_prefix]} instead of tasks"),
     name: str = typer.Option("ruler", help="run name, one folder name: results go to OUT/NAME"),
     out_dir: str = typer.Option("runs", "--out", help="output folder"),
@@ -47,6 +48,7 @@ def ruler(
     from ..report import ruler as ruler_report
     from ..report.html import render
     from ..report.records import ruler_records
+    from ..report.verdict import verdict
 
     check_positions(positions)
     specs = split_specs(policies)
@@ -76,3 +78,5 @@ def ruler(
         print(json.dumps({"cells": [vars(c) for c in cells], "report": str(path)}))
         return
     show(ruler_report.ruler_table(cells), f"RULER, {model} ({path})")
+    for found in verdict(records):  # the report's verdict, drawn from the same records
+        print(found.sentence)

@@ -185,7 +185,7 @@ class RulerRecord:
 
     `score` is the sample's RULER score in [0, 1] (`metric` "all": the share of `answers`
     found in `output`; "part": any of them); `question` numbers the `multi` protocol's
-    questions (0 otherwise) and `form` is its form (`requests` or `turns`).
+    questions (0 otherwise) and `form` is its form (`requests`, `turns` or `aware-requests`).
     """
 
     key: str
@@ -225,7 +225,7 @@ class RulerRecord:
 
     @property
     def shape(self) -> str:
-        """The protocol as tables name it: `multi-requests` / `multi-turns` for the two forms of multi."""
+        """The protocol as tables name it: `multi-requests`, `multi-turns`, `multi-aware-requests` for multi."""
         return f"multi-{self.form}" if self.protocol == "multi" and self.form else self.protocol
 
 

@@ -6,10 +6,15 @@ interval. Where the full cache itself scores below `FLOOR` at a task and length,
 task is "beyond this model at this length": its cells are shown, marked, and left out
 of every ranking, since a policy cannot lose what the model never had.
 
+`task_scores` is the one task figure the verdict and the rank correlation read: per
+policy and budget, its answers pooled over every protocol, task and length within reach,
+on the very answers the full cache gave too, beside the full cache's hits on them; each
+rate with its Wilson interval (`uncertainty.wilson`, the report's one binomial interval).
+
 `rank_agreement` answers the first question a user asks of the tasks: does the
-perplexity ranking of the policies say the same as the task ranking? Per budget,
-Spearman's rank correlation between streaming PPL (lower is better) and mean task
-accuracy over the tasks within reach (higher is better), over the policies both hold.
+perplexity ranking of the policies say the same as the task ranking? Per protocol and
+budget, Spearman's rank correlation between streaming PPL (lower is better) and the
+`task_scores` rate (higher is better), over the policies both hold.
 """
 
 from __future__ import annotations
@@ -18,10 +23,10 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ..eval.ruler.scoring import wilson
 from .columns import Table
 from .records import PplRecord, RulerRecord
 from .tables import budget_order
+from .uncertainty import Interval, wilson
 
 #: below this full-cache accuracy a task is beyond the model at that length
 FLOOR = 0.5
@@ -45,19 +50,94 @@ class RulerCell:
         return f"{self.task}@{self.length}"
 
 
+def beyond(records: Iterable[RulerRecord], floor: float = FLOOR) -> set[tuple[str, str, int]]:
+    """(protocol, task, length) where the full cache's mean score is below `floor`: beyond this model there."""
+    full: dict[tuple[str, str, int], list[float]] = {}
+    for r in records:
+        if r.budget == "full":
+            full.setdefault((r.shape, r.task, r.length), []).append(float(r.score))
+    return {where for where, scores in full.items() if sum(scores) / len(scores) < floor}
+
+
 def cells(records: Iterable[RulerRecord], floor: float = FLOOR) -> list[RulerCell]:
+    records = list(records)
     groups: dict[tuple, list[float]] = {}
     for r in records:
         groups.setdefault((r.shape, r.task, r.length, r.policy, r.budget), []).append(float(r.score))
     out = []
     for (shape, task, length, policy, budget), scores in groups.items():
-        low, high = wilson(sum(scores), len(scores))
-        out.append(RulerCell(shape, task, length, policy, budget, len(scores), sum(scores) / len(scores), low, high))
-    full = {(c.protocol, c.task, c.length): c.accuracy for c in out if c.budget == "full"}
+        interval = wilson(sum(scores), len(scores))
+        out.append(RulerCell(shape, task, length, policy, budget, len(scores), sum(scores) / len(scores),
+                             interval.low, interval.high))
+    out_of_reach = beyond(records, floor)
     for c in out:
-        c.beyond = full.get((c.protocol, c.task, c.length), 1.0) < floor
+        c.beyond = (c.protocol, c.task, c.length) in out_of_reach
     out.sort(key=lambda c: (c.protocol, c.task, c.length, budget_order(c.budget), c.policy))
     return out
+
+
+@dataclass(frozen=True)
+class TaskScore:
+    """One policy's RULER answers at one budget within the model's reach, and the full cache's on the same ones.
+
+    `hits` and `full_hits` are sums of scores in [0, 1] over the same `n` answers (a fractional score counts as
+    that many successes of one trial, as in every cell)."""
+
+    hits: float
+    full_hits: float
+    n: int
+
+    @property
+    def rate(self) -> float:
+        return self.hits / self.n
+
+    @property
+    def full_rate(self) -> float:
+        return self.full_hits / self.n
+
+    @property
+    def interval(self) -> Interval:
+        return wilson(self.hits, self.n)
+
+    @property
+    def full_interval(self) -> Interval:
+        return wilson(self.full_hits, self.n)
+
+    @property
+    def below_full(self) -> bool:
+        """The data tell it from the full cache, and it is worse: its whole 95% interval lies below the full
+        cache's on the same answers (disjoint Wilson intervals: conservative, it never names a loss inside
+        the noise)."""
+        return self.interval.high < self.full_interval.low
+
+    def text(self) -> str:
+        return f"{self.hits:g}/{self.n} {self.interval.text()}"
+
+    def full_text(self) -> str:
+        return f"{self.full_hits:g}/{self.n} {self.full_interval.text()}"
+
+
+def _unit(r: RulerRecord) -> tuple:
+    """What one answer answers: the same for every policy and budget (and the full cache)."""
+    return (r.shape, r.task, r.length, r.sample, r.question)
+
+
+def task_scores(records: Iterable[RulerRecord], floor: float = FLOOR) -> dict[tuple[str, str], TaskScore]:
+    """Per (policy as written, budget as written) its `TaskScore`: every answer of a (protocol, task, length)
+    within reach that the full cache answered too (`beyond` ones left out)."""
+    records = list(records)
+    out_of_reach = beyond(records, floor)
+    full = {_unit(r): float(r.score) for r in records if r.budget == "full"}
+    sums: dict[tuple[str, str], list[float]] = {}
+    for r in records:
+        unit = _unit(r)
+        if r.budget == "full" or unit not in full or unit[:3] in out_of_reach:
+            continue
+        found = sums.setdefault((r.policy, r.budget), [0.0, 0.0, 0])
+        found[0] += float(r.score)
+        found[1] += full[unit]
+        found[2] += 1
+    return {key: TaskScore(hits, full_hits, int(n)) for key, (hits, full_hits, n) in sums.items()}
 
 
 def fmt(cell: RulerCell) -> str:
@@ -114,24 +194,21 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
     return cov / math.sqrt(va * vb)
 
 
-def rank_agreement(ppl: Sequence[PplRecord], found: Sequence[RulerCell]) -> list[dict]:
-    """Per protocol and budget: the policies in both, their PPL and mean task accuracy, and Spearman's rho
-    between -PPL and accuracy (+1: perplexity ranks the policies as the tasks do)."""
+def rank_agreement(ppl: Sequence[PplRecord], answers: Sequence[RulerRecord], floor: float = FLOOR) -> list[dict]:
+    """Per protocol and budget: the policies in both, their PPL and task rate (`task_scores` of that protocol's
+    answers), and Spearman's rho between -PPL and the rate (+1: perplexity ranks the policies as the tasks do)."""
     by_budget: dict[str, dict[str, float]] = {}
     for r in ppl:
         if r.kind == "policy" and r.budget is not None:
             by_budget.setdefault(str(r.budget), {})[r.name] = r.ppl
     out = []
-    for protocol in dict.fromkeys(c.protocol for c in found):
+    for protocol in dict.fromkeys(r.shape for r in answers):
+        scores = task_scores([r for r in answers if r.shape == protocol], floor)
         for budget, ppls in by_budget.items():
-            mine = [c for c in found if c.protocol == protocol and c.budget == budget and not c.beyond]
-            acc: dict[str, list[float]] = {}
-            for c in mine:
-                acc.setdefault(c.policy, []).append(c.accuracy)
-            both = [p for p in ppls if p in acc]
+            both = [p for p in ppls if (p, budget) in scores]
             if len(both) < 2:
                 continue
-            accuracy = [sum(acc[p]) / len(acc[p]) for p in both]
+            accuracy = [scores[(p, budget)].rate for p in both]
             rho = spearman([-ppls[p] for p in both], accuracy)
             out.append({"protocol": protocol, "budget": budget, "policies": both,
                         "ppl": [ppls[p] for p in both], "accuracy": accuracy, "rho": rho})

@@ -119,7 +119,8 @@ RULER_INTRO = (
     "this length, shown but left out of the rank correlation. Protocols: <em>agnostic</em> compresses the "
     "context, then reads the question; <em>aware</em> compresses the question too; <em>stream</em> evicts while "
     "reading; <em>multi</em> asks several questions of one compressed context (requests: each from the same "
-    "state; turns: a dialogue, evicting throughout).</p>"
+    "state; turns: a dialogue, evicting throughout; aware-requests: the first question compressed with the "
+    "context, every later one served from that state).</p>"
 )
 
 
@@ -128,7 +129,7 @@ def ruler(records: Sequence[Record]) -> tuple[str, str] | None:
     if not found:
         return None
     parts = [RULER_INTRO.format(floor=ruler_report.FLOOR), table_html(ruler_report.ruler_table(found), "ruler")]
-    agreement = ruler_report.rank_agreement(ppl_records(records), found)
+    agreement = ruler_report.rank_agreement(ppl_records(records), ruler_records(records))
     if agreement:
         rows = [f"<li>{html.escape(a['protocol'])}, budget {html.escape(a['budget'])}: Spearman ρ = "
                 + ("n/a (no spread)" if a["rho"] is None else f"{a['rho']:+.2f}")

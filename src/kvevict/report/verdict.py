@@ -15,7 +15,18 @@ from the records alone:
   times the full cache's PPL, or the upper end of its pass-key hit rate's Wilson interval
   below `COLLAPSE_NEEDLE` of the full cache's rate;
 * every policy that lost token 0 (the attention sink) on some bounded (layer, KV head),
-  and on how many (`eval.sink_loss`, the one definition of sink loss).
+  and on how many (`eval.sink_loss`, the one definition of sink loss);
+* with RULER answers in the run (`kvevict ab --ruler`, `kvevict ruler`): each policy's
+  `ruler.task_scores` (its answers within the model's reach, beside the full cache's on
+  the same answers), which policies the tasks cannot tell from the full cache (their
+  Wilson intervals overlap) and which score below it, the tasks' collapse (the whole
+  interval below `COLLAPSE_NEEDLE` of the full cache's rate), the Spearman rank
+  correlation of PPL and tasks (`ruler.rank_agreement`) and the pairs the two rank in
+  opposite orders, each separated by its own data. The recommendation is then the
+  cheapest policy tied on *both*; where that is not the PPL's pick, the sentence says so
+  and why. A run of tasks alone (`kvevict ruler`, no PPL) gets a verdict per budget from
+  the tasks alone. Tasks beyond the model (full cache below `ruler.FLOOR`) are named and
+  left out.
 
 The oracle is left out: it re-computes every token and is a reference, not a policy
 one can serve with.
@@ -31,7 +42,9 @@ from functools import cached_property
 
 from ..eval.sink_loss import unbounded_note
 from .columns import number
-from .records import PplRecord, Record, ppl_records, task_records
+from .records import PplRecord, Record, ppl_records, ruler_records, task_records
+from .ruler import FLOOR, TaskScore, beyond, rank_agreement, task_scores
+from .tables import budget_order
 from .traits import needs_attention, pinned
 from .uncertainty import Blocks, Interval, blocks, mean_interval, paired_difference, wilson
 
@@ -48,7 +61,13 @@ HOW = (
     "A policy is named better than another only where the interval of their difference excludes 0; among the "
     "policies tied with the closest one, the cheapest is recommended (no attention statistics, then the fewest "
     "pinned slots). A policy collapsed when its whole PPL interval lies at or above 2× the full cache's PPL, or "
-    "its whole pass-key interval below half of the full cache's rate."
+    "its whole pass-key interval below half of the full cache's rate. With RULER answers, each policy's task rate "
+    "is pooled over the answers of every protocol, task and length within the model's reach (a task on which the "
+    f"full cache scores below {FLOOR:.0%} is beyond this model at that length: named, left out), on the same answers "
+    "as the full cache; a policy scores below the full cache only where their Wilson intervals are disjoint, and "
+    "collapsed on the tasks when its whole interval lies below half of the full cache's rate. The recommendation is "
+    "the cheapest policy tied with the closest on PPL and not below the full cache on the tasks; where the tasks "
+    "overturn the perplexity's pick, the sentence says so. A run of tasks alone is judged on the tasks alone."
 )
 
 
@@ -83,9 +102,13 @@ class Candidate:
     nll_blocks: Blocks | None = None
     kl_blocks: Blocks | None = None
     layers_note: str | None = None  # what happened in the layers the budget does not bound (sliding windows)
+    task: TaskScore | None = None  # RULER answers within reach at this budget (None: no tasks)
 
     @property
     def rank(self) -> tuple[float, float]:
+        """Closest to the full cache first: by KL, then PPL; a row of tasks alone (no PPL) by its task rate."""
+        if math.isnan(self.ppl):
+            return (math.inf, -self.task.rate if self.task else math.inf)
         return (math.inf if self.kl is None else self.kl, self.ppl)
 
     @cached_property  # a bootstrap: drawn once, read by the collapse test and every sentence
@@ -106,9 +129,14 @@ class Candidate:
 @dataclass
 class BudgetVerdict:
     """The verdict at one budget: every `candidate` (closest first), the ones `tied` with the closest,
-    the `recommended` one, `collapsed` as (candidate, reason), `lost_sink`, and the sentence."""
+    the `recommended` one, `collapsed` as (candidate, reason), `lost_sink`, and the sentence.
 
-    budget: int
+    With tasks: `task_tied` (not told from the full cache on the tasks), `task_below` (below it), `ppl_pick`
+    (what PPL alone recommends), `agreement` (`ruler.rank_agreement` rows of this budget), `opposed` ((a, b):
+    PPL separates a ahead of b, the tasks b ahead of a) and `beyond` (task@length the model fails itself).
+    A budget of tasks alone is its label (`50%`), with `full_ppl` None and no PPL."""
+
+    budget: int | str
     full_ppl: float | None
     candidates: list[Candidate]
     collapsed: list[tuple[Candidate, str]] = field(default_factory=list)
@@ -116,6 +144,20 @@ class BudgetVerdict:
     tied: list[Candidate] = field(default_factory=list)
     recommended: Candidate | None = None
     sentence: str = ""
+    task_tied: list[Candidate] = field(default_factory=list)
+    task_below: list[Candidate] = field(default_factory=list)
+    ppl_pick: Candidate | None = None
+    agreement: list[dict] = field(default_factory=list)
+    opposed: list[tuple[Candidate, Candidate]] = field(default_factory=list)
+    beyond: list[str] = field(default_factory=list)
+
+    @property
+    def has_ppl(self) -> bool:
+        return any(not math.isnan(c.ppl) for c in self.candidates)
+
+    @property
+    def has_tasks(self) -> bool:
+        return any(c.task is not None for c in self.candidates)
 
     @property
     def closest(self) -> Candidate | None:
@@ -136,7 +178,8 @@ def needle_means(records: Sequence[Record]) -> dict[tuple[str, str], float]:
     return {key: n.rate for key, n in needle_trials(records).items()}
 
 
-def _candidates(records: list[PplRecord], budget: int, needle: dict[tuple[str, str], Needle]) -> list[Candidate]:
+def _candidates(records: list[PplRecord], budget: int, needle: dict[tuple[str, str], Needle],
+                tasks: dict[tuple[str, str], TaskScore]) -> list[Candidate]:
     """The policy rows at `budget` (a sink-sweep row that repeats a policy row counts once)."""
     seen: dict[str, Candidate] = {}
     for r in records:
@@ -147,9 +190,15 @@ def _candidates(records: list[PplRecord], budget: int, needle: dict[tuple[str, s
             r.name, r.ppl, r.kl_to_full, needle.get((r.name, str(budget))),
             sink.lost if sink else 0, sink.bounded if sink else 0,
             pinned(r.policy), needs_attention(r.policy), blocks(r.curve, "ppl"), blocks(r.kl_curve, "kl"),
-            unbounded_note(sink, r.sliding_window),
+            unbounded_note(sink, r.sliding_window), tasks.get((r.name, str(budget))),
         )
     return list(seen.values())
+
+
+def _task_candidates(budget: str, tasks: dict[tuple[str, str], TaskScore]) -> list[Candidate]:
+    """The policies answered at a budget that has no PPL rows (a `kvevict ruler` run): tasks alone."""
+    return [Candidate(policy, math.nan, None, None, 0, 0, pinned(policy), needs_attention(policy), task=score)
+            for (policy, label), score in tasks.items() if label == budget]
 
 
 def _collapse(c: Candidate, full_ppl: float | None, full_needle: Needle | None) -> str | None:
@@ -162,7 +211,19 @@ def _collapse(c: Candidate, full_ppl: float | None, full_needle: Needle | None) 
         high = c.needle.interval.high if c.needle.interval else c.needle.rate
         if high < COLLAPSE_NEEDLE * full_needle.rate:
             return f"pass-key {c.needle.rate:.0%} vs full {full_needle.rate:.0%}"
+    if c.task is not None and c.task.full_rate and c.task.interval.high < COLLAPSE_NEEDLE * c.task.full_rate:
+        return f"tasks {c.task.rate:.0%} vs full {c.task.full_rate:.0%}"
     return None
+
+
+def _task_ahead(a: Candidate, b: Candidate) -> bool:
+    """The tasks separate a ahead of b: a's whole Wilson interval above b's (the rule `below_full` applies)."""
+    return a.task is not None and b.task is not None and a.task.interval.low > b.task.interval.high
+
+
+def _ppl_ahead(a: Candidate, b: Candidate, by_kl: bool) -> bool:
+    """PPL (KL) separates a ahead of b: a ranks closer, and their paired difference excludes 0."""
+    return a.rank < b.rank and not _tied(a, b, by_kl)
 
 
 def _tied(best: Candidate, other: Candidate, by_kl: bool) -> bool:
@@ -191,22 +252,71 @@ def _cost_text(c: Candidate) -> str:
     return pins + (", attention statistics" if c.reads_attention else ", no attention statistics")
 
 
+def _task_scores(c: Candidate) -> str:
+    return f"tasks {c.task.text()} vs full {c.task.full_text()}"
+
+
+def _task_clause(v: BudgetVerdict) -> str:
+    """What the tasks say of the recommendation beside PPL's pick: agreement, or the disagreement, named."""
+    best, pick = v.recommended, v.ppl_pick
+    if not v.has_tasks or not v.has_ppl:
+        return ""
+    if best is pick:
+        if best.task is None:
+            return "; the run holds no task answers for it"
+        return f"; the tasks agree ({_task_scores(best)}: not told apart from the full cache)"
+    why = ("it scores below the full cache on the tasks" if pick.task is not None and pick.task.below_full
+           else "it collapsed on the tasks")
+    return (f"; PPL and the tasks point at different policies: PPL alone would pick {pick.name}, but {why} "
+            f"({_task_scores(pick)}), while {best.name} is tied on both ({_task_scores(best)})")
+
+
 def _sentence(v: BudgetVerdict) -> str:
-    """The recommendation: the cheapest policy tied with the closest that did not collapse; if it lost token 0
-    somewhere, the closest one that kept it everywhere beside it (or the advice to pin sinks)."""
+    """The recommendation: the cheapest policy tied with the closest that did not collapse (and, with tasks, not
+    below the full cache on them); if it lost token 0 somewhere, the closest one that kept it everywhere beside
+    it (or the advice to pin sinks)."""
     if v.closest is None:
+        if v.beyond:
+            return (f"At budget {v.budget} every task the run holds is beyond this model at its length (the full "
+                    f"cache scores below {FLOOR:.0%}: {', '.join(v.beyond)}): the tasks cannot judge the policies.")
         return f"At budget {v.budget} the run holds no policy rows: nothing to recommend."
     bad = {c.name for c, _ in v.collapsed}
+    if v.recommended is None and v.ppl_pick is not None:  # PPL names a policy, the tasks refuse every such one
+        pick = v.ppl_pick
+        tasks = _names(v.task_tied)
+        text = (f"At budget {v.budget} PPL and the tasks point at different policies: PPL alone would ship "
+                f"{pick.name} ({_scores(pick)}), but it scores below the full cache on the tasks "
+                f"({_task_scores(pick)}), and so does every policy PPL cannot tell from it; "
+                + (f"the tasks cannot tell {tasks} from the full cache, though PPL separates them from "
+                   f"{pick.name}" if tasks else "no policy holds the full cache's task accuracy: raise the budget"))
+        return text + (f"; avoid {', '.join(sorted(bad))} (collapsed)." if bad else ".")
+    below = [c for c in v.task_below if c.name not in bad]
     if v.recommended is None:
+        if not v.has_ppl and below:
+            return (f"At budget {v.budget} every policy scored below the full cache on the tasks "
+                    f"({_names(below)}): raise the budget before shipping any of them"
+                    + (f"; avoid {', '.join(sorted(bad))} (collapsed)." if bad else "."))
         return (f"At budget {v.budget} every policy collapsed ({_names([c for c, _ in v.collapsed])}): "
                 "raise the budget before shipping any of them.")
     best = v.recommended
+    if not v.has_ppl:  # tasks alone
+        text = f"At budget {v.budget} ship {best.name} ({_task_scores(best)})"
+        others = [c for c in v.tied if c is not best]
+        if others:
+            text += (f"; the tasks cannot tell it or {_names(others)} from the full cache, "
+                     f"and it is the cheapest ({_cost_text(best)})")
+        else:
+            text += f"; the only policy the tasks cannot tell from the full cache ({_cost_text(best)})"
+        if below:
+            text += f"; below the full cache on the tasks: {_names(below)}"
+        return text + (f"; avoid {', '.join(sorted(bad))} (collapsed)." if bad else ".")
     full = f" vs {v.full_ppl:.2f} full" if v.full_ppl else ""
     text = f"At budget {v.budget} ship {best.name} ({_scores(best)}{full})"
-    others = [c for c in v.tied if c is not best]
+    others = [c for c in v.tied if c is not best and c.name not in {b.name for b in below}]
     if others:
         text += (f"; not told apart from it by the data: {_names(others)}, "
                  f"and it is the cheapest ({_cost_text(best)})")
+    text += _task_clause(v)
     if best.heads_lost:
         text += f", but it lost token 0 on {best.heads_lost} of {best.heads} heads"
         safe = [c for c in v.candidates if c.name not in bad]
@@ -220,29 +330,59 @@ def _sentence(v: BudgetVerdict) -> str:
     return text + "."
 
 
+def _judge(v: BudgetVerdict, full_needle: Needle | None) -> None:
+    """Fill `v` from its candidates: collapse, ties (PPL's and the tasks'), the recommendation, the sentence."""
+    for c in v.candidates:
+        reason = _collapse(c, v.full_ppl, full_needle)
+        if reason:
+            v.collapsed.append((c, reason))
+        if c.heads_lost:
+            v.lost_sink.append(c)
+    bad = {c.name for c, _ in v.collapsed}
+    safe = [c for c in v.candidates if c.name not in bad]
+    v.task_below = [c for c in v.candidates if c.task is not None and c.task.below_full]
+    v.task_tied = [c for c in safe if c.task is not None and not c.task.below_full]
+    if not safe:
+        return
+    if not v.has_ppl:  # tasks alone: tied means not told from the full cache
+        v.tied = list(v.task_tied)
+        v.recommended = min(v.tied, key=lambda c: (c.cost, c.rank)) if v.tied else None
+        return
+    by_kl = all(c.kl is not None for c in safe)
+    v.tied = [c for c in safe if c is safe[0] or _tied(safe[0], c, by_kl)]
+    v.ppl_pick = min(v.tied, key=lambda c: (c.cost, c.rank))
+    below = {c.name for c in v.task_below}
+    both = [c for c in v.tied if c.name not in below]
+    v.recommended = min(both, key=lambda c: (c.cost, c.rank)) if both else None
+    v.opposed = [(a, b) for a in v.candidates for b in v.candidates
+                 if _ppl_ahead(a, b, by_kl) and _task_ahead(b, a)]
+
+
 def verdict(records: Sequence[Record]) -> list[BudgetVerdict]:
-    """One `BudgetVerdict` per budget of the run, smallest budget first."""
+    """One `BudgetVerdict` per budget of the run, smallest budget first (budgets of tasks alone after those of
+    PPL, by their label: shares, then entries, largest first)."""
     rows = ppl_records(records)
     full = next((r for r in rows if r.kind == "full"), None)
     full_ppl = full.ppl if full else None
     needle = needle_trials(records)
     full_needle = needle.get(("full", "full"))
+    answers = ruler_records(records)
+    tasks = task_scores(answers)
+    agreement = rank_agreement(rows, answers)
+    out_of_reach = sorted(f"{task}@{length} ({shape})" for shape, task, length in beyond(answers))
     out = []
-    for budget in sorted({r.budget for r in rows if r.budget is not None and r.kind != "oracle"}):
-        candidates = _candidates(rows, budget, needle)
-        v = BudgetVerdict(budget, full_ppl, sorted(candidates, key=lambda c: c.rank))
-        for c in v.candidates:
-            reason = _collapse(c, full_ppl, full_needle)
-            if reason:
-                v.collapsed.append((c, reason))
-            if c.heads_lost:
-                v.lost_sink.append(c)
-        bad = {c.name for c, _ in v.collapsed}
-        safe = [c for c in v.candidates if c.name not in bad]
-        if safe:
-            by_kl = all(c.kl is not None for c in safe)
-            v.tied = [c for c in safe if c is safe[0] or _tied(safe[0], c, by_kl)]
-            v.recommended = min(v.tied, key=lambda c: (c.cost, c.rank))
+    ppl_budgets = sorted({r.budget for r in rows if r.budget is not None and r.kind != "oracle"})
+    task_only = sorted({r.budget for r in answers if r.budget != "full"} - {str(b) for b in ppl_budgets},
+                       key=budget_order)
+    for budget in [*ppl_budgets, *task_only]:
+        candidates = (_candidates(rows, budget, needle, tasks) if isinstance(budget, int)
+                      else _task_candidates(budget, tasks))
+        v = BudgetVerdict(budget, full_ppl if isinstance(budget, int) else None,
+                          sorted(candidates, key=lambda c: c.rank))
+        if answers:
+            v.agreement = [a for a in agreement if a["budget"] == str(budget)]
+            v.beyond = out_of_reach
+        _judge(v, full_needle)
         v.sentence = _sentence(v)
         out.append(v)
     return out
@@ -252,6 +392,8 @@ def _closest_text(v: BudgetVerdict) -> str:
     c = v.closest
     if c is None:
         return "-"
+    if math.isnan(c.ppl):
+        return f"{c.name} ({_task_scores(c)})"
     kl = "" if c.kl is None else f"KL {number(c.kl, 3)}, "
     return f"{c.name} ({kl}PPL {c.ppl:.2f})"
 
@@ -270,6 +412,8 @@ def _needle_text(v: BudgetVerdict) -> str | None:
 def _facts(v: BudgetVerdict) -> list[tuple[str, str]]:
     collapsed = "; ".join(f"{c.name} ({why})" for c, why in v.collapsed) or "none"
     lost = "; ".join(f"{c.name} on {c.heads_lost} of {c.heads} heads" for c in v.lost_sink) or "none"
+    if not v.has_ppl:  # tasks alone: the closest by task rate, the collapsed, then the tasks' facts
+        return [("closest to full", _closest_text(v)), ("collapsed", collapsed)] + _task_facts(v)
     facts = [("closest to full", _closest_text(v)),
              ("tied with it (paired 95% block bootstrap)", _names(v.tied[1:]) or "none"),
              ("collapsed", collapsed), ("lost token 0", lost)]
@@ -279,6 +423,29 @@ def _facts(v: BudgetVerdict) -> list[tuple[str, str]]:
     needle = _needle_text(v)
     if needle:
         facts.append(("pass-key hits (95% Wilson interval)", needle))
+    if v.has_tasks:
+        facts += _task_facts(v)
+    return facts
+
+
+def _task_facts(v: BudgetVerdict) -> list[tuple[str, str]]:
+    found = [c for c in v.candidates if c.task is not None]
+    full = found[0].task.full_text() if found else "-"
+    facts = [("RULER answers within reach (hits/answers, 95% Wilson interval)",
+              "; ".join(f"{c.name} {c.task.text()}" for c in found) + f"; full {full} (on the same answers)"),
+             ("not told apart from the full cache on the tasks", _names(v.task_tied) or "none"),
+             ("below the full cache on the tasks", _names(v.task_below) or "none")]
+    if v.agreement:
+        rho = "; ".join(f"{a['protocol']}: " + ("n/a (no spread)" if a["rho"] is None else f"{a['rho']:+.2f}")
+                        + f" over {len(a['policies'])} policies" for a in v.agreement)
+        opposed = "; ".join(f"PPL ranks {a.name} ahead of {b.name}, the tasks {b.name} ahead of {a.name}"
+                            for a, b in v.opposed)
+        facts.append(("PPL vs task ranking (Spearman ρ)", rho + (f"; they disagree: {opposed}" if opposed else
+                                                                   "; no pair is ranked in opposite orders "
+                                                                   "by both measures' data")))
+    if v.beyond:
+        facts.append((f"beyond this model at this length (full cache below {FLOOR:.0%}; left out)",
+                      ", ".join(v.beyond)))
     return facts
 
 

@@ -17,7 +17,7 @@ from ...errors import KvevictError
 from ...policies import check_policy, shared_batches
 from ...policies.budget import Budget, budget_label, parse_budget, resolve_budget
 from .framing import framing
-from .protocols import answer, check_aware, check_protocol
+from .protocols import answer, check_aware, check_protocol, reads_question
 from .qa import QaFile
 from .registry import get_task
 from .sample import Prompt, encode, fit, seeded
@@ -62,8 +62,8 @@ class RulerGrid:
             if wrong:
                 raise KvevictError(f"protocol multi needs several keys in one context, which {', '.join(wrong)} "
                                    f"does not hide: use {', '.join(MULTI)}")
-        if self.protocol == "aware":
-            check_aware(self.policies)
+        if reads_question(self.protocol, self.form):
+            check_aware(self.policies, self.protocol, self.form)
         for budget in self.budgets:
             budget = parse_budget(budget)
             if budget == "100%":
@@ -91,16 +91,22 @@ def record_key(protocol: str, form: str, task: str, length: int, sample: int, po
     return f"ruler|{shape}|{task}|{length}|{sample}|{policy}|{budget}|{question}"
 
 
-def compressed_length(prompt: Prompt, protocol: str) -> int:
-    """The tokens a budget share is taken of: the context, or (aware) the prompt but its last token."""
-    return prompt.tokens - 1 if protocol == "aware" else prompt.context.numel()
+def compressed_length(prompt: Prompt, protocol: str, form: str = "requests") -> int:
+    """The tokens a budget share is taken of: the context, or (aware) the prompt but its last token, or
+    (multi aware-requests) the context and the first question but its last token."""
+    if protocol == "aware":
+        return prompt.tokens - 1
+    if protocol == "multi" and form == "aware-requests":
+        return prompt.context.numel() + prompt.per_key[0].numel() - 1
+    return prompt.context.numel()
 
 
-def check_budget(prompt: Prompt, protocol: str, specs: Sequence[str], budget: Budget) -> int | None:
+def check_budget(prompt: Prompt, protocol: str, specs: Sequence[str], budget: Budget,
+                 form: str = "requests") -> int | None:
     """Entries of `budget` for this prompt, refused when it keeps everything or the policy cannot run at it."""
     if budget is None:
         return None
-    length = compressed_length(prompt, protocol)
+    length = compressed_length(prompt, protocol, form)
     entries = resolve_budget(budget, length)
     if entries >= length:
         raise KvevictError(
@@ -150,7 +156,7 @@ def preflight(grid: RulerGrid, tokenizer, limit: int | None) -> int:
     count = 0
     for prompt in prompts(grid, tokenizer, limit):
         for specs, budget in plan:
-            check_budget(prompt, grid.protocol, specs, budget)
+            check_budget(prompt, grid.protocol, specs, budget, grid.form)
             count += 1
     return count
 
@@ -175,7 +181,7 @@ def run_grid(model, tokenizer, grid: RulerGrid, done: set[str] = frozenset(),
                 if on_skip is not None:
                     on_skip()
                 continue
-            entries = check_budget(prompt, grid.protocol, specs, budget)
+            entries = check_budget(prompt, grid.protocol, specs, budget, grid.form)
             answers = answer(model, tokenizer, prompt, specs, entries, grid.protocol, grid.form, grid.positions,
                              grid.max_new_tokens)
             records = []

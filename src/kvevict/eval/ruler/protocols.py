@@ -16,7 +16,13 @@
 * `multi`: one compressed context, several questions, each needing another key.
   `requests`: every question starts from the same compressed context (a copy of the
   frozen state); `turns`: a dialogue, each question after the previous answer, the
-  budget enforced throughout (the cache is never frozen).
+  budget enforced throughout (the cache is never frozen); `aware-requests` (SCBench's
+  case): the first question is read with the context and compressed with it, as in
+  `aware`, and every later question starts from that compressed state, as in `requests`:
+  it follows the first question as a later turn (`follow_ups`), the first answer left
+  out, as a prefix cache holding the first request would serve it. What a query-aware
+  policy kept for the first question is all the later ones get. Like `aware`, it runs
+  only policies that rank by attention.
 
 The context prefill is computed once for all the policy rows of a batch: one row is
 fed and stands for all (`EvictingCache.shares_rows`), each row's policy then keeps its
@@ -51,26 +57,34 @@ from ..prompts import stop_ids
 from .sample import Prompt
 
 PROTOCOLS = ("agnostic", "aware", "stream", "multi")
-FORMS = ("requests", "turns")
+FORMS = ("requests", "turns", "aware-requests")
 
 
 def check_protocol(protocol: str, form: str) -> None:
     if protocol not in PROTOCOLS:
         raise KvevictError(f"unknown protocol '{protocol}': use one of {', '.join(PROTOCOLS)}")
     if form not in FORMS:
-        raise KvevictError(f"unknown multi form '{form}': use requests or turns")
+        raise KvevictError(f"unknown multi form '{form}': use {', '.join(FORMS)}")
 
 
-def check_aware(specs: Sequence[str]) -> None:
-    """`aware` only for policies that rank by attention (see the module's docstring)."""
+def reads_question(protocol: str, form: str) -> bool:
+    """Whether a question is compressed with the context: `aware`, and `multi` in its `aware-requests` form."""
+    return protocol == "aware" or (protocol == "multi" and form == "aware-requests")
+
+
+def check_aware(specs: Sequence[str], protocol: str = "aware", form: str = "requests") -> None:
+    """A question compressed with the context only for policies that rank by attention (see the module's
+    docstring): `aware`, and `multi --form aware-requests`."""
+    what = "protocol aware" if protocol == "aware" else f"protocol {protocol} --form {form}"
     for spec in specs:
         if spec.strip().lower() == "full":
             continue
         if not check_policy(spec, None).needs_attention:
             raise KvevictError(
-                f"protocol aware is meaningless for '{spec}': it keeps entries by position or key alone, so the "
-                "question would only take budget, not guide what is kept; run it under agnostic or stream, or "
-                "drop it from --policies for aware (aware runs h2o, snapkv, tova, pyramidkv, adakv:...)"
+                f"{what} is meaningless for '{spec}': it keeps entries by position or key alone, so the "
+                "question would only take budget, not guide what is kept; run it under agnostic or stream "
+                f"(or multi --form requests), or drop it from --policies for this protocol ({what} runs h2o, "
+                "snapkv, tova, pyramidkv, adakv:...)"
             )
 
 
@@ -188,14 +202,25 @@ def answer(model, tokenizer, prompt: Prompt, specs: list[str], entries: int | No
         if not prompt.per_key:
             raise KvevictError(f"protocol multi needs a task with several keys in one context, not "
                                f"{prompt.sample.task}: use niah_multikey_1/2/3 or niah_multiquery")
-        state = prefill(model, prompt.context, specs, entries, positions)
-        if form == "requests":
+        if form == "aware-requests":
+            first = prompt.per_key[0]  # read with the context and compressed with it, but its last token
+            state = prefill(model, torch.cat([prompt.context, first[:-1]]), specs, entries, positions)
+            state.cache.freeze()
+            state.feed(model, first[-1:])
+            for q in range(len(prompt.per_key)):
+                copy_state = snapshot(model, state) if q < len(prompt.per_key) - 1 else state
+                if q:  # a later turn after the first question, its answer left out (requests are independent)
+                    copy_state.feed(model, prompt.follow_ups[q])
+                results.append((q, decode(model, tokenizer, copy_state, limit, stops), state.kept))
+        elif form == "requests":
+            state = prefill(model, prompt.context, specs, entries, positions)
             state.cache.freeze()
             for q, ids in enumerate(prompt.per_key):
                 copy_state = snapshot(model, state) if q < len(prompt.per_key) - 1 else state
                 copy_state.feed(model, ids)
                 results.append((q, decode(model, tokenizer, copy_state, limit, stops), state.kept))
         else:
+            state = prefill(model, prompt.context, specs, entries, positions)
             for q, ids in enumerate([prompt.per_key[0], *prompt.follow_ups[1:]]):
                 state.feed(model, ids)
                 results.append((q, decode(model, tokenizer, state, limit, stops), state.kept))
