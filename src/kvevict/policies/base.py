@@ -15,7 +15,7 @@ equal scores the cache keeps the later token: policies do not break ties themsel
 **What a policy declares.** Everything the cache, the evaluation or the report needs to
 know about a policy is declared on `Policy`, never read off its name: the attributes
 `stats`, `pinned`, `query_window`, `unbounded`, `needs_attention`, `static_scores`,
-`reads_keys`, `varies_by_layer` and `varies_by_head` (with `own_batch` derived from the
+`arrival_stat`, `reads_keys`, `varies_by_layer` and `varies_by_head` (with `own_batch` derived from the
 last two), and the methods `layer_budgets` and `head_floor` that say the budget per
 layer and the floor per head.
 """
