@@ -84,7 +84,7 @@ class Host:
         self.log = folder / "host.log"
         argv = [sys.executable, str(Path(__file__).resolve()), "serve", self.path]
         with self.log.open("w") as log:
-            self.process = subprocess.Popen(netns.command(argv, interface=True), stdout=log, stderr=log,
+            self.process = subprocess.Popen(netns.command(argv), stdout=log, stderr=log,
                                             env={**env, KEY_VARIABLE: key.hex()})
         deadline = time.monotonic() + 120
         while not os.path.exists(self.path):

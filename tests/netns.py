@@ -5,10 +5,11 @@ metadata addresses (docs/integrations.md); the Python socket guard sees neither.
 tests that start Ray therefore run it under `unshare --net` (root, or a kernel that
 allows unprivileged user namespaces), with `ip link set lo up` so loopback works.
 
-`interface=True` also gives the namespace's `lo` a documentation address (RFC 5737
-TEST-NET-1, never routed) and a default route through it, the way a machine's network
-interface looks to Ray: Ray left to itself binds to that address; kvevict must not.
-Traffic to it stays inside the namespace, on `lo`.
+The namespace holds loopback and nothing else: no other address and no route, so a
+connect to any address outside 127.0.0.0/8 and ::1 fails in the kernel at once
+(ENETUNREACH) and no packet is sent anywhere, not even onto the namespace's own `lo`.
+Headless Chromium (the report's browser test) runs here too: it resolves Google's
+hosts and connects to public DNS servers at start, whatever its flags say.
 """
 
 from __future__ import annotations
@@ -17,30 +18,19 @@ import functools
 import shutil
 import subprocess
 
-#: the documentation address the namespace's loopback device gets with `interface=True`, built from its parts
-#: so that no test file names an address outside loopback as a literal
-INTERFACE = ".".join(("192", "0", "2", "2"))
 
-
-def _setup(interface: bool) -> str:
-    steps = ["ip link set lo up"]
-    if interface:
-        steps += [f"ip addr add {INTERFACE}/32 dev lo", f"ip route add default dev lo src {INTERFACE}"]
-    return " && ".join(steps)
-
-
-def command(argv: list[str], interface: bool = False) -> list[str]:
-    """`argv` run in a fresh network namespace (loopback up; with `interface`, the documentation address too)."""
-    return ["unshare", "--net", "sh", "-c", f'{_setup(interface)} && exec "$@"', "netns", *argv]
+def command(argv: list[str]) -> list[str]:
+    """`argv` run in a fresh network namespace that holds only loopback (brought up)."""
+    return ["unshare", "--net", "sh", "-c", 'ip link set lo up && exec "$@"', "netns", *argv]
 
 
 @functools.cache
 def unavailable() -> str | None:
     """Why no namespace can be made here (a skip reason), or None when one can."""
     if shutil.which("unshare") is None or shutil.which("ip") is None:
-        return "needs unshare (util-linux) and ip (iproute2) to fence Ray into a loopback-only network namespace"
+        return "needs unshare (util-linux) and ip (iproute2) for a loopback-only network namespace"
     try:
-        done = subprocess.run(command(["true"], interface=True), capture_output=True, text=True, timeout=30)
+        done = subprocess.run(command(["true"]), capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"cannot run unshare --net ({exc})"
     if done.returncode != 0:

@@ -87,7 +87,7 @@ def _run(*args: str, namespace: bool = False) -> subprocess.CompletedProcess:
     """`kvevict ARGS` in a fresh process under the socket guard (exit 3 if it refused a socket); with `namespace`,
     inside a loopback-only network namespace of its own."""
     argv = [sys.executable, str(TESTS / "guarded.py"), "cli", *args]
-    return subprocess.run(netns.command(argv, interface=True) if namespace else argv, capture_output=True,
+    return subprocess.run(netns.command(argv) if namespace else argv, capture_output=True,
                           text=True, env=child_env(), timeout=600)
 
 
@@ -288,15 +288,35 @@ def where_ray_listens() -> dict:
 
 @needs_ray
 def test_a_local_ray_instance_binds_to_loopback_only_with_usage_statistics_off(ray_host):
-    """The host's namespace gives `lo` a second, non-loopback address with the default route through it, as a
-    machine's interface looks to Ray; Ray left to itself binds there. kvevict's local instance must not, and every
-    process it starts has Ray's usage statistics switched off (the test environment does not set the switch; Ray
-    2.60's own `ray.init` switches it off too, except on nightly builds, so only the binding fails without kvevict)."""
+    """Every process of kvevict's local instance listens on loopback and has Ray's usage statistics switched off
+    (the test environment does not set the switch). The host's namespace holds only loopback, so Ray could bind
+    nowhere else there: what makes Ray choose 127.0.0.1 on a machine with a routable interface is checked, without
+    one, by `test_loopback_start_answers_loopback_without_asking_the_network`."""
     found, _ = ray_host.call(where_ray_listens)
     assert found["gcs"].rsplit(":", 1)[0] == "127.0.0.1" and found["node"] == "127.0.0.1", found
     assert found["listening"] and all(is_loopback(host) for host, _ in found["listening"]), found
     assert {"gcs_server", "raylet", "dashboard"} <= set(found["usage"]), found["usage"]
     assert set(found["usage"].values()) == {"0"}, found["usage"]  # usage statistics off in every Ray process
+
+
+@needs_ray
+def test_loopback_start_answers_loopback_without_asking_the_network(monkeypatch):
+    """Left to itself Ray finds its node address by a UDP connect towards a public DNS server (the route out of
+    the machine), and binds there. Inside `loopback_start` it must answer 127.0.0.1 without that connect (the
+    socket guard fails this test if it is made), and afterwards the switch and the environment are as before."""
+    import ray
+    from ray._private import ray_constants, services
+
+    from kvevict.integrations.ray_executor import LOCAL_ONLY, USAGE_STATS, loopback_start
+
+    monkeypatch.delenv(LOCAL_ONLY, raising=False)
+    monkeypatch.delenv(USAGE_STATS, raising=False)
+    before = ray_constants.ENABLE_RAY_CLUSTER
+    with loopback_start(ray):
+        assert services.get_node_ip_address() == "127.0.0.1"
+        assert os.environ[LOCAL_ONLY] == "0" and os.environ[USAGE_STATS] == "0"
+    assert ray_constants.ENABLE_RAY_CLUSTER == before
+    assert LOCAL_ONLY not in os.environ and USAGE_STATS not in os.environ
 
 
 @needs_ray
