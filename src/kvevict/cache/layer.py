@@ -120,9 +120,15 @@ class EvictingLayer(CacheLayerMixin):
         capacity = (self.budget or 0) + s.slack
         names = s.stat_names
         # stored keys that never change (original positions): their per-key numbers can be kept too
-        if not s.mode.raw_keys and any(p.arrival_stat for p in s.layout.policies):
+        arrival = not s.mode.raw_keys and any(p.arrival_stat for p in s.layout.policies)
+        if arrival:
             names = (*names, ARRIVAL)
-        return s.mode.new_storage(self.batch_size, self.heads, self.head_dim, self.dtype, self.device, names, capacity)
+        storage = s.mode.new_storage(
+            self.batch_size, self.heads, self.head_dim, self.dtype, self.device, names, capacity
+        )
+        if arrival:  # `_arrive` writes it for every new slot before anything reads it
+            storage.written_on_arrival = frozenset({ARRIVAL})
+        return storage
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, forward: Forward | None = None, **kwargs

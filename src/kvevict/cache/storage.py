@@ -30,6 +30,8 @@ class SlotStorage:
         self.stat_names = stat_names
         self.raw_keys = raw_keys
         self.capacity = 0
+        #: statistics the layer writes for every new slot itself (`open` need not zero them)
+        self.written_on_arrival: frozenset[str] = frozenset()
         self.raw: torch.Tensor | None = None
         self.stats: dict[str, torch.Tensor] = {}
         self._allocate(capacity, 0)
@@ -79,8 +81,9 @@ class SlotStorage:
             self.pos[:, :, n].fill_(seen)
         else:
             self.pos[:, :, n:end] = torch.arange(seen, seen + q, device=self.device)
-        for stat in self.stats.values():
-            stat[:, :, n:end] = 0
+        for name, stat in self.stats.items():
+            if name not in self.written_on_arrival:
+                stat[:, :, n:end] = 0
         self.values[:, :, n:end] = values
 
     def fill_hole(self, victim: torch.Tensor, newest: int) -> None:
