@@ -139,7 +139,9 @@ class SinkTracker(Observer):
         at = self.lost.get(layer)
         if at is None:
             at = self.lost[layer] = torch.full(lost.shape, -1, dtype=torch.long, device=lost.device)
-        at.copy_(torch.where(lost & (at < 0), seen, at))
+        # a new tensor, not `copy_`: a look deferred to `lost_at` may run outside the inference mode
+        # the forward ran in, where an inference tensor cannot be updated in place
+        at = self.lost[layer] = torch.where(lost & (at < 0), seen, at)
         if not at.is_cuda and bool((at >= 0).all()):  # a token never comes back: nothing more to tell
             self.settled.add(layer)
 
