@@ -27,11 +27,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--arms", default="window,streamingllm")
     parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:1 ...")
     parser.add_argument("--top", type=int, default=14)
     args = parser.parse_args()
     arms = ["dynamic", *(a for a in args.arms.split(",") if a and a != "dynamic")]
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, device=args.device)
     tokens, _ = load_tokens("pg-essays", tokenizer, args.budget + args.steps + 1)
+    tokens = tokens.to(args.device)
     profiles = {arm: cProfile.Profile() for arm in arms}
     with torch.inference_mode():
         caches = {arm: make(model, arm, args.budget, args.steps, tokens) for arm in arms}
@@ -42,6 +44,8 @@ def main() -> None:
                 use(model, arm)
                 profiles[arm].enable()
                 body(model, tokens[None, at + step : at + step + 1], cache)
+                if tokens.is_cuda:  # the step's kernels inside its own profile
+                    torch.cuda.synchronize(tokens.device)
                 profiles[arm].disable()
     for arm in arms:
         stats = pstats.Stats(profiles[arm])

@@ -28,10 +28,11 @@ class WorkerSpec:
     allow_download: bool = False
     model: Any = field(default=None, repr=False)
     tokenizer: Any = field(default=None, repr=False)
+    device: str = "cpu"  # where a worker that loads the model puts it
 
     def build(self) -> Worker:
         """A worker; it loads the model on its first batch unless this spec carries one."""
-        return Worker(self.config, self.model, self.tokenizer, self.allow_download)
+        return Worker(self.config, self.model, self.tokenizer, self.allow_download, self.device)
 
     def portable(self) -> WorkerSpec:
         """This spec without the driver's model, to ship to another process (which loads its own)."""

@@ -47,7 +47,7 @@ def record_stream_start(config: SweepConfig, tokenizer) -> None:
 
 def run_sweep(
     config: SweepConfig, model=None, tokenizer=None, progress: bool = True, allow_download: bool = False,
-    executor: Executor | None = None,
+    executor: Executor | None = None, device: str = "cpu",
 ) -> tuple[ResultStore, list[Record]]:
     """Run every unfinished cell; returns the store and the run's records (typed).
 
@@ -55,6 +55,7 @@ def run_sweep(
     `allow_download` lets `load_model` fetch an HF id that is not in the local cache.
     `executor` runs the batches (default: `LocalExecutor`, in this process); cells it
     gave up on are in `executor.failed`, and a rerun of the same sweep runs them again.
+    `device`: where a model this run loads goes (`cpu`, `cuda`); a given `model` stays where it is.
     """
     executor = executor or LocalExecutor()
     cells = plan(config)
@@ -63,7 +64,7 @@ def run_sweep(
     todo = batches(config, [c for c in cells if c.key not in done])
     task_kinds = tasks.pending(config, done)
     if model is None and todo and executor.in_process:  # one model for the cells and the tasks
-        model, tokenizer = load_model(config.model, allow_download=allow_download)
+        model, tokenizer = load_model(config.model, device=device, allow_download=allow_download)
     if model is not None and any(c.kind == "oracle" for b in todo for c in b.cells):
         refusal = oracle_refusal(model)  # before any batch runs (a Ray worker refuses it in its batch)
         if refusal:
@@ -79,10 +80,10 @@ def run_sweep(
                 store.append(lines)
                 bar.advance(sweep_task, len(lines))
 
-            executor.run(WorkerSpec(config, allow_download, model, tokenizer), todo, finished, bar)
+            executor.run(WorkerSpec(config, allow_download, model, tokenizer, device), todo, finished, bar)
     if task_kinds:  # the protocols beyond perplexity run in this process, whatever the executor
         if model is None:
-            model, tokenizer = load_model(config.model, allow_download=allow_download)
+            model, tokenizer = load_model(config.model, device=device, allow_download=allow_download)
         tokens, _ = load_tokens(config.text, tokenizer, config.tokens)
         with bars(progress) as bar:
             tasks.run(config, model, tokenizer, tokens, store, task_kinds, bar)

@@ -86,15 +86,20 @@ class Worker:
     is loaded on the first batch, so a bad model name surfaces as that batch's error.
     """
 
-    def __init__(self, config: SweepConfig, model=None, tokenizer=None, allow_download: bool = False) -> None:
+    def __init__(
+        self, config: SweepConfig, model=None, tokenizer=None, allow_download: bool = False, device: str = "cpu"
+    ) -> None:
         self.config, self.model, self.tokenizer = config, model, tokenizer
         self.allow_download = allow_download
+        self.device = device
         self.tokens: torch.Tensor | None = None
         self._reference: tuple[Reference, Cost] | None = None
 
     def _load(self) -> None:
         if self.model is None:
-            self.model, self.tokenizer = load_model(self.config.model, allow_download=self.allow_download)
+            self.model, self.tokenizer = load_model(
+                self.config.model, device=self.device, allow_download=self.allow_download
+            )
         if self.tokens is None:
             self.tokens, _ = load_tokens(self.config.text, self.tokenizer, self.config.tokens)
 
@@ -102,7 +107,7 @@ class Worker:
         """The full cache over the stream and what computing it cost, once per worker."""
         if self._reference is None:
             self._load()
-            with measure() as cost:
+            with measure(self.model.device) as cost:
                 reference = full_reference(self.model, self.tokens, progress)
             self._reference = (reference, cost)
         return self._reference
@@ -115,7 +120,7 @@ class Worker:
         if batch.kind == "full":
             return [ppl_record(batch.cells[0], reference.result, config, reference_cost, tokens.numel()).to_dict()]
         torch.manual_seed(config.seed)
-        with measure() as cost:
+        with measure(self.model.device) as cost:
             if batch.kind == "oracle":
                 found = {"oracle": recompute_oracle(self.model, tokens, batch.budget, config.oracle_stride, reference,
                                                     progress)}

@@ -39,6 +39,8 @@ from .storage import SlotStorage
 NAME = "kvevict"
 #: where `update` leaves the layer in the model's attention kwargs for the attention function
 LAYER_KEY = "kvevict_layer"
+#: the per-slot statistic that holds `Policy.arrival` of each slot's key (`arrival_stat` policies)
+ARRIVAL = "arrival"
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,10 @@ class EvictingLayer(CacheLayerMixin):
         # (slot of the oldest unpinned entry, tokens seen when it was found): valid for the next
         # decode step only, see `_fifo_victim`
         self._ring: tuple[int, int] | None = None
+        # the row groups whose policy keeps a per-key number (`Policy.arrival_stat`), found at the first
+        # `finish`; and whether every held slot's number is stored (see `_arrive`)
+        self._arrival_groups: list[int] | None = None
+        self._arrival_valid = False
         self.forward = Forward()  # the forward in flight, handed over by the cache at `update`
 
     @property
@@ -112,9 +118,17 @@ class EvictingLayer(CacheLayerMixin):
     def _new_storage(self) -> SlotStorage:
         s = self.settings
         capacity = (self.budget or 0) + s.slack
-        return s.mode.new_storage(
-            self.batch_size, self.heads, self.head_dim, self.dtype, self.device, s.stat_names, capacity
+        names = s.stat_names
+        # stored keys that never change (original positions): their per-key numbers can be kept too
+        arrival = not s.mode.raw_keys and any(p.arrival_stat for p in s.layout.policies)
+        if arrival:
+            names = (*names, ARRIVAL)
+        storage = s.mode.new_storage(
+            self.batch_size, self.heads, self.head_dim, self.dtype, self.device, names, capacity
         )
+        if arrival:  # `_arrive` writes it for every new slot before anything reads it
+            storage.written_on_arrival = frozenset({ARRIVAL})
+        return storage
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, forward: Forward | None = None, **kwargs
@@ -221,6 +235,7 @@ class EvictingLayer(CacheLayerMixin):
         self.identical = True
         self.ordered = True
         self._ring = None
+        self._arrival_valid = False
         self.pending = False
         self.statistics.reset()
         if self.storage is not None:
@@ -285,6 +300,7 @@ class EvictingLayer(CacheLayerMixin):
             out = replay_steps(self, query, used, scaling)
         self.identical = False
         self.new = 0
+        self._arrival_valid = False  # the replay moved slots without storing the new keys' numbers
         self.fit_storage()
         for observer in self.settings.observers:
             observer.on_forward(self.index, self.n)
@@ -325,6 +341,11 @@ class EvictingLayer(CacheLayerMixin):
         if query_positions is not None:
             self.statistics.remember(query, query_positions, self.seen)
         views = self.statistics.feed(s.layout, self.storage, s.mode, query, scaling, self.seen, self.new, total, probs)
+        if self._arrival_groups is None:
+            stored = ARRIVAL in self.storage.stats
+            self._arrival_groups = [i for i, g in enumerate(s.layout.groups) if stored and g.policy.arrival_stat]
+        if self._arrival_groups:
+            self._arrive(views, total)
         target = self._target(total)
         if target is not None:
             self.identical = False
@@ -339,6 +360,24 @@ class EvictingLayer(CacheLayerMixin):
         self.fit_storage()
         for observer in s.observers:
             observer.on_forward(self.index, self.n)
+
+    def _arrive(self, views: list[SlotView], total: int) -> None:
+        """Store `Policy.arrival` of the keys that came since the last forward (of every slot when the
+        stored numbers are not all valid) and hand the stored `[b, H_kv, total]` to the views.
+
+        Every slot move (`fill_hole`, `move_slot`, `gather`, a reallocation) carries the statistic with
+        its slot, so after a forward all `n` held slots hold theirs; only a replay (which moves slots
+        for keys it never scored this way) and a reset make them stale.
+        """
+        storage = self.storage
+        stat = storage.stats[ARRIVAL]
+        start = self.n if self._arrival_valid else 0
+        groups = self.settings.layout.groups
+        for i in self._arrival_groups:
+            group = groups[i]
+            group.put(stat[:, :, start:total], group.policy.arrival(group.take(storage.keys[:, :, start:total])))
+            views[i].arrival = group.take(stat[:, :, :total])
+        self._arrival_valid = True
 
     def fit_storage(self) -> None:
         """After a forward: give back buffers a long forward grew beyond twice the budget and its

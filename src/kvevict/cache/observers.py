@@ -73,6 +73,11 @@ class SinkTracker(Observer):
 
     Rows whose policy pins token 0 can never lose it; when every row does, eviction
     reports are not even looked at.
+
+    A decode step's victims are not looked at one layer at a time: token 0 leaves a (row, head)
+    once, so most steps evict something else and one look per forward at all its layers' victims
+    (`_flush`, when a layer reports a second time or anyone reads `lost_at`) costs one comparison
+    instead of one per layer. Events are looked at in the order they came, so the first loss wins.
     """
 
     def __init__(self) -> None:
@@ -86,23 +91,45 @@ class SinkTracker(Observer):
     def reset(self) -> None:
         self.lost: dict[int, torch.Tensor] = {}  # layer -> [B, H_kv]
         self.settled: set[int] = set()  # layers where token 0 left every (row, KV head): nothing left to note
+        # one-entry evictions not looked at yet, oldest first: (layer, seen, victims [B, H_kv])
+        self._pending: list[tuple[int, int, torch.Tensor]] = []
+        self._pending_layers: set[int] = set()
 
     def on_evict(self, event: Eviction) -> None:
         if not self.wants_victims or event.layer in self.settled:
             return
         if event.victims is not None:
-            lost = event.victims == 0
-            # token 0 leaves a (row, head) once: most steps evict something else. On the CPU looking
+            if event.layer in self._pending_layers:  # the next forward: look at the last one's first
+                self._flush()
+            self._pending.append((event.layer, event.seen, event.victims))
+            self._pending_layers.add(event.layer)
+            return
+        self._flush()
+        self._record(event.layer, event.kept[:, :, 0] != 0, event.seen)  # kept positions ascend: token 0 held iff first
+
+    def _flush(self) -> None:
+        """Look at the pending victims, all layers at once (see the class docstring)."""
+        pending = self._pending
+        if not pending:
+            return
+        self._pending, self._pending_layers = [], set()
+        shapes = {victims.shape for _, _, victims in pending}
+        lost = [victims == 0 for _, _, victims in pending] if len(shapes) > 1 else None
+        if lost is None:
+            stacked = torch.stack([victims for _, _, victims in pending]) == 0  # [k, B, H_kv]
+            # token 0 leaves a (row, head) once: most forwards evict something else. On the CPU looking
             # costs less than the update; on a GPU it would wait for the device, so it updates blindly
-            if not lost.is_cuda and not bool(lost.any()):
+            if not stacked.is_cuda and not bool(stacked.any()):
                 return
-        else:
-            lost = event.kept[:, :, 0] != 0  # kept positions ascend: token 0 held iff first
-        self._record(event.layer, lost, event.seen)
+            lost = stacked.unbind(0)
+        for (layer, seen, _), gone in zip(pending, lost):
+            if layer not in self.settled:
+                self._record(layer, gone, seen)
 
     def on_evict_steps(self, layer: int, seen: torch.Tensor, victims: torch.Tensor) -> None:
         if not self.wants_victims or layer in self.settled:
             return
+        self._flush()
         lost = victims == 0  # [B, H, k]; token 0 leaves a (row, head) at most once
         first = lost.to(torch.uint8).argmax(dim=-1)  # [B, H], the step it left at (0 when it stayed)
         self._record(layer, lost.any(dim=-1), seen.to(victims.device)[first])
@@ -112,12 +139,15 @@ class SinkTracker(Observer):
         at = self.lost.get(layer)
         if at is None:
             at = self.lost[layer] = torch.full(lost.shape, -1, dtype=torch.long, device=lost.device)
-        at.copy_(torch.where(lost & (at < 0), seen, at))
+        # a new tensor, not `copy_`: a look deferred to `lost_at` may run outside the inference mode
+        # the forward ran in, where an inference tensor cannot be updated in place
+        at = self.lost[layer] = torch.where(lost & (at < 0), seen, at)
         if not at.is_cuda and bool((at >= 0).all()):  # a token never comes back: nothing more to tell
             self.settled.add(layer)
 
     def lost_at(self, layers: int, heads: int) -> torch.Tensor:
         """`[layers, B, H_kv]`: tokens seen when token 0 was evicted, -1 if it never was."""
+        self._flush()
         never = torch.full((len(self.pinned_per_row), heads), -1, dtype=torch.long)
         return torch.stack([self.lost[i].cpu() if i in self.lost else never for i in range(layers)])
 

@@ -28,7 +28,9 @@ def decode_probs(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torc
     hkv, n = key.shape[1], key.shape[2]
     # Merging (row, head) is a view: the cache's buffers are contiguous over both.
     grouped = query.reshape(b * hkv, hq // hkv, d)
-    logits = torch.bmm(grouped, key.reshape(b * hkv, n, d).transpose(1, 2)).float()
+    logits = torch.bmm(grouped, key.reshape(b * hkv, n, d).transpose(1, 2))
+    if logits.dtype != torch.float32:  # a no-op call per layer and step saved where it would be one
+        logits = logits.float()
     return torch.softmax(logits.mul_(scaling), dim=-1).view(b, hkv, hq // hkv, n)
 
 
@@ -43,7 +45,8 @@ def decode_attention(
     b, hq, _, d = query.shape
     hkv, n = key.shape[1], key.shape[2]
     probs = decode_probs(query, key, scaling)
-    out = torch.bmm(probs.to(value.dtype).view(b * hkv, hq // hkv, n), value.reshape(b * hkv, n, d))
+    weights = probs if probs.dtype == value.dtype else probs.to(value.dtype)
+    out = torch.bmm(weights.view(b * hkv, hq // hkv, n), value.reshape(b * hkv, n, d))
     return out.view(b, hq, 1, d), probs
 
 

@@ -21,8 +21,8 @@ def victim(scores: torch.Tensor, pos: torch.Tensor, ordered: bool) -> torch.Tens
     """
     if ordered:
         return scores.argmin(dim=-1)
-    lowest = scores.amin(dim=-1, keepdim=True)
-    return pos.masked_fill(scores != lowest, LATEST_LAST).argmin(dim=-1)
+    # the earliest position among the slots holding the lowest score: three ops per layer and step
+    return torch.where(scores == scores.amin(dim=-1, keepdim=True), pos, LATEST_LAST).argmin(dim=-1)
 
 
 def keep_slots(scores: torch.Tensor, pos: torch.Tensor, budget: int, ordered: bool) -> torch.Tensor:

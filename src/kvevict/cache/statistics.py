@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from ..errors import KvevictError
-from ..policies import AttentionRequest, SlotView
+from ..policies import AttentionRequest, Policy, SlotView
 from .positions import PositionMode
 from .probabilities import attention_mass, decode_probs
 from .query_window import QueryWindow
@@ -97,6 +97,9 @@ class Statistics:
         self.views = self.requests = None
         if all(r is None for r in requests):
             return views
+        if probs is not None and len(requests) == 1:
+            self._feed_decode(layout, storage, probs, views[0], requests[0])
+            return views
         # one query in flight: its attention is both "new" and "last", measured once
         shared_kinds = ("new", "last") if new == 1 else ("new",)
         asking = [i for i, r in enumerate(requests) if r is not None and r.kind in shared_kinds]
@@ -142,6 +145,25 @@ class Statistics:
             group.put(stat[:, :, :total], updated)
             view.stats[request.stat] = updated
         return views
+
+    @staticmethod
+    def _feed_decode(
+        layout: RowLayout, storage: SlotStorage, probs: torch.Tensor, view: SlotView, request: AttentionRequest
+    ) -> None:
+        """`feed` for a decode step of one policy whose query's probabilities `[B, H_kv, group, n]`
+        attention kept: the statistic is updated where it lies, in place (what `Policy.absorb`
+        would return, written in one op instead of a new tensor and a copy)."""
+        group = layout.groups[0]
+        mass = probs.sum(dim=2)  # [B, H_kv, n]
+        policy = group.policy
+        stat = view.stats[request.stat]  # the storage's own slots: one group holds every row
+        if type(policy).absorb is not Policy.absorb or stat.dtype != mass.dtype:
+            updated = policy.absorb(view, request, mass).to(stat.dtype)
+            stat.copy_(updated)
+        elif request.accumulate:
+            stat.add_(mass)
+        else:
+            stat.copy_(mass)
 
     def window_queries(self, mode: PositionMode, size: int, seen: int, total: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The last `size` queries `[B, H_q, m, D]` (in any order), rotated to where their

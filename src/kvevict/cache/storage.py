@@ -30,6 +30,8 @@ class SlotStorage:
         self.stat_names = stat_names
         self.raw_keys = raw_keys
         self.capacity = 0
+        #: statistics the layer writes for every new slot itself (`open` need not zero them)
+        self.written_on_arrival: frozenset[str] = frozenset()
         self.raw: torch.Tensor | None = None
         self.stats: dict[str, torch.Tensor] = {}
         self._allocate(capacity, 0)
@@ -51,12 +53,9 @@ class SlotStorage:
             for name, stat in self.stats.items():
                 stat[:, :, :n] = old[3][name][:, :, :n]
         self.capacity = capacity
-        # Offset of each (row, head) in the flattened [B*H*capacity] slots; in the shared
-        # key/value buffer the values follow all the keys.
+        # Offset of each (row, head) in the flattened [B*H*capacity] slots (`gather`).
         cells = torch.arange(self.batch * self.heads, device=self.device)
         self.row_base = (cells * capacity).view(self.batch, self.heads)
-        self.kv_base = torch.tensor([0, cells.numel() * capacity], device=self.device).view(2, 1, 1)
-        self._newest: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
     def ensure(self, needed: int, n: int, grow_to: int) -> None:
         """Make room for `needed` slots (keeping the first `n`), growing to `grow_to` at least."""
@@ -82,24 +81,26 @@ class SlotStorage:
             self.pos[:, :, n].fill_(seen)
         else:
             self.pos[:, :, n:end] = torch.arange(seen, seen + q, device=self.device)
-        for stat in self.stats.values():
-            stat[:, :, n:end] = 0
+        for name, stat in self.stats.items():
+            if name not in self.written_on_arrival:
+                stat[:, :, n:end] = 0
         self.values[:, :, n:end] = values
 
     def fill_hole(self, victim: torch.Tensor, newest: int) -> None:
-        """Move slot `newest` into each `[B, H]` victim slot: a few one-slot copies.
+        """Move slot `newest` into each `[B, H]` victim slot: one `scatter_` per buffer.
 
-        Nothing else moves, so slots stop being in positional order.
+        Nothing else moves, so slots stop being in positional order. The source is a view of
+        slot `newest` in the same buffer: no element is both read and written, except where the
+        newest entry is its own victim, and then it is written with its own value.
         """
-        flat = victim + self.row_base
-        newest_kv, newest_rows = self._newest_rows(newest)
-        slots = self.batch * self.heads * self.capacity
-        kv = self.kv.view(2 * slots, -1)
-        kv.index_copy_(0, (flat[None] + self.kv_base).reshape(-1), kv.index_select(0, newest_kv))
-        flat = flat.reshape(-1)
+        at = victim[..., None]  # [B, H, 1]
+        source = slice(newest, newest + 1)
+        self.kv.scatter_(3, at[None, ..., None].expand(2, *at.shape, self.head_dim), self.kv[:, :, :, source])
         for buffer in self._per_slot():
-            rows = buffer.view(slots, -1)
-            rows.index_copy_(0, flat, rows.index_select(0, newest_rows))
+            if buffer.dim() == 3:
+                buffer.scatter_(2, at, buffer[:, :, source])
+            else:  # the un-rotated keys (position-shift mode compacts instead: kept for completeness)
+                buffer.scatter_(2, at[..., None].expand(*at.shape, self.head_dim), buffer[:, :, source])
 
     def move_slot(self, source: int, dest: int) -> torch.Tensor:
         """Move slot `source` into slot `dest` for every (row, head): the one victim of a decode step
@@ -110,13 +111,6 @@ class SlotStorage:
         for buffer in self._per_slot():
             buffer[:, :, dest] = buffer[:, :, source]
         return gone
-
-    def _newest_rows(self, newest: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flat rows of slot `newest`: in `kv`, and in a per-slot buffer (memoized)."""
-        if self._newest is None or self._newest[0] != newest:
-            rows = self.row_base + newest
-            self._newest = (newest, (rows[None] + self.kv_base).reshape(-1), rows.reshape(-1))
-        return self._newest[1], self._newest[2]
 
     def _per_slot(self) -> list[torch.Tensor]:
         """Per-slot buffers besides keys and values: positions, statistics, un-rotated keys."""

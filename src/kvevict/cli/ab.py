@@ -14,8 +14,10 @@ from ..defaults import DEFAULT_CHUNK
 from ..errors import KvevictError
 from .common import (
     CHUNK_HELP,
+    DEVICE_HELP,
     DOWNLOAD_HELP,
     MODEL_HELP,
+    check_device,
     check_positions,
     err,
     one_line_errors,
@@ -36,11 +38,12 @@ DEMO = dict(tokens=2000, budgets=[64, 128, 256], policies=["window", "streamingl
             ruler=["niah_single_1"], ruler_length=500, ruler_samples=2)
 
 
-def run_ab(config, allow_download: bool = False, executor=None) -> None:
+def run_ab(config, allow_download: bool = False, executor=None, device: str = "cpu") -> None:
     """Plan, validate, run and report one sweep (a `SweepConfig`); prints the summary and the report path.
 
     Batches an `executor` gave up on are named on stderr after the summary, and the
-    command exits with code 1 (after writing the report): a rerun finishes them."""
+    command exits with code 1 (after writing the report): a rerun finishes them. `device`: where the
+    model runs (checked before anything loads)."""
     from ..ab import run_sweep
     from ..ab.executors import LocalExecutor
     from ..report.records import ppl_records
@@ -48,10 +51,11 @@ def run_ab(config, allow_download: bool = False, executor=None) -> None:
     from ..report.tables import summary_table
     from ..report.verdict import verdict
 
+    check_device(device)
     check_positions(config.positions)
     executor = executor or LocalExecutor()
     # run_sweep checks every spec, budget and the run name (plan) before any model is loaded
-    run_sweep(config, allow_download=allow_download, executor=executor)
+    run_sweep(config, allow_download=allow_download, executor=executor, device=device)
     # the report, the table and the sentences are drawn from the run folder, exactly as `kvevict report` draws them
     run = load_run(config.folder)
     records = run.records
@@ -119,6 +123,7 @@ def ab(
                                 "(default: start a local Ray instance for the run)"),
     workers: int = typer.Option(2, help="--executor ray: Ray workers, each loads the model once"),
     retries: int = typer.Option(2, help="--executor ray: times a batch whose worker died is run again"),
+    device: str = typer.Option("cpu", help=DEVICE_HELP),
 ) -> None:
     """A/B test policies side by side: resumable results.jsonl, a summary table and an HTML report."""
     from ..ab import SweepConfig
@@ -134,7 +139,7 @@ def ab(
         ruler=_ruler_tasks(ruler), ruler_length=ruler_length, ruler_samples=ruler_samples,
         ruler_protocol=ruler_protocol,
     )
-    run_ab(config, allow_download, make_executor(executor, address or None, workers, retries))
+    run_ab(config, allow_download, make_executor(executor, address or None, workers, retries), device)
 
 
 @one_line_errors
@@ -174,8 +179,11 @@ def report(
 
 
 @one_line_errors
-def demo(out_dir: str = typer.Option("runs", "--out", help="where results go")) -> None:
+def demo(
+    out_dir: str = typer.Option("runs", "--out", help="where results go"),
+    device: str = typer.Option("cpu", help=DEVICE_HELP),
+) -> None:
     """The main job: a default A/B on the embedded model and text."""
     from ..ab import SweepConfig
 
-    run_ab(SweepConfig(out=out_dir, **DEMO))
+    run_ab(SweepConfig(out=out_dir, **DEMO), device=device)

@@ -25,6 +25,7 @@ R = TypeVar("R")
 
 MODEL_HELP = "embedded name, local directory or HF id (resolved offline unless --allow-download)"
 DOWNLOAD_HELP = "let an HF id that is not in the local cache be downloaded (off: fail at once, no network)"
+DEVICE_HELP = "where the model runs: cpu, or cuda (cuda:N) where torch sees a CUDA device"
 
 
 def fail(message: str) -> NoReturn:
@@ -48,6 +49,29 @@ def one_line_errors(command: Callable[P, R]) -> Callable[P, R]:
             fail(str(exc))
 
     return guarded
+
+
+def check_device(device: str) -> str:
+    """`--device` as given, once it names a device torch can use here: `cpu`, or `cuda` / `cuda:N` where
+    torch sees that CUDA device. Checked before anything loads, so a machine without a GPU says so in one line."""
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        parsed = None
+    if parsed is None or parsed.type not in ("cpu", "cuda"):
+        raise KvevictError(f"--device must be cpu, cuda or cuda:N, got '{device}'")
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise KvevictError(
+                f"--device {device}: torch sees no CUDA device on this machine (torch.cuda.is_available() is False); "
+                "use --device cpu"
+            )
+        count = torch.cuda.device_count()
+        if parsed.index is not None and parsed.index >= count:
+            raise KvevictError(f"--device {device}: torch sees {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+    return device
 
 
 def split_specs(text: str) -> list[str]:

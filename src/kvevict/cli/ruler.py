@@ -13,7 +13,17 @@ import json
 import typer
 
 from ..errors import KvevictError
-from .common import DOWNLOAD_HELP, MODEL_HELP, check_positions, err, one_line_errors, parse_numbers, split_specs
+from .common import (
+    DEVICE_HELP,
+    DOWNLOAD_HELP,
+    MODEL_HELP,
+    check_device,
+    check_positions,
+    err,
+    one_line_errors,
+    parse_numbers,
+    split_specs,
+)
 from .tables import show
 
 
@@ -38,6 +48,7 @@ def ruler(
     max_new_tokens: int = typer.Option(0, help="cap on answer tokens (0: RULER's answer length per task)"),
     as_json: bool = typer.Option(False, "--json", help="print {'cells': [...]} as the last line"),
     allow_download: bool = typer.Option(False, "--allow-download", help=DOWNLOAD_HELP),
+    device: str = typer.Option("cpu", help=DEVICE_HELP),
 ) -> None:
     """RULER's tasks, offline: accuracy per task, policy, budget and protocol, with 95% intervals."""
     from ..ab.ruler import RulerRun, run_ruler
@@ -50,6 +61,7 @@ def ruler(
     from ..report.records import ruler_records
     from ..report.verdict import verdict
 
+    check_device(device)
     check_positions(positions)
     specs = split_specs(policies)
     if not specs:
@@ -68,7 +80,7 @@ def ruler(
     _ = run.folder  # a bad --name is refused before the model loads
     from ..loading import load_model
 
-    lm, tokenizer = load_model(model, allow_download=allow_download)
+    lm, tokenizer = load_model(model, device=device, allow_download=allow_download)
     if not getattr(tokenizer, "chat_template", None):
         err.print(f"note: '{model}' has no chat template; RULER's plain template is used")
     records = run_ruler(run, lm, tokenizer)

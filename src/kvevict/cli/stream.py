@@ -11,8 +11,10 @@ from ..errors import KvevictError
 from ..report.columns import MEAN_KEPT, Column, Table, mean_kept
 from .common import (
     CHUNK_HELP,
+    DEVICE_HELP,
     DOWNLOAD_HELP,
     MODEL_HELP,
+    check_device,
     check_policies,
     check_positions,
     err,
@@ -58,19 +60,21 @@ def ppl(
     chunk: str = typer.Option(str(DEFAULT_CHUNK), help=CHUNK_HELP),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object as the last line"),
     allow_download: bool = typer.Option(False, "--allow-download", help=DOWNLOAD_HELP),
+    device: str = typer.Option("cpu", help=DEVICE_HELP),
 ) -> None:
     """Streaming perplexity of one policy at one budget."""
     from ..data import load_tokens
     from ..eval.streaming import streaming_ppl
     from ..loading import load_model, load_tokenizer
 
+    check_device(device)
     check_positions(positions)
     check_policies([policy], budget, positions)
     chunk_size = parse_chunk(chunk)
     if tokens < 2:
         raise KvevictError(f"need at least 2 tokens to score a prediction, got --tokens {tokens}")
     ids, repeated = load_tokens(text, load_tokenizer(model, allow_download), tokens, repeat=repeat)
-    lm, _ = load_model(model, allow_download=allow_download)
+    lm, _ = load_model(model, device=device, allow_download=allow_download)
     if repeated:
         err.print(f"note: '{text}' is shorter than {tokens} tokens; it was repeated to fill the stream")
     result = streaming_ppl(lm, ids, policy=policy, budget=budget, positions=positions, chunk=chunk_size)
@@ -98,11 +102,13 @@ def compare(
     chunk: str = typer.Option(str(DEFAULT_CHUNK), help=CHUNK_HELP),
     as_json: bool = typer.Option(False, "--json"),
     allow_download: bool = typer.Option(False, "--allow-download", help=DOWNLOAD_HELP),
+    device: str = typer.Option("cpu", help=DEVICE_HELP),
 ) -> None:
     """Streaming perplexity of several policies side by side, with the full cache as reference."""
     from ..data import load_tokens
     from ..loading import load_model, load_tokenizer
 
+    check_device(device)
     specs = split_specs(policies)
     check_positions(positions)
     if not specs:
@@ -110,7 +116,7 @@ def compare(
     check_policies(specs, budget, positions)
     chunk_size = parse_chunk(chunk)
     ids, _ = load_tokens(text, load_tokenizer(model, allow_download), tokens)
-    lm, _ = load_model(model, allow_download=allow_download)
+    lm, _ = load_model(model, device=device, allow_download=allow_download)
     rows, full = _compare_in_batches(lm, ids, specs, budget, positions, chunk_size)
     note_unreached(budget, ids.numel())
     summaries = [full.summary()] + [r.summary() for r in rows]

@@ -14,8 +14,10 @@ import typer
 from ..errors import KvevictError
 from ..report.columns import Table
 from .common import (
+    DEVICE_HELP,
     DOWNLOAD_HELP,
     MODEL_HELP,
+    check_device,
     check_policies,
     check_positions,
     err,
@@ -66,19 +68,21 @@ def needle(
     save: str = typer.Option("", help="also write every trial's record to this JSON file"),
     as_json: bool = typer.Option(False, "--json", help="print {'cells': [...]} as the last line"),
     allow_download: bool = typer.Option(False, "--allow-download", help=DOWNLOAD_HELP),
+    device: str = typer.Option("cpu", help=DEVICE_HELP),
 ) -> None:
     """Pass-key retrieval: a 5-digit key hidden at a depth of an essay haystack, per policy and budget."""
     from ..eval.needle import check_grid, run_needle
     from ..loading import load_model
     from ..report.tables import needle_grid
 
+    check_device(device)
     check_positions(positions)
     length_list = _numbers(lengths, "--lengths", int)
     depth_list = _numbers(depths, "--depths", float)
     check_grid(length_list, depth_list, trials)
     specs = _specs(policies, positions)
     budget_list = _budgets(budgets)
-    lm, tokenizer = load_model(model, allow_download=allow_download)
+    lm, tokenizer = load_model(model, device=device, allow_download=allow_download)
     result = run_needle(
         lm, tokenizer, length_list, depth_list, trials, specs, budget_list, seed, text, positions, question_after
     )
@@ -106,18 +110,20 @@ def generation(
     save: str = typer.Option("", help="also write every output's record to this JSON file"),
     as_json: bool = typer.Option(False, "--json", help="print {'rows': [...]} as the last line"),
     allow_download: bool = typer.Option(False, "--allow-download", help=DOWNLOAD_HELP),
+    device: str = typer.Option("cpu", help=DEVICE_HELP),
 ) -> None:
     """Generation failure modes: repeated 4-grams and recall of a fact stated only at the start."""
     from ..eval.generation import run_generation
     from ..loading import load_model
     from ..report.tables import generation_table
 
+    check_device(device)
     check_positions(positions)
     if trials < 1:
         raise KvevictError(f"--trials must be at least 1, got {trials}")
     specs = _specs(policies, positions)
     budget_list = _budgets(budgets)
-    lm, tokenizer = load_model(model, allow_download=allow_download)
+    lm, tokenizer = load_model(model, device=device, allow_download=allow_download)
     result = run_generation(
         lm, tokenizer, specs, budget_list, length, trials, max_new_tokens, seed, text, positions, chat
     )
@@ -143,12 +149,14 @@ def sinks(
     save: str = typer.Option("", help="also write the whole map to this JSON file"),
     as_json: bool = typer.Option(False, "--json", help="print the map as one JSON object on the last line"),
     allow_download: bool = typer.Option(False, "--allow-download", help=DOWNLOAD_HELP),
+    device: str = typer.Option("cpu", help=DEVICE_HELP),
 ) -> None:
     """The attention-sink map: per layer and head, the attention share of the first k positions, and the sinks."""
     from ..data import load_tokens
     from ..eval.sinkmap import sink_map
     from ..loading import load_model, load_tokenizer
 
+    check_device(device)
     if tokens < 64:
         raise KvevictError(f"--tokens must be at least 64 for a sink map, got {tokens}")
     if not 1 <= k <= tokens // 4:
@@ -158,7 +166,7 @@ def sinks(
     if not 0.0 < min_heads <= 1.0:
         raise KvevictError(f"--min-heads is a share of (layer, head) pairs in (0, 1], got {min_heads}")
     ids, _ = load_tokens(text, load_tokenizer(model, allow_download), tokens)
-    lm, tokenizer = load_model(model, allow_download=allow_download)
+    lm, tokenizer = load_model(model, device=device, allow_download=allow_download)
     result = sink_map(lm, tokenizer, ids, k=k, threshold=threshold, min_heads=min_heads)
     data = result.to_dict()
     data.update(model=model, text=text, text_tokens=tokens)

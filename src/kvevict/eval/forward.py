@@ -31,9 +31,13 @@ def body(model, input_ids: torch.Tensor, cache) -> torch.Tensor:
     """Final hidden states `[B, q, H]` after feeding `input_ids` through `cache`.
 
     `base_model` is the decoder body whatever the family calls it (`model`, `transformer`, `gpt_neox`).
+    `input_ids` go to the model's device first (the hidden states come back there).
     """
     base = model.base_model
     kwargs = {_cache_kwarg(type(base)): cache, "use_cache": True}
+    device = base.get_input_embeddings().weight.device
+    if input_ids.device != device:  # prompts are built on the CPU; the model may sit on a GPU
+        input_ids = input_ids.to(device)
     return base(input_ids=input_ids, **kwargs).last_hidden_state
 
 

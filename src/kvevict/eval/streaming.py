@@ -159,12 +159,14 @@ class RowResult:
         return data
 
 
-def _validate(tokens: torch.Tensor) -> torch.Tensor:
+def _validate(tokens: torch.Tensor, model) -> torch.Tensor:
+    """The stream as ids on the model's device (the targets are compared with its log-probabilities
+    there; the per-token results stay on the CPU, each block copied in)."""
     if tokens.dim() != 1:
         raise KvevictError("streaming perplexity takes one token stream, a 1-D tensor of ids")
     if tokens.numel() < 2:
         raise KvevictError(f"need at least 2 tokens to score a prediction, got {tokens.numel()}")
-    return tokens.long()
+    return tokens.long().to(model.get_input_embeddings().weight.device)
 
 
 class _Lane:
@@ -235,7 +237,7 @@ REFERENCE_CHUNK = 512
 def full_reference(model, tokens: torch.Tensor, progress=True, label: str = "stream") -> Reference:
     """The full cache over `tokens`: chunks through a full cache are exactly a
     full-sequence forward, at prefill speed."""
-    tokens = _validate(tokens)
+    tokens = _validate(tokens, model)
     targets = tokens[1:]
     steps = targets.numel()
     vocab = model.get_output_embeddings().weight.shape[0]
@@ -283,7 +285,7 @@ def compare(
     bool or an existing rich Progress to add a bar to. `observers` are attached to the
     cache beside the ones this protocol uses (the llama.cpp check records shift points).
     """
-    tokens = _validate(tokens)
+    tokens = _validate(tokens, model)
     chunk = check_chunk(chunk)
     targets = tokens[1:]
     steps = targets.numel()

@@ -15,7 +15,7 @@ equal scores the cache keeps the later token: policies do not break ties themsel
 **What a policy declares.** Everything the cache, the evaluation or the report needs to
 know about a policy is declared on `Policy`, never read off its name: the attributes
 `stats`, `pinned`, `query_window`, `unbounded`, `needs_attention`, `static_scores`,
-`reads_keys`, `varies_by_layer` and `varies_by_head` (with `own_batch` derived from the
+`arrival_stat`, `reads_keys`, `varies_by_layer` and `varies_by_head` (with `own_batch` derived from the
 last two), and the methods `layer_budgets` and `head_floor` that say the budget per
 layer and the floor per head.
 """
@@ -65,9 +65,14 @@ class SlotView:
     stats: dict[str, torch.Tensor] = field(default_factory=dict)
     keys: Callable[[], torch.Tensor] | None = None
     _order: torch.Tensor | None = field(default=None, repr=False)
+    #: `[b, H_kv, n]` what `Policy.arrival` gave each slot's key when it arrived, where the cache
+    #: stored it (a decode step in original positions); None: compute it from `keys()`
+    arrival: torch.Tensor | None = None
 
     def with_budget(self, budget: int) -> SlotView:
-        return SlotView(self.positions, self.seen, budget, self.layer, self.stats, self.keys, self._order)
+        return SlotView(
+            self.positions, self.seen, budget, self.layer, self.stats, self.keys, self._order, arrival=self.arrival
+        )
 
     def order(self) -> torch.Tensor:
         """`[b, H_kv, n]` slot indices sorted by position (computed once per view)."""
@@ -132,6 +137,11 @@ class Policy:
     #: pinned sinks), None for any other rule. Then a decode step's victim is known without
     #: scoring or ranking anything: the layer keeps a ring of slots (`EvictingLayer.finish`)
     fifo_after: ClassVar[int | None] = None
+    #: part of its score is a number each key alone decides (`arrival`: K-norm's norm, KeyDiff's
+    #: inverse norm). Where stored keys never change (original positions) the cache computes it once
+    #: per key, keeps it per slot and hands it back (`SlotView.arrival`), so a decode step does not
+    #: recompute it for every held key
+    arrival_stat: ClassVar[bool] = False
 
     @property
     def own_batch(self) -> bool:
@@ -188,6 +198,11 @@ class Policy:
 
     def scores(self, view: SlotView) -> torch.Tensor:
         """`[b, H_kv, n]` floats, higher means keep (see the module's score convention)."""
+        raise NotImplementedError
+
+    def arrival(self, keys: torch.Tensor) -> torch.Tensor:
+        """`[b, H_kv, q]` the per-key number of `arrival_stat`, of keys `[b, H_kv, q, D]`. It must depend
+        on each key alone, so computing it for one key or for many gives the same bits."""
         raise NotImplementedError
 
     def reset(self) -> None:

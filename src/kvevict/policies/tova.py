@@ -48,7 +48,8 @@ class TOVA(Policy):
         if self.per_group or mass.shape[1] == 1:
             return mass
         positions = view.positions
-        if bool((positions == positions[:, :1]).all()):  # heads hold the same tokens in the same slots
+        # heads hold the same tokens in the same slots (one op, one answer: no `.all()` then `bool`)
+        if torch.equal(positions, positions[:, :1].expand_as(positions)):
             return mass.sum(dim=1, keepdim=True).expand_as(mass)
         return _shared_by_position(mass, positions)
 

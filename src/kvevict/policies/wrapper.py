@@ -40,6 +40,13 @@ class Wrapper(Policy):
         return self.inner.reads_keys
 
     @property
+    def arrival_stat(self) -> bool:
+        return self.inner.arrival_stat
+
+    def arrival(self, keys: torch.Tensor) -> torch.Tensor:
+        return self.inner.arrival(keys)
+
+    @property
     def varies_by_layer(self) -> bool:
         return self.inner.varies_by_layer
 
