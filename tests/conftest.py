@@ -23,7 +23,7 @@ def _threads(request):
     yield
 
 
-def make_tiny(seed: int = 0, layers: int = 2, rope_scaling: dict | None = None) -> LlamaForCausalLM:
+def make_tiny(seed: int = 0, layers: int = 2, rope_scaling: dict | None = None, kv_heads: int = 2) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=VOCAB,
@@ -31,7 +31,7 @@ def make_tiny(seed: int = 0, layers: int = 2, rope_scaling: dict | None = None) 
         intermediate_size=128,
         num_hidden_layers=layers,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=kv_heads,
         head_dim=16,
         max_position_embeddings=8192,
         # a wide init makes attention peaky, so evicting the wrong entry changes the output

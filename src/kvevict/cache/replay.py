@@ -364,7 +364,8 @@ def _steps_fixed_keys(layer: ReplayingLayer, query: torch.Tensor, used: torch.Te
             probs = torch.softmax(logit, dim=-1)  # [B, H_kv, g, total]
         victim = step.end(slots, positions, seen, None, probs, query[:, :, i : i + 1], used[i : i + 1])
         if victim is not None:  # the newest slot (now just past the kept ones) fills the victim's place
-            step.vslot.scatter_(-1, victim[..., None], step.vslot[:, :, step.k : step.k + 1])
+            # the source copied: a slice of the tensor being written (refused by torch where it sees it)
+            step.vslot.scatter_(-1, victim[..., None], step.vslot[:, :, step.k : step.k + 1].clone())
     logits.masked_fill_(~alive[:, :, None], float("-inf"))
     probs = torch.softmax(logits, dim=-1).to(storage.values.dtype)  # [B, H_kv, g, q, n0 + q]
     result = torch.einsum("bhgqn,bhnd->bhgqd", probs, storage.values[:, :, :total_all]).reshape(b, hq, q, d)

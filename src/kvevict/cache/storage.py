@@ -89,18 +89,21 @@ class SlotStorage:
     def fill_hole(self, victim: torch.Tensor, newest: int) -> None:
         """Move slot `newest` into each `[B, H]` victim slot: one `scatter_` per buffer.
 
-        Nothing else moves, so slots stop being in positional order. The source is a view of
-        slot `newest` in the same buffer: no element is both read and written, except where the
-        newest entry is its own victim, and then it is written with its own value.
+        Nothing else moves, so slots stop being in positional order. The source, slot `newest`,
+        is copied first (one slot per row and head): a view of it would be a slice of the buffer
+        being written, which torch refuses where it can see the overlap (one KV head, one row:
+        the slice is contiguous) and where it cannot, leaves the order of reads and writes to
+        the kernel.
         """
         at = victim[..., None]  # [B, H, 1]
         source = slice(newest, newest + 1)
-        self.kv.scatter_(3, at[None, ..., None].expand(2, *at.shape, self.head_dim), self.kv[:, :, :, source])
+        self.kv.scatter_(3, at[None, ..., None].expand(2, *at.shape, self.head_dim),
+                         self.kv[:, :, :, source].clone())
         for buffer in self._per_slot():
             if buffer.dim() == 3:
-                buffer.scatter_(2, at, buffer[:, :, source])
+                buffer.scatter_(2, at, buffer[:, :, source].clone())
             else:  # the un-rotated keys (position-shift mode compacts instead: kept for completeness)
-                buffer.scatter_(2, at[..., None].expand(*at.shape, self.head_dim), buffer[:, :, source])
+                buffer.scatter_(2, at[..., None].expand(*at.shape, self.head_dim), buffer[:, :, source].clone())
 
     def move_slot(self, source: int, dest: int) -> torch.Tensor:
         """Move slot `source` into slot `dest` for every (row, head): the one victim of a decode step
