@@ -108,10 +108,11 @@ class Policy:
     #: randomness is drawn, so the kept set after any step is the top-budget of all
     #: tokens seen: chunked evaluation computes it in closed form instead of stepping
     static_scores: ClassVar[bool] = False
-    #: `scores`, and `absorb` of a `"new"` request, treat each slot on its own (its position, its
-    #: statistics, the attention it received, the view's `seen` and `budget`): a view holding more
-    #: slots gives every other slot the same result. A chunk replay in original positions then
-    #: scores every slot of the chunk at once and only masks the evicted ones (`replay._steps_by_slot`)
+    #: `scores` treats each slot on its own (its position, its statistics, the view's `seen` and
+    #: `budget`), and so does `absorb` of the `"new"` requests it makes (a `"window"` request is
+    #: absorbed on the alive slots only): a view holding more slots gives every other slot the same
+    #: result. A chunk replay in original positions then scores every slot of the chunk at once and
+    #: only masks the evicted ones (`replay._steps_by_slot`)
     slot_local: ClassVar[bool] = False
     #: scores slots by their keys (`view.keys()`: knorm, keydiff), so like an attention-driven
     #: policy it can keep token 0 on some heads and lose it on others
