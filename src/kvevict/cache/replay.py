@@ -318,11 +318,24 @@ def _steps_by_slot(layer: ReplayingLayer, query: torch.Tensor, used: torch.Tenso
     gone = torch.zeros(b, hkv, total, dtype=torch.bool, device=device)  # not alive: yet to arrive, or evicted
     gone[:, :, n0:] = True
     statistics, remembered = layer.statistics, 0
+    # With a query window (SnapKV), the slots a token-by-token run would use are kept too (the newest
+    # fills the victim's place, as a decode step does), so a re-selection measures and pools the same
+    # keys in the same order as that run, and the chunk ends in that layout.
+    layered = bool(statistics.window_size)
+    if layered:
+        vslot = torch.empty(b, hkv, budget + 1, dtype=torch.long, device=device)  # position-order index per slot
+        vslot[:, :, :n0] = torch.empty_like(order).scatter_(-1, order, torch.arange(total, device=device).expand(
+            b, hkv, -1))[:, :, :n0]
+        where = torch.empty(b, hkv, total, dtype=torch.long, device=device)  # slot of each position-order index
+        where.scatter_(-1, vslot[:, :, :n0], torch.arange(n0, device=device).expand(b, hkv, -1))
     victims: list[torch.Tensor] = []
     evicting: list[int] = []
     k = n0
     for i in range(q):
         gone[:, :, n0 + i] = False
+        if layered:
+            vslot[:, :, k] = n0 + i
+            where[:, :, n0 + i] = k
         seen = first_seen + i + 1
         target = layout.evict_to(budget, k + 1)
         will_evict = target is not None
@@ -332,10 +345,8 @@ def _steps_by_slot(layer: ReplayingLayer, query: torch.Tensor, used: torch.Tenso
             if request is None:
                 continue
             if request.kind == "window":  # measured and absorbed on the alive slots only
-                if statistics.window_size and remembered <= i:
-                    statistics.remember(query[:, :, remembered : i + 1], used[remembered : i + 1], seen)
-                    remembered = i + 1
-                held = (~g.take(gone)).nonzero()[:, -1].view(len(g.rows), hkv, k + 1)
+                remembered = _remember(statistics, query, used, remembered, i + 1, first_seen)
+                held = g.take(vslot[:, :, : k + 1])
                 view = _alive_view(layer, g, positions, stats, seen, sorted_keys, held)
             mass = measure(
                 request,
@@ -357,11 +368,14 @@ def _steps_by_slot(layer: ReplayingLayer, query: torch.Tensor, used: torch.Tenso
             g.put(scores, g.policy.scores(_full_view(layer, g, positions, stats, seen, sorted_keys)))
         victim = scores.masked_fill_(gone, float("inf")).argmin(dim=-1)  # [B, H] earliest of the lowest
         gone.scatter_(-1, victim[..., None], True)
+        if layered:  # the newest entry (slot k) moves into the victim's slot
+            hole = where.gather(-1, victim[..., None])
+            vslot.scatter_(-1, hole, vslot[:, :, k : k + 1])
+            where[:, :, n0 + i] = hole[..., 0]
         victims.append(victim)
         evicting.append(i)
         k = target
-    if statistics.window_size and remembered < q:
-        statistics.remember(query[:, :, remembered:], used[remembered:], layer.seen)
+    _remember(statistics, query, used, remembered, q, first_seen)
     # query i sees the slots that arrived by step i and were not evicted before it
     arrive = (torch.arange(total, device=device) - n0).clamp(min=-1)
     leave = torch.full((b, hkv, total), q, dtype=torch.long, device=device)
@@ -382,11 +396,26 @@ def _steps_by_slot(layer: ReplayingLayer, query: torch.Tensor, used: torch.Tenso
     )
     for name, stat in stats.items():
         storage.stats[name][:, :, :total].scatter_(-1, order, stat)
-    keep = order.gather(-1, (~gone).nonzero()[:, -1].view(b, hkv, k))  # storage slots, in positional order
+    if layered:  # storage slots in the token-by-token layout
+        keep = order.gather(-1, vslot[:, :, :k])
+    else:  # storage slots in positional order
+        keep = order.gather(-1, (~gone).nonzero()[:, -1].view(b, hkv, k))
     layer.settings.mode.compact(storage, keep, k)
-    layer.ordered = True
+    layer.ordered = not layered
     layer.n = k
     return out
+
+
+def _remember(statistics: Statistics, query: torch.Tensor, used: torch.Tensor, start: int, stop: int,
+              first_seen: int) -> int:
+    """Write the chunk's queries `start..stop-1` into the query window, in pieces no longer than the
+    window (so each lands in the slot a one-query step would write). Returns `stop`."""
+    size = statistics.window_size
+    if size:
+        for lo in range(start, stop, size):
+            hi = min(lo + size, stop)
+            statistics.remember(query[:, :, lo:hi], used[lo:hi], first_seen + hi)
+    return stop
 
 
 def _full_view(layer: ReplayingLayer, group: RowGroup, positions: torch.Tensor, stats: dict, seen: int,
