@@ -11,6 +11,9 @@ it). `--chunks` times the chunked arm at several sizes
 plain transformers forward in the same chunks, with nothing evicted.
 
     .venv/bin/python benchmarks/chunked_vs_stepwise.py --tokens 2000 --budget 256
+
+`--chunked-only` skips the stepwise arm (minutes at 2,000 tokens) and times the chunked arm
+and its floor in one run, for the chunked / floor ratio.
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ def main() -> None:
     parser.add_argument("--chunks", default="", help="also time the chunked arms at these sizes, e.g. 16,32,64,128")
     parser.add_argument("--single", default="streamingllm", help="also time this policy alone (empty: skip)")
     parser.add_argument("--floor-only", action="store_true", help="time only each case's plain-forward floor")
+    parser.add_argument("--chunked-only", action="store_true",
+                        help="skip the slow stepwise arm: time the chunked arm and its floor, side by side")
     args = parser.parse_args()
     model, tokenizer = load_model(args.model, device=args.device)
     tokens, _ = load_tokens("pg-essays", tokenizer, args.tokens)
@@ -80,6 +85,17 @@ def main() -> None:
         for rows_specs, reference, name in cases:
             floor_s = plain_forward_seconds(model, tokens, len(rows_specs) + reference, args.chunk)
             print(f"{name + ', floor: plain forward':<34}{floor_s:>9.1f}")
+        return
+    if args.chunked_only:
+        for rows_specs, reference, name in cases:
+            chunk_rows, chunk_full, chunk_s, chunk_mb = timed(model, tokens, rows_specs, args.budget, args.positions,
+                                                              args.chunk, reference)
+            floor_s = plain_forward_seconds(model, tokens, len(rows_specs) + reference, args.chunk)
+            print(f"{name + f', chunked (chunk {args.chunk})':<34}{chunk_s:>9.1f}{chunk_mb:>13.0f}")
+            print(f"{'  floor: plain forward, same rows':<34}{floor_s:>9.1f}{'':>13}"
+                  f"  chunked / floor = {chunk_s / floor_s:.2f}x")
+            print("  ppl " + ", ".join(f"{r.policy.split(':')[0]} {r.ppl:.2f}" for r in chunk_rows)
+                  + (f", full {chunk_full.ppl:.2f}" if chunk_full is not None else ""))
         return
     for rows_specs, reference, name in cases:
         step_rows, step_full, step_s, step_mb = timed(model, tokens, rows_specs, args.budget, args.positions, 1,

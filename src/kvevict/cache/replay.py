@@ -244,8 +244,206 @@ def replay_steps(layer: ReplayingLayer, query: torch.Tensor, used: torch.Tensor,
     query `[B, H_q, q, D]` as the model rotated it, at positions `used` `[q]`. Returns
     the output `[B, H_q, q, D]`.
     """
+    if layer.settings.mode.by_keys(True, False) and _by_slot_applies(layer):
+        return _steps_by_slot(layer, query, used, scaling)
     steps = layer.settings.mode.by_keys(_steps_fixed_keys, _steps_renumbered)
     return steps(layer, query, used, scaling)
+
+
+def _by_slot_applies(layer: ReplayingLayer) -> bool:
+    """Whether `_steps_by_slot` replays this chunk: every row's policy is static or slot-local
+    (`Policy.slot_local`), and each step that evicts evicts exactly one entry."""
+    layout = layer.settings.layout
+    if not all(g.policy.static_scores or g.policy.slot_local for g in layout.groups):
+        return False
+    k = layer.n
+    for _ in range(layer.new):
+        target = layout.evict_to(layer.budget, k + 1)
+        if target is not None and target != k:
+            return False
+        k = k + 1 if target is None else target
+    return True
+
+
+def _steps_by_slot(layer: ReplayingLayer, query: torch.Tensor, used: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Original positions, every policy static or slot-local: step through the chunk on all
+    `n0 + q` slots at once, in position order, masking the evicted ones.
+
+    A slot-local policy scores a slot from that slot alone, so scoring every slot of the
+    chunk (`[B, H, n0 + q]`, the not-yet-arrived and the evicted masked `+inf`) picks the
+    victim a token-by-token step picks from its `budget + 1` entries; in position order
+    `argmin` takes the earliest of equal minima, the cache's tie rule, with no second pass.
+    A step costs a softmax of one query over the chunk's logits (for rows that ask for
+    "new" attention), the policies' scores and one argmin for every row together; a
+    "window" request (SnapKV's re-selection, every `interval` tokens) is measured and
+    absorbed on the exact alive slots, as a decode step would. The chunk ends with one
+    masked SDPA and one compaction, in positional order.
+    """
+    storage, layout, budget = layer.storage, layer.settings.layout, layer.budget
+    n0, q = layer.n, layer.new
+    total = n0 + q
+    b, hq, _, d = query.shape
+    hkv = layer.heads
+    group_size = hq // hkv
+    device = layer.device
+    first_seen = layer.seen - q
+    # position order: held slots sorted by position, then the chunk's (already in order)
+    held_order = storage.pos[:, :, :n0].argsort(dim=-1)
+    order = torch.cat([held_order, torch.arange(n0, total, device=device).expand(b, hkv, q)], dim=-1)
+    positions = storage.pos[:, :, :total].gather(-1, order)  # [B, H, total], increasing
+    stats = {name: stat[:, :, :total].gather(-1, order) for name, stat in storage.stats.items()}
+    keys = None  # [B, H, total, D] in position order, made on first use
+
+    def sorted_keys() -> torch.Tensor:
+        nonlocal keys
+        if keys is None:
+            keys = _take_slots(storage.keys, order)
+        return keys
+
+    stepping = [g for g in layout.groups if not g.policy.static_scores]
+    fixed = None
+    if len(stepping) < len(layout.groups):
+        fixed = _scores(layer, storage.pos[:, :, :total], first_seen + q, total, static_only=True).gather(-1, order)
+    grouped = query.reshape(b, hkv, group_size, q, d)
+    logits: dict[int, torch.Tensor] = {}  # group -> [b_g, H, g, q, total] logits of its rows, on first use
+
+    def new_mass(index: int, group: RowGroup, i: int) -> torch.Tensor:
+        if index not in logits:
+            logits[index] = torch.einsum(
+                "bhgqd,bhnd->bhgqn", group.take(grouped), group.take(sorted_keys())
+            ).float() * scaling
+        logit = logits[index][:, :, :, i].masked_fill(group.take(gone)[:, :, None], float("-inf"))
+        return torch.softmax(logit, dim=-1).sum(dim=2)  # one query: its attention is "new" and "last"
+
+    gone = torch.zeros(b, hkv, total, dtype=torch.bool, device=device)  # not alive: yet to arrive, or evicted
+    gone[:, :, n0:] = True
+    statistics, remembered = layer.statistics, 0
+    # With a query window (SnapKV), the slots a token-by-token run would use are kept too (the newest
+    # fills the victim's place, as a decode step does), so a re-selection measures and pools the same
+    # keys in the same order as that run, and the chunk ends in that layout.
+    layered = bool(statistics.window_size)
+    if layered:
+        vslot = torch.empty(b, hkv, budget + 1, dtype=torch.long, device=device)  # position-order index per slot
+        vslot[:, :, :n0] = torch.empty_like(order).scatter_(-1, order, torch.arange(total, device=device).expand(
+            b, hkv, -1))[:, :, :n0]
+        where = torch.empty(b, hkv, total, dtype=torch.long, device=device)  # slot of each position-order index
+        where.scatter_(-1, vslot[:, :, :n0], torch.arange(n0, device=device).expand(b, hkv, -1))
+    victims: list[torch.Tensor] = []
+    evicting: list[int] = []
+    k = n0
+    for i in range(q):
+        gone[:, :, n0 + i] = False
+        if layered:
+            vslot[:, :, k] = n0 + i
+            where[:, :, n0 + i] = k
+        seen = first_seen + i + 1
+        target = layout.evict_to(budget, k + 1)
+        will_evict = target is not None
+        for index, g in enumerate(stepping):
+            view = _full_view(layer, g, positions, stats, seen, sorted_keys)
+            request = g.policy.request(view, will_evict)
+            if request is None:
+                continue
+            if request.kind == "window":  # measured and absorbed on the alive slots only
+                remembered = _remember(statistics, query, used, remembered, i + 1, first_seen)
+                held = g.take(vslot[:, :, : k + 1])
+                view = _alive_view(layer, g, positions, stats, seen, sorted_keys, held)
+            mass = measure(
+                request,
+                new=lambda index=index, g=g, i=i: new_mass(index, g, i),
+                window=lambda size, g=g, view=view, seen=seen, n=k + 1: _window_mass(
+                    layer, g, view, size, seen, n, scaling
+                ),
+            )
+            updated = g.policy.absorb(view, request, mass)
+            stat = stats[request.stat]
+            if request.kind == "window":
+                updated = g.take(stat).scatter(-1, held, updated.to(stat.dtype))
+            g.put(stat, updated.to(stat.dtype))
+        if not will_evict:
+            k += 1
+            continue
+        scores = torch.zeros(b, hkv, total, dtype=torch.float64, device=device) if fixed is None else fixed.clone()
+        for g in stepping:
+            g.put(scores, g.policy.scores(_full_view(layer, g, positions, stats, seen, sorted_keys)))
+        victim = scores.masked_fill_(gone, float("inf")).argmin(dim=-1)  # [B, H] earliest of the lowest
+        gone.scatter_(-1, victim[..., None], True)
+        if layered:  # the newest entry (slot k) moves into the victim's slot
+            hole = where.gather(-1, victim[..., None])
+            vslot.scatter_(-1, hole, vslot[:, :, k : k + 1])
+            where[:, :, n0 + i] = hole[..., 0]
+        victims.append(victim)
+        evicting.append(i)
+        k = target
+    _remember(statistics, query, used, remembered, q, first_seen)
+    # query i sees the slots that arrived by step i and were not evicted before it
+    arrive = (torch.arange(total, device=device) - n0).clamp(min=-1)
+    leave = torch.full((b, hkv, total), q, dtype=torch.long, device=device)
+    if victims:
+        victim_slots = torch.stack(victims, dim=-1)  # [B, H, E] in position order
+        steps = torch.tensor(evicting, device=device)
+        leave.scatter_(-1, victim_slots, steps.expand(b, hkv, -1))
+        if layer.settings.observers:
+            layer.report_evictions(first_seen + 1 + steps, positions.gather(-1, victim_slots))
+    step_ids = torch.arange(q, device=device)[:, None]
+    alive = (arrive <= step_ids) & (step_ids <= leave[:, :, None, :])  # [B, H, q, total] in position order
+    mask = torch.empty_like(alive).scatter_(-1, order[:, :, None, :].expand(-1, -1, q, -1), alive)
+    if group_size > 1:
+        mask = mask.repeat_interleave(group_size, dim=1)
+    out = F.scaled_dot_product_attention(
+        query, storage.keys[:, :, :total], storage.values[:, :, :total], attn_mask=mask, scale=scaling,
+        enable_gqa=group_size > 1,
+    )
+    for name, stat in stats.items():
+        storage.stats[name][:, :, :total].scatter_(-1, order, stat)
+    if layered:  # storage slots in the token-by-token layout
+        keep = order.gather(-1, vslot[:, :, :k])
+    else:  # storage slots in positional order
+        keep = order.gather(-1, (~gone).nonzero()[:, -1].view(b, hkv, k))
+    layer.settings.mode.compact(storage, keep, k)
+    layer.ordered = not layered
+    layer.n = k
+    return out
+
+
+def _remember(statistics: Statistics, query: torch.Tensor, used: torch.Tensor, start: int, stop: int,
+              first_seen: int) -> int:
+    """Write the chunk's queries `start..stop-1` into the query window, in pieces no longer than the
+    window (so each lands in the slot a one-query step would write). Returns `stop`."""
+    size = statistics.window_size
+    if size:
+        for lo in range(start, stop, size):
+            hi = min(lo + size, stop)
+            statistics.remember(query[:, :, lo:hi], used[lo:hi], first_seen + hi)
+    return stop
+
+
+def _full_view(layer: ReplayingLayer, group: RowGroup, positions: torch.Tensor, stats: dict, seen: int,
+               keys) -> SlotView:
+    """`group`'s view of every slot of the chunk, in position order (for slot-local policies)."""
+    return SlotView(
+        positions=group.take(positions), seen=seen, budget=layer.budget, layer=layer.index,
+        stats={name: group.take(stats[name]) for name in group.policy.stats},
+        keys=lambda: group.take(keys()),
+    )
+
+
+def _alive_view(layer: ReplayingLayer, group: RowGroup, positions: torch.Tensor, stats: dict, seen: int,
+                keys, alive: torch.Tensor) -> SlotView:
+    """`group`'s view of its alive slots `alive` `[b_g, H, k]` (indices in position order)."""
+    return SlotView(
+        positions=group.take(positions).gather(-1, alive), seen=seen, budget=layer.budget, layer=layer.index,
+        stats={name: group.take(stats[name]).gather(-1, alive) for name in group.policy.stats},
+        keys=lambda: _take_slots(group.take(keys()), alive),
+    )
+
+
+def _window_mass(
+    layer: ReplayingLayer, group: RowGroup, view: SlotView, size: int, seen: int, total: int, scaling: float
+) -> torch.Tensor:
+    """The last `size` queries over `view`'s keys (original positions: queries stay where they were rotated)."""
+    queries, q_pos = layer.statistics.window_queries(layer.settings.mode, size, seen, total)
+    return attention_mass(group.take(queries), q_pos, view.keys(), view.positions, scaling)
 
 
 class _Stepper:

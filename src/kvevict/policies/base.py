@@ -14,7 +14,7 @@ equal scores the cache keeps the later token: policies do not break ties themsel
 
 **What a policy declares.** Everything the cache, the evaluation or the report needs to
 know about a policy is declared on `Policy`, never read off its name: the attributes
-`stats`, `pinned`, `query_window`, `unbounded`, `needs_attention`, `static_scores`,
+`stats`, `pinned`, `query_window`, `unbounded`, `needs_attention`, `static_scores`, `slot_local`,
 `arrival_stat`, `reads_keys`, `varies_by_layer` and `varies_by_head` (with `own_batch` derived from the
 last two), and the methods `layer_budgets` and `head_floor` that say the budget per
 layer and the floor per head.
@@ -113,6 +113,12 @@ class Policy:
     #: randomness is drawn, so the kept set after any step is the top-budget of all
     #: tokens seen: chunked evaluation computes it in closed form instead of stepping
     static_scores: ClassVar[bool] = False
+    #: `scores` treats each slot on its own (its position, its statistics, the view's `seen` and
+    #: `budget`), and so does `absorb` of the `"new"` requests it makes (a `"window"` request is
+    #: absorbed on the alive slots only): a view holding more slots gives every other slot the same
+    #: result. A chunk replay in original positions then scores every slot of the chunk at once and
+    #: only masks the evicted ones (`replay._steps_by_slot`)
+    slot_local: ClassVar[bool] = False
     #: scores slots by their keys (`view.keys()`: knorm, keydiff), so like an attention-driven
     #: policy it can keep token 0 on some heads and lose it on others
     reads_keys: ClassVar[bool] = False
