@@ -370,7 +370,7 @@ def _steps_by_slot(layer: ReplayingLayer, query: torch.Tensor, used: torch.Tenso
         gone.scatter_(-1, victim[..., None], True)
         if layered:  # the newest entry (slot k) moves into the victim's slot
             hole = where.gather(-1, victim[..., None])
-            vslot.scatter_(-1, hole, vslot[:, :, k : k + 1])
+            vslot.scatter_(-1, hole, vslot[:, :, k : k + 1].clone())  # a slice of itself: copied
             where[:, :, n0 + i] = hole[..., 0]
         victims.append(victim)
         evicting.append(i)
