@@ -264,7 +264,8 @@ def _task_clause(v: BudgetVerdict) -> str:
     if best is pick:
         if best.task is None:
             return "; the run holds no task answers for it"
-        return f"; the tasks agree ({_task_scores(best)}: not told apart from the full cache)"
+        # "not told apart" is all the data can say: on few answers a large gap is still inside the noise
+        return f"; the tasks do not tell it apart from the full cache ({_task_scores(best)})"
     why = ("it scores below the full cache on the tasks" if pick.task is not None and pick.task.below_full
            else "it collapsed on the tasks")
     return (f"; PPL and the tasks point at different policies: PPL alone would pick {pick.name}, but {why} "
