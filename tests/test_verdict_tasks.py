@@ -65,7 +65,8 @@ def test_tasks_overturn_the_perplexity_pick_and_the_sentence_says_so():
 def test_tasks_that_agree_with_perplexity_keep_its_pick():
     v = by_budget(ab_run(window_hits=9, with_snapkv=False))[64]
     assert v.ppl_pick.name == v.recommended.name == "window"
-    assert "the tasks do not tell it apart from the full cache (tasks 9/10 [0.60, 0.98] vs full 10/10 [0.72, 1.00]" in v.sentence
+    assert ("the tasks do not tell it apart from the full cache (tasks 9/10 [0.60, 0.98] vs full 10/10 [0.72, 1.00]"
+            in v.sentence)
     assert "point at different policies" not in v.sentence
 
 
