@@ -441,7 +441,8 @@ def _alive_view(layer: ReplayingLayer, group: RowGroup, positions: torch.Tensor,
 def _window_mass(
     layer: ReplayingLayer, group: RowGroup, view: SlotView, size: int, seen: int, total: int, scaling: float
 ) -> torch.Tensor:
-    """The last `size` queries over `view`'s keys (original positions: queries stay where they were rotated)."""
+    """The last `size` queries, rotated to where their tokens sit now (`window_queries`: in original positions
+    where they were rotated), over `view`'s keys. Both stepping algorithms and `_steps_by_slot` measure here."""
     queries, q_pos = layer.statistics.window_queries(layer.settings.mode, size, seen, total)
     return attention_mass(group.take(queries), q_pos, view.keys(), view.positions, scaling)
 
@@ -503,7 +504,7 @@ class _Stepper:
             mass = measure(
                 request,
                 new=lambda g=g: g.take(probs.sum(dim=2)),  # one query per step: its attention is "new" and "last"
-                window=lambda size, g=g, view=view: self._window_mass(g, view, size, seen, total),
+                window=lambda size, g=g, view=view: _window_mass(layer, g, view, size, seen, total, self.scaling),
             )
             stat = storage.stats[request.stat]
             updated = g.policy.absorb(view, request, mass).to(stat.dtype)
@@ -530,11 +531,6 @@ class _Stepper:
         victim = selection.victim(scores, positions, ordered=False)
         layer.report_eviction(seen, None, positions.gather(-1, victim[..., None])[..., 0])
         return victim
-
-    def _window_mass(self, group: RowGroup, view: SlotView, size: int, seen: int, total: int) -> torch.Tensor:
-        """The last `size` queries, rotated to where their tokens sit now, over the step's keys."""
-        queries, q_pos = self.layer.statistics.window_queries(self.layer.settings.mode, size, seen, total)
-        return attention_mass(group.take(queries), q_pos, view.keys(), view.positions, self.scaling)
 
 
 def _steps_fixed_keys(layer: ReplayingLayer, query: torch.Tensor, used: torch.Tensor, scaling: float) -> torch.Tensor:

@@ -355,8 +355,9 @@ def _judge(v: BudgetVerdict, full_needle: Needle | None) -> None:
     below = {c.name for c in v.task_below}
     both = [c for c in v.tied if c.name not in below]
     v.recommended = min(both, key=lambda c: (c.cost, c.rank)) if both else None
+    # the tasks' test first: it is a comparison of two intervals, PPL's a paired bootstrap
     v.opposed = [(a, b) for a in v.candidates for b in v.candidates
-                 if _ppl_ahead(a, b, by_kl) and _task_ahead(b, a)]
+                 if _task_ahead(b, a) and _ppl_ahead(a, b, by_kl)]
 
 
 def verdict(records: Sequence[Record]) -> list[BudgetVerdict]:
