@@ -5,8 +5,9 @@ the embedded model, under the `agnostic` protocol, for the full cache and 4 poli
 each budget:
 
 * **kvevict**: per prompt, the full cache once (one row, shared by every budget), then
-  per budget one context prefill for the 4 policy rows (one row fed, standing for all
-  until each row's policy compresses), the question read and the answers decoded as
+  one context prefill for the 4 policy rows and every budget (one row fed, standing for
+  all; the eviction held back, then a copy of the state compressed at each budget:
+  `protocols.answer_budgets`), per budget the question read and the answers decoded as
   rows of one batch;
 * **per policy** (kvpress's shape: one pipeline call per press and compression ratio):
   per prompt, the full cache, then every policy at every budget in a cache of its own,
@@ -29,7 +30,7 @@ import torch
 
 from kvevict.eval.ruler.framing import framing
 from kvevict.eval.ruler.grid import check_budget
-from kvevict.eval.ruler.protocols import answer
+from kvevict.eval.ruler.protocols import answer, answer_budgets
 from kvevict.eval.ruler.registry import get_task
 from kvevict.eval.ruler.sample import fit
 from kvevict.eval.ruler.words import Material
@@ -40,9 +41,10 @@ POLICIES = ["window", "streamingllm", "h2o", "snapkv"]
 
 def shared(model, tokenizer, prompt, budgets) -> dict:
     out = {(a.policy, "full"): a.tokens for a in answer(model, tokenizer, prompt, ["full"], None, "agnostic")}
-    for budget in budgets:
-        entries = check_budget(prompt, "agnostic", POLICIES, budget)
-        for spec, a in zip(POLICIES, answer(model, tokenizer, prompt, POLICIES, entries, "agnostic"), strict=True):
+    entries = [check_budget(prompt, "agnostic", POLICIES, budget) for budget in budgets]
+    for budget, answers in zip(budgets, answer_budgets(model, tokenizer, prompt, POLICIES, entries, "agnostic"),
+                               strict=True):
+        for spec, a in zip(POLICIES, answers, strict=True):
             out[(spec, budget)] = a.tokens
     return out
 
@@ -86,7 +88,7 @@ def main() -> None:
     print()
     print(f"| arm | prefills per prompt | answers per prompt | seconds ({args.samples} prompts) |")
     print("|---|---|---|---|")
-    print(f"| kvevict (shared prefill, rows of one batch) | {1 + len(budgets)} | {answers} | "
+    print(f"| kvevict (one shared prefill for every budget, rows of one batch) | 2 | {answers} | "
           f"{totals['kvevict']:.1f} |")
     print(f"| one prefill per policy per context | {1 + len(budgets) * len(POLICIES)} | {answers} | "
           f"{totals['per policy']:.1f} |")

@@ -212,6 +212,38 @@ class EvictingCache(Cache):
         self._budget = None
         self._set_budgets([None] * len(self.layers))
 
+    @property
+    def can_defer(self) -> bool:
+        """Whether `defer` may hold an eviction back: every layer can, and the cache does not replay
+        token-by-token eviction inside a forward (a stream evicts as it reads)."""
+        return all(layer.can_defer and not layer.settings.per_token for layer in self.layers)
+
+    def defer(self) -> None:
+        """The next forward measures every statistic as if it evicted, and evicts nothing.
+
+        Why: a context read in one forward is compressed the same way at any budget (each
+        query sees the whole context; the budget only decides what is kept afterwards).
+        Read it once, copy the state, and `evict_deferred` each copy at its own budget:
+        one prefill serves every budget of a RULER grid.
+        """
+        if not self.can_defer:
+            raise KvevictError(
+                "this cache cannot hold an eviction back (a per-head or token-by-token cache evicts inside the "
+                "forward): compress each budget in a prefill of its own"
+            )
+        for layer in self.layers:
+            layer.deferred = True
+
+    @property
+    def deferred(self) -> bool:
+        """Whether an eviction is held back (`defer`), waiting for `evict_deferred`."""
+        return any(layer.deferred for layer in self.layers)
+
+    def evict_deferred(self) -> None:
+        """Evict what the forward held back by `defer`, at the budget the cache has now."""
+        for layer in self.layers:
+            layer.evict_deferred()
+
     # --- rows and policies ---------------------------------------------------------------
     @property
     def shares_rows(self) -> bool:

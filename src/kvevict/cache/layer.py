@@ -67,6 +67,8 @@ class EvictingLayer(CacheLayerMixin):
     is_sliding = False
     #: the KV heads may hold different numbers of entries (per-head budgets: `per_head.RaggedLayer`)
     heads_differ = False
+    #: can hold a forward's eviction back until `evict_deferred` (see `EvictingCache.defer`)
+    can_defer = True
 
     def __init__(self, index: int, settings: LayerSettings) -> None:
         super().__init__()
@@ -91,6 +93,8 @@ class EvictingLayer(CacheLayerMixin):
         self._arrival_groups: list[int] | None = None
         self._arrival_valid = False
         self.forward = Forward()  # the forward in flight, handed over by the cache at `update`
+        # the next eviction is held back: statistics measured, nothing evicted (`EvictingCache.defer`)
+        self.deferred = False
 
     @property
     def budget(self) -> int | None:
@@ -347,18 +351,43 @@ class EvictingLayer(CacheLayerMixin):
         if self._arrival_groups:
             self._arrive(views, total)
         target = self._target(total)
+        if target is not None and self.deferred:
+            self.n, self.new = total, 0  # everything held, every statistic measured: `evict_deferred` evicts
+            return
         if target is not None:
-            self.identical = False
-            slot = self._fifo_victim(total, target)
-            if slot is None:
-                self._evict(views, total, target)
-            else:
-                self._evict_slot(slot, target)
+            self._evict_to(views, total, target)
         else:
             self.n = total
         self.new = 0
         self.fit_storage()
         for observer in s.observers:
+            observer.on_forward(self.index, self.n)
+
+    def _evict_to(self, views: list[SlotView], total: int, target: int) -> None:
+        self.identical = False
+        slot = self._fifo_victim(total, target)
+        if slot is None:
+            self._evict(views, total, target)
+        else:
+            self._evict_slot(slot, target)
+
+    def evict_deferred(self) -> None:
+        """Evict what the held-back forward would have evicted at the budget this layer has now.
+
+        The statistics were measured in that forward (as for an eviction) and sit in the
+        storage per slot, so the views built from it are the ones `finish` would have
+        scored: the kept set is the one a forward at this budget keeps.
+        """
+        self.deferred = False
+        total = self.n
+        target = self._target(total)
+        if target is not None:
+            views = [self._view(group, total) for group in self.settings.layout.groups]
+            if self._arrival_groups:
+                self._arrive(views, total)
+            self._evict_to(views, total, target)
+        self.fit_storage()
+        for observer in self.settings.observers:
             observer.on_forward(self.index, self.n)
 
     def _arrive(self, views: list[SlotView], total: int) -> None:

@@ -51,6 +51,11 @@ class SlidingLayer(EvictingLayer):
     def plan(self) -> bool:
         return super().plan() if self.engine_bounded else False  # no policy runs here: nothing to measure
 
+    def evict_deferred(self) -> None:
+        if self.engine_bounded:
+            super().evict_deferred()
+        self.deferred = False  # else its `finish` kept its window already: nothing was held back
+
     def window_mask(self, q: int) -> torch.Tensor:
         """`[q, n + q]` bool: the held entries are always the latest stream tokens (contiguous), so
         the band of the new queries is the model's own `i - window < j <= i`."""

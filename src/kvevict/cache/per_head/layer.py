@@ -44,6 +44,7 @@ class RaggedLayer(EvictingLayer):
     """Per-head budgets: one allowance per layer and row, ragged storage, attention by hand."""
 
     heads_differ = True
+    can_defer = False  # its forward scores and evicts in one pass over the ragged segments (`_forward`)
 
     def _new_storage(self) -> RaggedStorage:
         s = self.settings

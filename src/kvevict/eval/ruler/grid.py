@@ -1,10 +1,11 @@
 """The RULER grid: tasks x lengths x samples, the full cache first, then every policy at every budget.
 
 Every sample is made once (seeded: the same prompt for every policy, budget and
-rerun) and read by the full cache (one row), then by each batch of policies at each
-budget (rows sharing one context prefill, see `protocols`). `on_records` receives a
-batch's records as soon as it is answered, and `done` (record keys already stored)
-skips batches that an interrupted earlier run finished, so a rerun only computes what
+rerun) and read by the full cache (one row), then by each batch of policies at every
+budget (rows sharing one context prefill, and where the protocol allows one prefill for
+all budgets, see `protocols.answer_budgets`). `on_records` receives a batch's records
+at each budget as soon as they are answered, and `done` (record keys already stored)
+skips the budgets that an interrupted earlier run finished, so a rerun only computes what
 is missing. Nothing is kept between samples: memory stays flat in the sample count.
 """
 
@@ -17,7 +18,7 @@ from ...errors import KvevictError
 from ...policies import check_policy, shared_batches
 from ...policies.budget import Budget, budget_label, parse_budget, resolve_budget
 from .framing import framing
-from .protocols import answer, check_aware, check_protocol, reads_question
+from .protocols import answer_budgets, check_aware, check_protocol, reads_question
 from .qa import QaFile
 from .registry import get_task
 from .sample import Prompt, encode, fit, seeded
@@ -76,12 +77,13 @@ class RulerGrid:
     def bounded(self) -> list[str]:
         return [p for p in self.policies if p.strip().lower() != "full"]
 
-    def batches(self) -> list[tuple[list[str], Budget]]:
-        """The full cache alone, then per budget the bounded policies in shared batches."""
-        plan: list[tuple[list[str], Budget]] = [(["full"], None)]
+    def batches(self) -> list[tuple[list[str], list[Budget]]]:
+        """The full cache alone, then the bounded policies in shared batches, each at every budget."""
+        plan: list[tuple[list[str], list[Budget]]] = [(["full"], [None])]
         if self.bounded and not self.budgets:
             raise KvevictError("bounded policies need at least one budget: pass e.g. --budgets 50%,25%")
-        return plan + [(batch, parse_budget(b)) for b in self.budgets for batch in shared_batches(self.bounded)]
+        budgets = [parse_budget(b) for b in self.budgets]
+        return plan + [(batch, budgets) for batch in shared_batches(self.bounded)]
 
 
 def record_key(protocol: str, form: str, task: str, length: int, sample: int, policy: str, budget: str,
@@ -150,15 +152,22 @@ def check_length(length: int, limit: int | None, what: str) -> None:
 
 def preflight(grid: RulerGrid, tokenizer, limit: int | None) -> int:
     """Check every prompt against the model's context and every budget against every prompt, before any
-    answer; returns the number of batches the grid holds."""
+    answer; returns the number of (batch, budget) cells the grid holds."""
     grid.check()
     plan = grid.batches()
     count = 0
     for prompt in prompts(grid, tokenizer, limit):
-        for specs, budget in plan:
-            check_budget(prompt, grid.protocol, specs, budget, grid.form)
-            count += 1
+        for specs, budgets in plan:
+            for budget in budgets:
+                check_budget(prompt, grid.protocol, specs, budget, grid.form)
+                count += 1
     return count
+
+
+def _keys(grid: RulerGrid, prompt: Prompt, specs: list[str], label: str, questions: int) -> list[str]:
+    sample = prompt.sample
+    return [record_key(grid.protocol, grid.form, sample.task, prompt.length, sample.index, spec, label, q)
+            for spec in specs for q in range(questions)]
 
 
 def run_grid(model, tokenizer, grid: RulerGrid, done: set[str] = frozenset(),
@@ -173,34 +182,36 @@ def run_grid(model, tokenizer, grid: RulerGrid, done: set[str] = frozenset(),
         sample = prompt.sample
         questions = sample.per_key if grid.protocol == "multi" else [sample.question]
         task_metric = metric or get_task(sample.task).metric
-        for specs, budget in plan:
-            label = budget_label(budget)
-            keys = [record_key(grid.protocol, grid.form, sample.task, prompt.length, sample.index, spec, label, q)
-                    for spec in specs for q in range(len(questions))]
-            if all(k in done for k in keys):
+        for specs, budgets in plan:
+            missing = [b for b in budgets
+                       if not all(k in done for k in _keys(grid, prompt, specs, budget_label(b), len(questions)))]
+            for _ in range(len(budgets) - len(missing)):
                 if on_skip is not None:
                     on_skip()
+            if not missing:
                 continue
-            entries = check_budget(prompt, grid.protocol, specs, budget, grid.form)
-            answers = answer(model, tokenizer, prompt, specs, entries, grid.protocol, grid.form, grid.positions,
-                             grid.max_new_tokens)
-            records = []
-            for i, reply in enumerate(answers):  # question by question, row by row
-                spec, refs = specs[i % len(specs)], questions[reply.question].answers
-                records.append({
-                    "key": record_key(grid.protocol, grid.form, sample.task, prompt.length, sample.index, spec,
-                                      label, reply.question),
-                    "task": sample.task, "protocol": grid.protocol,
-                    "form": grid.form if grid.protocol == "multi" else None,
-                    "length": prompt.length, "sample": sample.index, "question": reply.question,
-                    "policy": spec, "budget": label, "budget_tokens": entries,
-                    "metric": task_metric, "score": score(task_metric, reply.text, refs), "answers": refs,
-                    "output": reply.text, "prompt_tokens": prompt.tokens, "context_tokens": prompt.context.numel(),
-                    "depths": [round(d, 4) for d in sample.depths], "kept": reply.kept,
-                    "seconds": round(reply.seconds, 3), "seed": grid.seed,
-                })
-            if on_records is not None:
-                on_records(records)
-            out += records
+            entries = [check_budget(prompt, grid.protocol, specs, b, grid.form) for b in missing]
+            replies = answer_budgets(model, tokenizer, prompt, specs, entries, grid.protocol, grid.form,
+                                     grid.positions, grid.max_new_tokens)
+            for budget, count, answers in zip(missing, entries, replies, strict=True):
+                label = budget_label(budget)
+                records = []
+                for i, reply in enumerate(answers):  # question by question, row by row
+                    spec, refs = specs[i % len(specs)], questions[reply.question].answers
+                    records.append({
+                        "key": record_key(grid.protocol, grid.form, sample.task, prompt.length, sample.index, spec,
+                                          label, reply.question),
+                        "task": sample.task, "protocol": grid.protocol,
+                        "form": grid.form if grid.protocol == "multi" else None,
+                        "length": prompt.length, "sample": sample.index, "question": reply.question,
+                        "policy": spec, "budget": label, "budget_tokens": count,
+                        "metric": task_metric, "score": score(task_metric, reply.text, refs), "answers": refs,
+                        "output": reply.text, "prompt_tokens": prompt.tokens, "context_tokens": prompt.context.numel(),
+                        "depths": [round(d, 4) for d in sample.depths], "kept": reply.kept,
+                        "seconds": round(reply.seconds, 3), "seed": grid.seed,
+                    })
+                if on_records is not None:
+                    on_records(records)
+                out += records
     return out
 

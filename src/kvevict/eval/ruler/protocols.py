@@ -101,17 +101,22 @@ class Answer:
 
 
 def prefill(model, ids: torch.Tensor, specs: list[str], entries: int | None, positions: str,
-            stream: bool = False, chunk: int = DEFAULT_CHUNK) -> Compressed:
+            stream: bool = False, chunk: int = DEFAULT_CHUNK, defer: bool = False) -> Compressed:
     """Read `ids` `[T]` into one cache whose rows are `specs`, the shared prefix fed once.
 
     Without `stream`, one forward reads all of it and each row's policy then compresses
     to `entries` (the SnapKV/kvpress protocol). With `stream`, the cache is exact per
     token: the first `entries` tokens go in one forward (nothing is evicted before the
     cache is full), the rest in chunks of `chunk` tokens, every row fed its own copy.
+    With `defer` (where the cache can, `EvictingCache.can_defer`), the forward measures
+    what the policies need and evicts nothing: `compress_at` then compresses copies of
+    the state at any budget (`state.cache.deferred` says whether it did).
     """
     rows = len(specs)
     with torch.inference_mode():
         cache = EvictingCache(model, specs, budget=entries, positions=positions, per_token=stream)
+        if defer and not stream and entries is not None and cache.can_defer:
+            cache.defer()
         head = ids.numel() if not stream or entries is None else min(entries, ids.numel())
         hidden = body(model, ids[None, :head].long(), cache)[:, -1]
         for start in range(head, ids.numel(), chunk):
@@ -120,6 +125,16 @@ def prefill(model, ids: torch.Tensor, specs: list[str], entries: int | None, pos
         kept = max(layer.n for layer in cache.layers)
     return Compressed(cache, hidden.expand(rows, -1).clone(), ids.numel(), cache.budget,
                       [p.spec() for p in cache.policies], kept)
+
+
+def compress_at(state: Compressed, entries: int) -> Compressed:
+    """Compress a state `prefill(..., defer=True)` held back to `entries` (in place; returns it)."""
+    with torch.inference_mode():
+        state.cache.budget = entries
+        state.cache.evict_deferred()
+    state.budget = state.cache.budget
+    state.kept = max(layer.n for layer in state.cache.layers)
+    return state
 
 
 def snapshot(model, state: Compressed) -> Compressed:
@@ -175,61 +190,118 @@ def _text(tokenizer, ids: list[int]) -> str:
     return text.split("\n", 1)[0]
 
 
+def shares_prefill(protocol: str, form: str) -> bool:
+    """Whether the protocol compresses a context read in one forward, so that one prefill serves every
+    budget (all but `stream` and `multi turns`, which evict as they read)."""
+    return protocol != "stream" and not (protocol == "multi" and form == "turns")
+
+
 def answer(model, tokenizer, prompt: Prompt, specs: list[str], entries: int | None, protocol: str,
            form: str = "requests", positions: str = "original", max_new_tokens: int | None = None,
            stream_chunk: int = DEFAULT_CHUNK) -> list[Answer]:
     """Every row's answers to `prompt` under `protocol`: one per row (or per row and question in `multi`)."""
+    [answers] = answer_budgets(model, tokenizer, prompt, specs, [entries], protocol, form, positions,
+                               max_new_tokens, stream_chunk)
+    return answers
+
+
+def answer_budgets(model, tokenizer, prompt: Prompt, specs: list[str], budgets: Sequence[int | None],
+                   protocol: str, form: str = "requests", positions: str = "original",
+                   max_new_tokens: int | None = None, stream_chunk: int = DEFAULT_CHUNK) -> list[list[Answer]]:
+    """`answer` at each of `budgets` (entries), one list per budget.
+
+    Where the protocol allows (`shares_prefill`) and the cache can hold its eviction back
+    (`EvictingCache.can_defer`), the context is read once and a copy of that state is
+    compressed at each budget: the same answers as a prefill per budget, one forward
+    instead of several. A budget's `seconds` are its own (compression, question, answer)
+    plus an equal share of the prefill.
+    """
     check_protocol(protocol, form)
+    if protocol == "multi" and not prompt.per_key:
+        raise KvevictError(f"protocol multi needs a task with several keys in one context, not "
+                           f"{prompt.sample.task}: use niah_multikey_1/2/3 or niah_multiquery")
     limit = max_new_tokens or prompt.answer_tokens
     stops = stop_ids(tokenizer)
+    bounded = [b for b in budgets if b is not None]
+    if len(bounded) < 2 or len(bounded) != len(budgets) or not shares_prefill(protocol, form):
+        out = []
+        for entries in budgets:
+            t0 = time.perf_counter()
+            state = _read(model, prompt, specs, entries, protocol, form, positions, stream_chunk)
+            out.append(_answers(model, tokenizer, prompt, state, protocol, form, limit, stops, t0, stream_chunk))
+        return out
     t0 = time.perf_counter()
+    state = _read(model, prompt, specs, budgets[0], protocol, form, positions, stream_chunk, defer=True)
+    if not state.cache.deferred:  # compressed at the first budget already: every other gets its own prefill
+        out = [_answers(model, tokenizer, prompt, state, protocol, form, limit, stops, t0)]
+        for entries in budgets[1:]:
+            t1 = time.perf_counter()
+            state = _read(model, prompt, specs, entries, protocol, form, positions, stream_chunk)
+            out.append(_answers(model, tokenizer, prompt, state, protocol, form, limit, stops, t1))
+        return out
+    share = (time.perf_counter() - t0) / len(budgets)
+    out = []
+    for i, entries in enumerate(budgets):
+        t1 = time.perf_counter() - share
+        copy_state = snapshot(model, state) if i < len(budgets) - 1 else state
+        compress_at(copy_state, entries)
+        out.append(_answers(model, tokenizer, prompt, copy_state, protocol, form, limit, stops, t1))
+    return out
+
+
+def _read(model, prompt: Prompt, specs: list[str], entries: int | None, protocol: str, form: str,
+          positions: str, stream_chunk: int, defer: bool = False) -> Compressed:
+    """What the protocol reads before its first question is asked: the context (with the question, or
+    the first question but its last token, where the protocol compresses it too)."""
     bounded = entries is not None
+    if protocol == "aware" and bounded:
+        return prefill(model, prompt.ids[:-1], specs, entries, positions, defer=defer)
+    if protocol == "stream" and bounded:
+        return prefill(model, prompt.context, specs, entries, positions, stream=True, chunk=stream_chunk)
+    if protocol == "multi" and form == "aware-requests":
+        first = prompt.per_key[0]
+        return prefill(model, torch.cat([prompt.context, first[:-1]]), specs, entries, positions, defer=defer)
+    return prefill(model, prompt.context, specs, entries, positions, defer=defer)
+
+
+def _answers(model, tokenizer, prompt: Prompt, state: Compressed, protocol: str, form: str, limit: int,
+             stops: Sequence[int], t0: float, stream_chunk: int = DEFAULT_CHUNK) -> list[Answer]:
+    """Every row's answers from the state `_read` left (`t0`: when this budget's work began)."""
+    bounded = state.budget is not None
     results: list[tuple[int, list[list[int]], int]] = []
     if protocol == "aware" and bounded:
-        ids = prompt.ids
-        state = prefill(model, ids[:-1], specs, entries, positions)
         state.cache.freeze()
-        state.feed(model, ids[-1:])
+        state.feed(model, prompt.ids[-1:])
         results.append((0, decode(model, tokenizer, state, limit, stops), state.kept))
     elif protocol == "stream" and bounded:
-        state = prefill(model, prompt.context, specs, entries, positions, stream=True, chunk=stream_chunk)
         with torch.inference_mode():
             for start in range(0, prompt.question.numel(), stream_chunk):
                 piece = prompt.question[start : start + stream_chunk].long()
                 state.hidden = body(model, piece[None].expand(state.rows, -1), state.cache)[:, -1]
         results.append((0, decode(model, tokenizer, state, limit, stops), state.kept))
     elif protocol == "multi":
-        if not prompt.per_key:
-            raise KvevictError(f"protocol multi needs a task with several keys in one context, not "
-                               f"{prompt.sample.task}: use niah_multikey_1/2/3 or niah_multiquery")
         if form == "aware-requests":
-            first = prompt.per_key[0]  # read with the context and compressed with it, but its last token
-            state = prefill(model, torch.cat([prompt.context, first[:-1]]), specs, entries, positions)
             state.cache.freeze()
-            state.feed(model, first[-1:])
+            state.feed(model, prompt.per_key[0][-1:])
             for q in range(len(prompt.per_key)):
                 copy_state = snapshot(model, state) if q < len(prompt.per_key) - 1 else state
                 if q:  # a later turn after the first question, its answer left out (requests are independent)
                     copy_state.feed(model, prompt.follow_ups[q])
                 results.append((q, decode(model, tokenizer, copy_state, limit, stops), state.kept))
         elif form == "requests":
-            state = prefill(model, prompt.context, specs, entries, positions)
             state.cache.freeze()
             for q, ids in enumerate(prompt.per_key):
                 copy_state = snapshot(model, state) if q < len(prompt.per_key) - 1 else state
                 copy_state.feed(model, ids)
                 results.append((q, decode(model, tokenizer, copy_state, limit, stops), state.kept))
         else:
-            state = prefill(model, prompt.context, specs, entries, positions)
             for q, ids in enumerate([prompt.per_key[0], *prompt.follow_ups[1:]]):
                 state.feed(model, ids)
                 results.append((q, decode(model, tokenizer, state, limit, stops), state.kept))
     else:  # agnostic, and the full cache of agnostic / aware / stream
-        state = prefill(model, prompt.context, specs, entries, positions)
         state.cache.freeze()
         state.feed(model, prompt.question)
         results.append((0, decode(model, tokenizer, state, limit, stops), state.kept))
     seconds = time.perf_counter() - t0
     return [Answer(spec, q, ids, _text(tokenizer, ids), kept, seconds)
             for q, rows, kept in results for spec, ids in zip(state.policies, rows, strict=True)]
-
