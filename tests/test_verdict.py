@@ -65,6 +65,16 @@ def test_wilson_matches_the_published_values():
     assert wilson(0, 0) is None
 
 
+def test_a_wilson_interval_holds_its_rate_at_every_count():
+    # 10/10 once gave a high end of 0.9999999999999999 (rounding), and the report's error bar below the
+    # point made matplotlib refuse the figure: every interval must hold hits / n, ends included
+    for n in range(1, 121):
+        for hits in range(n + 1):
+            interval = wilson(hits, n)
+            assert interval.low <= hits / n <= interval.high, (hits, n)
+    assert wilson(10, 10).high == 1.0 and wilson(0, 3).low == 0.0
+
+
 def test_block_bootstrap_of_flat_and_paired_curves():
     flat = blocks(curve(30.0), "ppl")
     assert mean_interval(flat, exp=True).low == pytest.approx(30.0)

@@ -95,4 +95,6 @@ def wilson(hits: float, n: int) -> Interval | None:
     p = hits / n
     centre = (p + Z * Z / (2 * n)) / (1 + Z * Z / n)
     half = Z * math.sqrt(p * (1 - p) / n + Z * Z / (4 * n * n)) / (1 + Z * Z / n)
-    return Interval(max(0.0, centre - half), min(1.0, centre + half))
+    # The interval always holds p; at p = 0 or 1 its end is p itself, which rounding can miss by an ulp
+    # (10/10 gave a high of 0.9999999999999999): a figure's error bar would then point the wrong way.
+    return Interval(min(p, max(0.0, centre - half)), max(p, min(1.0, centre + half)))
