@@ -125,6 +125,31 @@ def test_a_difference_beyond_the_noise_names_the_better_policy_whatever_it_costs
     assert "not told apart" not in v.sentence
 
 
+def test_a_full_cache_worse_than_the_policies_is_no_reference_to_be_close_to():
+    # SmolLM2 at 20,000 tokens: the full cache runs past its trained positions (PPL 79), the sinkless window
+    # (36.8) and the sink-keeping one (21.5) are both far better, and their KL to that full cache is noise
+    # apart: ranked by KL the cheaper window would be "tied" and shipped; ranked by PPL it is separated
+    def full(ppl: float) -> PplRecord:
+        return PplRecord("full|full|None", "full", "full", None, ppl, label="full", curve=curve(ppl))
+
+    rows = [row("window", 8, 36.8, 1.672, kl_wobble=0.5), row("sink4+window", 8, 21.5, 1.572, kl_wobble=-0.5)]
+    v = by_budget([full(79.1), *rows])[8]
+    assert v.closest.name == "sink4+window" and v.recommended.name == "sink4+window"
+    assert v.tied == [v.closest]
+    assert v.unsound_reference == ("ranked by PPL, not by closeness to the full cache, which is worse than every "
+                                   "policy here (PPL 79.10 [79.10, 79.10]: a stream past the positions the model "
+                                   "was trained on degrades the full cache itself)")
+    assert v.unsound_reference in v.sentence and "not told apart" not in v.sentence
+    assert "lowest PPL (the full cache is worse)" in markdown([v])
+    # only the policy whose PPL is below the full cache's beyond the noise is named
+    v = by_budget([full(30.0), row("window", 8, 36.8, 1.672, kl_wobble=0.5), rows[1]])[8]
+    assert "which is worse than sink4+window here (PPL 30.00" in v.unsound_reference
+    # the same rows beside a full cache better than both: closeness to it ranks them, and KL cannot part them
+    v = by_budget([full(20.0), *rows])[8]
+    assert v.unsound_reference is None
+    assert [c.name for c in v.tied] == ["sink4+window", "window"] and v.recommended.name == "window"
+
+
 def test_collapse_by_ppl_needs_the_whole_interval_at_twice_the_full_cache():
     records = [FULL, row("h2o", 8, 39.9, 0.2), row("window", 8, 40.0, 0.3), row("random", 8, 90.0, 0.9),
                # point estimate 2.05x, but the interval reaches below 2x: not called collapsed

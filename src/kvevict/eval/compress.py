@@ -147,14 +147,15 @@ def continuation_nll(
 
 
 def greedy(model, state: Compressed, max_new_tokens: int, stop_ids: Sequence[int] = (),
-           finished: Callable[[int, list[int]], bool] | None = None) -> list[list[int]]:
+           finished: Callable[[int, list[int]], bool] | None = None, pad: int | None = None) -> list[list[int]]:
     """Greedy decoding from a compressed context, one list of new token ids per row.
 
     Rows stop independently at a stop token (not included), when `finished(row, ids)`
     says their text is complete (lm-eval's `until` strings), or after `max_new_tokens`; a
-    finished row keeps being fed its last token so the batch stays rectangular, and
-    what it produces is discarded. `generate` is not used because the cache already
-    holds the context, and kvevict's cache must see every forward.
+    finished row keeps being fed (its own argmax, or `pad` from the step after it
+    finished: a dialogue that goes on should hold an end of turn, not babble) so the
+    batch stays rectangular, and what it produces is discarded. `generate` is not used
+    because the cache already holds the context, and kvevict's cache must see every forward.
     """
     stops = set(int(s) for s in stop_ids)
     out: list[list[int]] = [[] for _ in range(state.rows)]
@@ -164,6 +165,8 @@ def greedy(model, state: Compressed, max_new_tokens: int, stop_ids: Sequence[int
             token = state.next_logits(model).argmax(-1)
             for row, value in enumerate(token.tolist()):
                 if done[row]:
+                    if pad is not None:
+                        token[row] = pad
                     continue
                 if value in stops:
                     done[row] = True

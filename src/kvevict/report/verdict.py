@@ -30,6 +30,13 @@ from the records alone:
 
 The oracle is left out: it re-computes every token and is a reference, not a policy
 one can serve with.
+
+Closeness to the full cache is the goal only while the full cache is the better model. A
+stream past the positions a model was trained on degrades the full cache itself (SmolLM2
+at 20,000 tokens: full 79.1 against 21.5 for a sink-keeping window), and then the policy
+nearest to it in KL is the one that degrades most alike. Where a policy's paired PPL
+difference from the full cache lies wholly below 0, the verdict ranks by PPL instead and
+says why (`BudgetVerdict.unsound_reference`).
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from __future__ import annotations
 import html
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from ..eval.sink_loss import unbounded_note
@@ -67,7 +74,10 @@ HOW = (
     "as the full cache; a policy scores below the full cache only where their Wilson intervals are disjoint, and "
     "collapsed on the tasks when its whole interval lies below half of the full cache's rate. The recommendation is "
     "the cheapest policy tied with the closest on PPL and not below the full cache on the tasks; where the tasks "
-    "overturn the perplexity's pick, the sentence says so. A run of tasks alone is judged on the tasks alone."
+    "overturn the perplexity's pick, the sentence says so. A run of tasks alone is judged on the tasks alone. "
+    "Where a policy's PPL is lower than the full cache's beyond the noise (a stream past the model's trained "
+    "positions degrades the full cache itself), closeness to the full cache is no virtue: the policies are then "
+    "ranked by PPL, and the sentence says so."
 )
 
 
@@ -103,12 +113,16 @@ class Candidate:
     kl_blocks: Blocks | None = None
     layers_note: str | None = None  # what happened in the layers the budget does not bound (sliding windows)
     task: TaskScore | None = None  # RULER answers within reach at this budget (None: no tasks)
+    by_ppl: bool = False  # ranked by PPL, not KL: the full cache is no sound reference (module docstring)
 
     @property
     def rank(self) -> tuple[float, float]:
-        """Closest to the full cache first: by KL, then PPL; a row of tasks alone (no PPL) by its task rate."""
+        """Closest to the full cache first: by KL, then PPL (by PPL alone where `by_ppl`); a row of tasks alone
+        (no PPL) by its task rate."""
         if math.isnan(self.ppl):
             return (math.inf, -self.task.rate if self.task else math.inf)
+        if self.by_ppl:
+            return (self.ppl, self.ppl)
         return (math.inf if self.kl is None else self.kl, self.ppl)
 
     @cached_property  # a bootstrap: drawn once, read by the collapse test and every sentence
@@ -150,6 +164,7 @@ class BudgetVerdict:
     agreement: list[dict] = field(default_factory=list)
     opposed: list[tuple[Candidate, Candidate]] = field(default_factory=list)
     beyond: list[str] = field(default_factory=list)
+    unsound_reference: str | None = None  # why the policies are ranked by PPL, not by KL to the full cache
 
     @property
     def has_ppl(self) -> bool:
@@ -238,6 +253,26 @@ def _tied(best: Candidate, other: Candidate, by_kl: bool) -> bool:
     return found is None or found.contains(0.0)
 
 
+def _unsound_reference(full: PplRecord | None, candidates: Sequence[Candidate]) -> str | None:
+    """Why the full cache cannot be the reference the policies are ranked by closeness to, or None: some policy's
+    paired PPL difference from it (NLL over the same resampled blocks) lies wholly below 0."""
+    reference = blocks(full.curve, "ppl") if full is not None else None
+    if reference is None:
+        return None
+    better = []
+    for c in candidates:
+        found = paired_difference(c.nll_blocks, reference) if c.nll_blocks is not None else None
+        if found is not None and found.high < 0:
+            better.append(c)
+    if not better:
+        return None
+    shown = mean_interval(reference, exp=True)
+    who = "every policy" if len(better) == len(candidates) else _names(sorted(better, key=lambda c: c.ppl))
+    return (f"ranked by PPL, not by closeness to the full cache, which is worse than {who} here "
+            f"(PPL {full.ppl:.2f}" + (f" {shown.text()}" if shown else "") + ": a stream past the positions the "
+            "model was trained on degrades the full cache itself)")
+
+
 def _names(candidates: Sequence[Candidate]) -> str:
     return ", ".join(c.name for c in candidates)
 
@@ -313,6 +348,8 @@ def _sentence(v: BudgetVerdict) -> str:
         return text + (f"; avoid {', '.join(sorted(bad))} (collapsed)." if bad else ".")
     full = f" vs {v.full_ppl:.2f} full" if v.full_ppl else ""
     text = f"At budget {v.budget} ship {best.name} ({_scores(best)}{full})"
+    if v.unsound_reference:
+        text += f"; {v.unsound_reference}"
     others = [c for c in v.tied if c is not best and c.name not in {b.name for b in below}]
     if others:
         text += (f"; not told apart from it by the data: {_names(others)}, "
@@ -349,7 +386,7 @@ def _judge(v: BudgetVerdict, full_needle: Needle | None) -> None:
         v.tied = list(v.task_tied)
         v.recommended = min(v.tied, key=lambda c: (c.cost, c.rank)) if v.tied else None
         return
-    by_kl = all(c.kl is not None for c in safe)
+    by_kl = all(c.kl is not None for c in safe) and v.unsound_reference is None
     v.tied = [c for c in safe if c is safe[0] or _tied(safe[0], c, by_kl)]
     v.ppl_pick = min(v.tied, key=lambda c: (c.cost, c.rank))
     below = {c.name for c in v.task_below}
@@ -379,8 +416,11 @@ def verdict(records: Sequence[Record]) -> list[BudgetVerdict]:
     for budget in [*ppl_budgets, *task_only]:
         candidates = (_candidates(rows, budget, needle, tasks) if isinstance(budget, int)
                       else _task_candidates(budget, tasks))
+        reason = _unsound_reference(full, candidates) if isinstance(budget, int) else None
+        if reason:
+            candidates = [replace(c, by_ppl=True) for c in candidates]
         v = BudgetVerdict(budget, full_ppl if isinstance(budget, int) else None,
-                          sorted(candidates, key=lambda c: c.rank))
+                          sorted(candidates, key=lambda c: c.rank), unsound_reference=reason)
         if answers:
             v.agreement = [a for a in agreement if a["budget"] == str(budget)]
             v.beyond = out_of_reach
@@ -416,7 +456,8 @@ def _facts(v: BudgetVerdict) -> list[tuple[str, str]]:
     lost = "; ".join(f"{c.name} on {c.heads_lost} of {c.heads} heads" for c in v.lost_sink) or "none"
     if not v.has_ppl:  # tasks alone: the closest by task rate, the collapsed, then the tasks' facts
         return [("closest to full", _closest_text(v)), ("collapsed", collapsed)] + _task_facts(v)
-    facts = [("closest to full", _closest_text(v)),
+    first = "lowest PPL (the full cache is worse)" if v.unsound_reference else "closest to full"
+    facts = [(first, _closest_text(v)),
              ("tied with it (paired 95% block bootstrap)", _names(v.tied[1:]) or "none"),
              ("collapsed", collapsed), ("lost token 0", lost)]
     note = next((c.layers_note for c in v.candidates if c.layers_note), None)

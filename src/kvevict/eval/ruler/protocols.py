@@ -51,7 +51,7 @@ from ...cache import EvictingCache
 from ...defaults import DEFAULT_CHUNK
 from ...errors import KvevictError
 from ...policies import check_policy
-from ..compress import Compressed
+from ..compress import Compressed, greedy
 from ..forward import body
 from ..prompts import stop_ids
 from .sample import Prompt
@@ -161,28 +161,12 @@ def _line_done(text: str) -> bool:
 
 
 def decode(model, tokenizer, state: Compressed, max_new_tokens: int, stops: Sequence[int]) -> list[list[int]]:
-    """Greedy answers, one list of ids per row (see the module's docstring for when a row stops)."""
-    stop_set = set(stops)
-    pad = stops[0] if stops else None
-    out: list[list[int]] = [[] for _ in range(state.rows)]
-    done = [False] * state.rows
-    with torch.inference_mode():
-        for step in range(max_new_tokens):
-            token = state.next_logits(model).argmax(-1)
-            for row, value in enumerate(token.tolist()):
-                if done[row]:
-                    if pad is not None:
-                        token[row] = pad
-                    continue
-                if value in stop_set:
-                    done[row] = True
-                    continue
-                out[row].append(value)
-                done[row] = _line_done(tokenizer.decode(out[row], skip_special_tokens=True))
-            if all(done) or step == max_new_tokens - 1:
-                break
-            state.feed(model, token[:, None])
-    return out
+    """Greedy answers, one list of ids per row, each to the end of its first line (see the module's
+    docstring); a finished row is fed the first stop token (its end of turn) while the others go on."""
+    def line_done(row: int, ids: list[int]) -> bool:
+        return _line_done(tokenizer.decode(ids, skip_special_tokens=True))
+
+    return greedy(model, state, max_new_tokens, stops, line_done, pad=stops[0] if stops else None)
 
 
 def _text(tokenizer, ids: list[int]) -> str:
