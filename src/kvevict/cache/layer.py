@@ -443,7 +443,7 @@ class EvictingLayer(CacheLayerMixin):
         ring is trusted only right after its own eviction one token earlier; anything else
         (a chunk, a compaction, a budget change) starts again from positional order or scores.
         """
-        fifo = self.settings.fifo_after
+        fifo = self.ring_start()
         if fifo is None or total != keep_count + 1 or not self.settings.mode.fills_in_place:
             return None
         if self.ordered:
@@ -452,15 +452,26 @@ class EvictingLayer(CacheLayerMixin):
             return self._ring[0]
         return None
 
+    def ring_start(self) -> int | None:
+        """The first slot of the first-in-first-out ring (the pinned tokens sit before it), or None: no ring.
+        The rows' policies decide it (`LayerSettings.fifo_after`); a sliding-window layer has its own."""
+        return self.settings.fifo_after
+
     def _evict_slot(self, slot: int, keep_count: int) -> None:
         """Evict slot `slot` (the newest entry, slot `keep_count`, takes its place) and report it."""
-        gone = self.storage.move_slot(keep_count, slot)
-        following = slot + 1 if slot + 1 < keep_count else self.settings.fifo_after
-        self._ring = (following, self.seen)
-        self.ordered = False
+        gone = self._turn_ring(slot, keep_count)
         self.n = keep_count
         wanted = any(o.wants_victims for o in self.settings.observers)
         self.report_eviction(self.seen, self.storage.pos[:, :, :keep_count], gone if wanted else None)
+
+    def _turn_ring(self, slot: int, keep_count: int) -> torch.Tensor:
+        """Move the newest entry (slot `keep_count`) into the victim's slot `slot` and note the next victim,
+        the slot after it (the ring wraps to `ring_start`). Returns the positions `[B, H_kv]` evicted."""
+        gone = self.storage.move_slot(keep_count, slot)
+        following = slot + 1 if slot + 1 < keep_count else self.ring_start()
+        self._ring = (following, self.seen)
+        self.ordered = False
+        return gone
 
     def _evict(self, views: list[SlotView], total: int, keep_count: int) -> None:
         layout = self.settings.layout
