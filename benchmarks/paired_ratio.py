@@ -6,7 +6,8 @@ so its full cache scores worse than every bounded policy), a team asks instead w
 setting costs against another: llama.cpp's default against Ollama's, say. Same blocks,
 same resampling as the report (`report/uncertainty.py`), the ratio exp(mean NLL a - b).
 
-    .venv/bin/python benchmarks/paired_ratio.py runs/engines-smollm2-20k-cache 'llamacpp:keep=0,bos=0' 'ollama:keep=4,bos=0'
+    .venv/bin/python benchmarks/paired_ratio.py runs/engines-smollm2-20k-cache \
+        'llamacpp:keep=0,bos=0' 'ollama:keep=4,bos=0'
 """
 
 from __future__ import annotations

@@ -187,6 +187,10 @@ def test_lost_sink_lists_every_policy_and_how_many_heads():
                    row("sink4+random", 8, 45.0, 0.9)])[8]
     assert v.sentence.endswith("but it lost token 0 on 1 of 4 heads: pin sinks (sinkN+h2o); "
                                "avoid sink4+random (collapsed).")
+    # a serving engine's preset refuses sink wrappers: the advice names the engine's own option instead
+    v = by_budget([FULL, row("trtllm:sink=0", 8, 22.0, 0.05, lost=4), row("vllm-swa", 8, 22.0, 0.05, lost=4)])[8]
+    assert v.sentence.endswith("but it lost token 0 on 4 of 4 heads: keep sinks with the engine's own option "
+                               "(the preset's keep or sink count, e.g. 4).")
 
 
 def test_every_policy_collapsed_says_raise_the_budget():

@@ -44,3 +44,9 @@ def pinned(spec: str) -> int:
     """Leading tokens the policy always keeps (`sinkK+window`: K; `window`: 0)."""
     policy = _policy(spec)
     return int(policy.pinned)
+
+
+def is_preset(spec: str) -> bool:
+    """The policy is a serving engine's own rule (`llamacpp`, `trtllm`, ...): a sink wrapper refuses it, so
+    its sinks are set through the engine's own option."""
+    return bool(_policy(spec).preset)

@@ -52,7 +52,7 @@ from .columns import number
 from .records import PplRecord, Record, ppl_records, ruler_records, task_records
 from .ruler import FLOOR, TaskScore, beyond, rank_agreement, task_scores
 from .tables import budget_order
-from .traits import needs_attention, pinned
+from .traits import is_preset, needs_attention, pinned
 from .uncertainty import Blocks, Interval, blocks, mean_interval, paired_difference, wilson
 
 #: a policy whose PPL is at least this multiple of the full cache's (its whole interval) has collapsed
@@ -114,6 +114,7 @@ class Candidate:
     layers_note: str | None = None  # what happened in the layers the budget does not bound (sliding windows)
     task: TaskScore | None = None  # RULER answers within reach at this budget (None: no tasks)
     by_ppl: bool = False  # ranked by PPL, not KL: the full cache is no sound reference (module docstring)
+    preset: bool = False  # a serving engine's rule: its sinks are its engine's option, not a sinkN+ wrapper
 
     @property
     def rank(self) -> tuple[float, float]:
@@ -205,7 +206,7 @@ def _candidates(records: list[PplRecord], budget: int, needle: dict[tuple[str, s
             r.name, r.ppl, r.kl_to_full, needle.get((r.name, str(budget))),
             sink.lost if sink else 0, sink.bounded if sink else 0,
             pinned(r.policy), needs_attention(r.policy), blocks(r.curve, "ppl"), blocks(r.kl_curve, "kl"),
-            unbounded_note(sink, r.sliding_window), tasks.get((r.name, str(budget))),
+            unbounded_note(sink, r.sliding_window), tasks.get((r.name, str(budget))), preset=is_preset(r.policy),
         )
     return list(seen.values())
 
@@ -359,7 +360,9 @@ def _sentence(v: BudgetVerdict) -> str:
         text += f", but it lost token 0 on {best.heads_lost} of {best.heads} heads"
         safe = [c for c in v.candidates if c.name not in bad]
         keeper = next((c for c in safe if not c.heads_lost), None)
-        if keeper is None:
+        if keeper is None and best.preset:
+            text += ": keep sinks with the engine's own option (the preset's keep or sink count, e.g. 4)"
+        elif keeper is None:
             text += f": pin sinks (sinkN+{best.name})"
         else:
             text += f"; the closest policy that kept it on every head is {keeper.name} ({_scores(keeper)})"
