@@ -3,7 +3,8 @@
 The report gives each policy's PPL against the full cache. Where the full cache is not
 the reference one wants (a 20,000-token stream runs SmolLM2 past its trained positions,
 so its full cache scores worse than every bounded policy), a team asks instead what one
-setting costs against another: llama.cpp's default against Ollama's, say. Same blocks,
+setting costs against another: llama.cpp's default against Ollama's, say (`--also`: rows
+of another run of the same stream, in another position mode). Same blocks,
 same resampling as the report (`report/uncertainty.py`), the ratio exp(mean NLL a - b).
 
     .venv/bin/python benchmarks/paired_ratio.py runs/engines-smollm2-20k-cache \
@@ -24,14 +25,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("run", help="a run folder holding results.jsonl")
     parser.add_argument("pairs", nargs="+", help="policy names as the records spell them: a b [a b ...]")
+    parser.add_argument("--also", action="append", default=[],
+                        help="another run folder of the same stream whose rows join these (another position mode)")
     args = parser.parse_args()
     if len(args.pairs) % 2:
         parser.error("give the policies in pairs: a b [a b ...]")
     rows = {}
-    for line in (Path(args.run) / "results.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if record.get("curve"):
-            rows[record["policy"]] = record
+    for folder in [args.run, *args.also]:
+        for line in (Path(folder) / "results.jsonl").read_text().splitlines():
+            record = json.loads(line)
+            if record.get("curve"):
+                rows.setdefault(record["policy"], record)  # the full cache of the first folder
     print("| a | b | PPL a | PPL b | PPL a / PPL b [paired 95%] |")
     print("|---|---|---|---|---|")
     for a, b in zip(args.pairs[::2], args.pairs[1::2], strict=True):
