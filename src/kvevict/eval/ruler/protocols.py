@@ -206,22 +206,16 @@ def answer_budgets(model, tokenizer, prompt: Prompt, specs: list[str], budgets: 
                            f"{prompt.sample.task}: use niah_multikey_1/2/3 or niah_multiquery")
     limit = max_new_tokens or prompt.answer_tokens
     stops = stop_ids(tokenizer)
-    bounded = [b for b in budgets if b is not None]
-    if len(bounded) < 2 or len(bounded) != len(budgets) or not shares_prefill(protocol, form):
-        out = []
-        for entries in budgets:
-            t0 = time.perf_counter()
-            state = _read(model, prompt, specs, entries, protocol, form, positions, stream_chunk)
-            out.append(_answers(model, tokenizer, prompt, state, protocol, form, limit, stops, t0, stream_chunk))
-        return out
+    # the full cache (None) reads another prefix under `aware`: it never shares a held-back prefill
+    defer = len(budgets) > 1 and None not in budgets and shares_prefill(protocol, form)
     t0 = time.perf_counter()
-    state = _read(model, prompt, specs, budgets[0], protocol, form, positions, stream_chunk, defer=True)
+    state = _read(model, prompt, specs, budgets[0], protocol, form, positions, stream_chunk, defer=defer)
     if not state.cache.deferred:  # compressed at the first budget already: every other gets its own prefill
-        out = [_answers(model, tokenizer, prompt, state, protocol, form, limit, stops, t0)]
+        out = [_answers(model, tokenizer, prompt, state, protocol, form, limit, stops, t0, stream_chunk)]
         for entries in budgets[1:]:
             t1 = time.perf_counter()
             state = _read(model, prompt, specs, entries, protocol, form, positions, stream_chunk)
-            out.append(_answers(model, tokenizer, prompt, state, protocol, form, limit, stops, t1))
+            out.append(_answers(model, tokenizer, prompt, state, protocol, form, limit, stops, t1, stream_chunk))
         return out
     share = (time.perf_counter() - t0) / len(budgets)
     out = []
