@@ -14,10 +14,11 @@ same resampling as the report (`report/uncertainty.py`), the ratio exp(mean NLL 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 
+from kvevict.report.records import load, ppl_records
+from kvevict.report.store import ResultStore
 from kvevict.report.uncertainty import blocks, paired_difference
 
 
@@ -32,20 +33,19 @@ def main() -> None:
         parser.error("give the policies in pairs: a b [a b ...]")
     rows = {}
     for folder in [args.run, *args.also]:
-        for line in (Path(folder) / "results.jsonl").read_text().splitlines():
-            record = json.loads(line)
-            if record.get("curve"):
-                rows.setdefault(record["policy"], record)  # the full cache of the first folder
+        for record in ppl_records(load(ResultStore(Path(folder) / "results.jsonl").records())):
+            if record.curve:
+                rows.setdefault(record.policy, record)  # the full cache of the first folder
     print("| a | b | PPL a | PPL b | PPL a / PPL b [paired 95%] |")
     print("|---|---|---|---|---|")
     for a, b in zip(args.pairs[::2], args.pairs[1::2], strict=True):
         missing = [name for name in (a, b) if name not in rows]
         if missing:
             raise SystemExit(f"no row named {', '.join(missing)} in {args.run}: the rows are {', '.join(rows)}")
-        found = paired_difference(blocks(rows[a]["curve"], "ppl"), blocks(rows[b]["curve"], "ppl"))
-        ratio = rows[a]["ppl"] / rows[b]["ppl"]
+        found = paired_difference(blocks(rows[a].curve, "ppl"), blocks(rows[b].curve, "ppl"))
+        ratio = rows[a].ppl / rows[b].ppl
         interval = "no paired interval" if found is None else f"[{math.exp(found.low):.3f}, {math.exp(found.high):.3f}]"
-        print(f"| {a} | {b} | {rows[a]['ppl']:.2f} | {rows[b]['ppl']:.2f} | {ratio:.3f} {interval} |")
+        print(f"| {a} | {b} | {rows[a].ppl:.2f} | {rows[b].ppl:.2f} | {ratio:.3f} {interval} |")
 
 
 if __name__ == "__main__":
