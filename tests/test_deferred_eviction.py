@@ -36,10 +36,13 @@ def model(request, tiny):
     return Arch("gemma3", ("original",)).build().eval()
 
 
-def _held(cache: EvictingCache) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def _held(cache: EvictingCache) -> list:
     """Per layer: positions, keys and values held, every (row, head) in positional order."""
     out = []
     for layer in cache.layers:
+        if layer.heads_differ:  # ragged segments: each head's own entries, read through its mask
+            out.append(_held_ragged(layer.storage))
+            continue
         n = layer.n
         pos = layer.storage.pos[:, :, :n]
         order = pos.argsort(dim=-1)
@@ -49,18 +52,25 @@ def _held(cache: EvictingCache) -> list[tuple[torch.Tensor, torch.Tensor, torch.
     return out
 
 
+def _held_ragged(storage) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per (row, KV head) of a ragged layer: its held positions, keys and values, in positional order."""
+    members = storage.members()
+    out = []
+    for b in range(members.shape[0]):
+        for h in range(members.shape[1]):
+            slots = members[b, h].nonzero().squeeze(-1)
+            slots = slots[storage.pos[b, slots].argsort()]
+            out.append((storage.pos[b, slots], storage.keys[b, slots], storage.values[b, slots]))
+    return out
+
+
 def _next_logits(model, cache: EvictingCache, rows: int) -> torch.Tensor:
     cache.freeze()
     ids = random_tokens(3, seed=9)[None].expand(rows, -1)
     return logits(model, body(model, ids, cache)[:, -1]).float()
 
 
-def _deferrable(spec: str) -> bool:
-    policy = parse_policy(spec)
-    return not policy.varies_by_head
-
-
-@pytest.mark.parametrize("spec", [s for s in bounded_specs() if _deferrable(s)])
+@pytest.mark.parametrize("spec", bounded_specs())
 def test_a_held_back_eviction_keeps_what_the_forward_would_have_kept(model, spec):
     context = random_tokens(T, seed=3)
     policy = parse_policy(spec)
@@ -78,17 +88,20 @@ def test_a_held_back_eviction_keeps_what_the_forward_would_have_kept(model, spec
                 state.budget = budget
                 state.evict_deferred()
                 assert not state.deferred
-                for (p, k, v), (rp, rk, rv) in zip(_held(state), _held(ref), strict=True):
-                    assert torch.equal(p, rp), (spec, positions, budget)
-                    torch.testing.assert_close(k, rk, rtol=0, atol=0)
-                    torch.testing.assert_close(v, rv, rtol=0, atol=0)
+                for got, want in zip(_held(state), _held(ref), strict=True):
+                    for (p, k, v), (rp, rk, rv) in zip(got if isinstance(got, list) else [got],
+                                                       want if isinstance(want, list) else [want], strict=True):
+                        assert torch.equal(p, rp), (spec, positions, budget)
+                        torch.testing.assert_close(k, rk, rtol=0, atol=0)
+                        torch.testing.assert_close(v, rv, rtol=0, atol=0)
+                # a ragged layer lays its segments out for its budget: the held-back one must too
+                assert [la.storage.allocated() for la in state.layers if la.heads_differ] == \
+                    [la.storage.allocated() for la in ref.layers if la.heads_differ], "laid out for another budget"
                 torch.testing.assert_close(_next_logits(model, state, len(rows)),
                                            _next_logits(model, ref, len(rows)), rtol=1e-5, atol=1e-5)
 
 
-def test_a_per_head_or_streaming_cache_refuses_to_hold_back(tiny):
-    with pytest.raises(KvevictError, match="compress each budget in a prefill of its own"):
-        EvictingCache(tiny, ["adakv:snapkv:window=2"], budget=20).defer()
+def test_a_streaming_cache_refuses_to_hold_back(tiny):
     with pytest.raises(KvevictError, match="compress each budget in a prefill of its own"):
         EvictingCache(tiny, ["h2o"], budget=20, per_token=True).defer()
 
@@ -107,9 +120,10 @@ def test_one_prefill_for_every_budget_answers_as_a_prefill_per_budget(model, pro
             [(a.policy, a.question, a.tokens, a.kept) for a in ref]
 
 
-def test_per_head_budgets_fall_back_to_a_prefill_per_budget(tiny):
+@pytest.mark.parametrize("protocol", ["agnostic", "aware"])
+def test_per_head_budgets_share_the_prefill_too(model, protocol):
     prompt = _prompt()
-    spec = ["adakv:snapkv:window=8"]
-    got = answer_budgets(tiny, Words(), prompt, spec, [60, 30], "agnostic")
-    assert [[a.tokens for a in answers] for answers in got] == \
-        [[a.tokens for a in answer(tiny, Words(), prompt, spec, b, "agnostic")] for b in (60, 30)]
+    spec = ["adakv:snapkv:window=8", "adakv:h2o"]
+    got = answer_budgets(model, Words(), prompt, spec, [60, 40, 20], protocol)
+    assert [[(a.tokens, a.kept) for a in answers] for answers in got] == \
+        [[(a.tokens, a.kept) for a in answer(model, Words(), prompt, spec, b, protocol)] for b in (60, 40, 20)]

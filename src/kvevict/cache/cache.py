@@ -228,7 +228,7 @@ class EvictingCache(Cache):
         """
         if not self.can_defer:
             raise KvevictError(
-                "this cache cannot hold an eviction back (a per-head or token-by-token cache evicts inside the "
+                "this cache cannot hold an eviction back (a token-by-token cache evicts inside the "
                 "forward): compress each budget in a prefill of its own"
             )
         for layer in self.layers:

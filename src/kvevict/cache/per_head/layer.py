@@ -44,7 +44,6 @@ class RaggedLayer(EvictingLayer):
     """Per-head budgets: one allowance per layer and row, ragged storage, attention by hand."""
 
     heads_differ = True
-    can_defer = False  # its forward scores and evicts in one pass over the ragged segments (`_forward`)
 
     def _new_storage(self) -> RaggedStorage:
         s = self.settings
@@ -115,7 +114,9 @@ class RaggedLayer(EvictingLayer):
         m = query.shape[2]
         storage.append(keys, values, seen - m)
         self.statistics.remember(query, used, seen)
-        will_evict = self._overflows(0)
+        # held back (`EvictingCache.defer`): measure as for an eviction, evict in `evict_deferred`
+        deferring = self.deferred and self.budget is not None
+        will_evict = deferring or self._overflows(0)
         members = storage.members()
         hidden = ~members
         positions = storage.per_head(storage.pos, hidden, -1)
@@ -141,19 +142,55 @@ class RaggedLayer(EvictingLayer):
             updated = g.policy.absorb(view, request, g.take(mass)).to(stat.dtype)
             g.put(stat, updated.gather(1, g.take(storage.owner)[:, None]).squeeze(1))  # its own head's value
             view.stats[request.stat] = updated  # read only where the head holds an entry
-        if will_evict:
-            scores = s.layout.merge([g.policy.scores(v) for g, v in zip(groups, views)], *members.shape)
-            scores = scores.masked_fill(hidden, float("-inf"))
-            keep = allocate(scores, positions, members, self.heads * self.budget, self._floors())
-            # a row keeps its allowance, or all it held (each head's floor is within its budget)
-            storage.evict(keep, min(storage.most_held, self.heads * self.budget))
-            if m > 1 and storage.capacity > storage.base:  # a long prefill grew the buffer: give it back
-                storage.repack(0)
-            self.identical = False
-            if s.observers:  # they read whether token 0 leads each head's kept positions: `kept` [B, H, 1]
-                self.report_eviction(seen, storage.first_slots(), None)
+        if will_evict and not deferring:
+            self._evict(views, members, positions, seen, shrink=m > 1)
         self.n = int(storage.held.max())
         return out
+
+    def _evict(self, views: list[SlotView], members: torch.Tensor, positions: torch.Tensor, seen: int,
+               shrink: bool) -> None:
+        """Keep each row's allowance `H x budget` by the scores of `views` (jointly over its heads).
+
+        members `[B, H, capacity]` the entries each head holds, positions `[B, H, capacity]`
+        theirs as each head sees them (-1 elsewhere). `shrink`: a long forward grew the
+        buffer, so give it back.
+        """
+        s, storage = self.settings, self.storage
+        scores = s.layout.merge([g.policy.scores(v) for g, v in zip(s.layout.groups, views)], *members.shape)
+        scores = scores.masked_fill(~members, float("-inf"))
+        keep = allocate(scores, positions, members, self.heads * self.budget, self._floors())
+        # a row keeps its allowance, or all it held (each head's floor is within its budget)
+        storage.evict(keep, min(storage.most_held, self.heads * self.budget))
+        if shrink and storage.capacity > storage.base:
+            storage.repack(0)
+        self.identical = False
+        if s.observers:  # they read whether token 0 leads each head's kept positions: `kept` [B, H, 1]
+            self.report_eviction(seen, storage.first_slots(), None)
+
+    def evict_deferred(self) -> None:
+        """Evict what the held-back forward would have evicted at the budget this layer has now.
+
+        That forward stored every entry's statistics (its own head's value, as `_forward`
+        does after an eviction), so the views rebuilt from the storage score what it would
+        have scored. The buffer is laid out for this budget (`RaggedStorage.rebase`), as a
+        forward at this budget leaves it.
+        """
+        self.deferred = False
+        storage = self.storage
+        if self.budget is not None:
+            storage.rebase(self.budget)
+            members = storage.members()
+            hidden = ~members
+            if self._overflows(0):
+                positions = storage.per_head(storage.pos, hidden, -1)
+                views = [self._ragged_view(g, positions, hidden, self.seen, self.budget)
+                         for g in self.settings.layout.groups]
+                self._evict(views, members, positions, self.seen, shrink=True)
+            elif storage.capacity > storage.base:
+                storage.repack(0)
+        self.n = int(storage.held.max())
+        for observer in self.settings.observers:
+            observer.on_forward(self.index, self.n)
 
     def _floors(self) -> torch.Tensor:
         """`[B]` the fewest entries each head of a row keeps (its policy's `head_floor`)."""

@@ -36,13 +36,18 @@ class RaggedStorage:
         self.batch, self.heads, self.head_dim = batch, heads, head_dim
         self.dtype, self.device = dtype, device
         self.room, self.stat_names = room, tuple(stat_names)
-        self.base = heads * (per_head + room)  # the capacity a row needs at its budget
+        self.rebase(per_head)
         self._allocate(self.base)
         start = (torch.arange(heads, device=device) * (per_head + room)).expand(batch, heads).clone()
         self._lay_out(start, start + per_head + room)
         self.held = torch.zeros(batch, heads, dtype=torch.long, device=device)  # [B, H] entries held
         self.most_held = 0  # entries the fullest row holds (a Python int: no sync to read it)
         self._rewind()
+
+    def rebase(self, per_head: int) -> None:
+        """The capacity a row needs at a budget of `per_head` entries per head (the next `repack`
+        lays the buffer out for it): a state read once and compressed at several budgets."""
+        self.base = self.heads * (per_head + self.room)
 
     def _allocate(self, capacity: int) -> None:
         self.capacity = capacity
