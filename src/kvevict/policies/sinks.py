@@ -101,6 +101,11 @@ class SinkPinned(SinkWrapper):
         return max(self.n_sinks, self.inner.pinned)
 
     @property
+    def slot_local(self) -> bool:
+        """Pinning by position keeps a slot's score its own: slot-local when the inner policy is."""
+        return self.inner.slot_local
+
+    @property
     def fifo_after(self) -> int | None:
         """A window behind N pinned sinks evicts the oldest entry after the first N."""
         return None if self.inner.fifo_after != 0 else self.n_sinks
