@@ -103,6 +103,14 @@ def test_a_run_of_tasks_alone_gets_a_verdict_per_budget():
     assert half.sentence in run_markdown(records)
 
 
+def test_a_run_of_tasks_alone_prints_no_empty_perplexity_table():
+    records = answers("full", "full", 10) + answers("h2o", "50%", 9)
+    text = run_markdown(records)
+    assert "| ppl |" not in text and "| policy | budget |" not in text
+    assert "| agnostic | niah_single_1@1000 | 50% | 10 |" in text  # the task table is there
+    assert "| ppl |" in run_markdown(records + [FULL, row("h2o", 64, 25.0, 0.5)])
+
+
 def test_several_protocols_pool_on_the_same_answers():
     """An answer counts beside the full cache's answer to the same question under the same protocol."""
     records = answers("full", "full", 10) + answers("full", "full", 0, protocol="stream")

@@ -21,7 +21,9 @@ from .verdict import verdict
 def run_markdown(records: Sequence[Record], title: str = "Verdict") -> str:
     """One run: its verdict under `## title`, the summary table, then the sink and per-layer tables it holds."""
     rows = ppl_records(records)
-    parts = [verdict_markdown(verdict(records), title), summary_table(rows).markdown()]
+    parts = [verdict_markdown(verdict(records), title)]
+    if rows:  # a run of tasks alone has no perplexity table (as in the HTML report)
+        parts.append(summary_table(rows).markdown())
     parts += [extra.markdown() for extra in (sinks_table(rows), layer_budget_table(rows)) if extra]
     found = ruler_cells(ruler_records(records))
     if found:  # RULER answers: accuracy [95% interval] per task, budget and policy (see report.ruler)
