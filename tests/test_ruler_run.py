@@ -29,6 +29,25 @@ def _args(tiny_dir, out, *extra):
             "--out", str(out), "--name", "r", *extra]
 
 
+@pytest.mark.parametrize("protocol", ["agnostic", "stream"])
+def test_an_engine_preset_runs_in_the_positions_its_engine_decides(protocol, tiny_pair):
+    """llama.cpp's shift renumbers positions within the cache: the grid runs it with `positions='cache'` (its
+    kept set is llama.cpp's: the head it keeps and the newest tokens) and refuses it with `original`."""
+    from kvevict.errors import KvevictError
+    from kvevict.eval.ruler.grid import RulerGrid, run_grid
+
+    model, tokenizer = tiny_pair
+    grid = RulerGrid(tasks=["niah_single_1"], lengths=[900], samples=1, policies=["llamacpp:keep=4"],
+                     budgets=["25%"], protocol=protocol, positions="cache", max_new_tokens=2)
+    full, preset = run_grid(model, tokenizer, grid)
+    assert (full["policy"], preset["policy"]) == ("full", "llamacpp:keep=4")
+    budget = preset["budget_tokens"]  # the engine's context: the most it ever holds
+    assert budget == round(preset["context_tokens"] / 4) and preset["kept"] <= budget
+    with pytest.raises(KvevictError, match="the engine decides positions"):
+        run_grid(model, tokenizer, RulerGrid(tasks=["niah_single_1"], lengths=[900], samples=1,
+                                             policies=["llamacpp:keep=4"], budgets=["25%"], protocol=protocol))
+
+
 def test_ruler_records_every_answer_and_resumes_only_what_is_missing(tmp_path, tiny_dir):
     code, stdout, stderr = _invoke(*_args(tiny_dir, tmp_path))
     assert code == 0, stderr

@@ -104,8 +104,9 @@ def compressed_length(prompt: Prompt, protocol: str, form: str = "requests") -> 
 
 
 def check_budget(prompt: Prompt, protocol: str, specs: Sequence[str], budget: Budget,
-                 form: str = "requests") -> int | None:
-    """Entries of `budget` for this prompt, refused when it keeps everything or the policy cannot run at it."""
+                 form: str = "requests", positions: str = "original") -> int | None:
+    """Entries of `budget` for this prompt, refused when it keeps everything or the policy cannot run at it
+    in the position mode `positions`."""
     if budget is None:
         return None
     length = compressed_length(prompt, protocol, form)
@@ -118,7 +119,7 @@ def check_budget(prompt: Prompt, protocol: str, specs: Sequence[str], budget: Bu
         )
     for spec in specs:
         try:
-            check_policy(spec, entries)
+            check_policy(spec, entries, positions)
         except KvevictError as exc:
             raise KvevictError(f"budget {budget_label(budget)} is {entries} entries for a {length}-token context "
                                f"({prompt.sample.task}): {exc}") from None
@@ -159,7 +160,7 @@ def preflight(grid: RulerGrid, tokenizer, limit: int | None) -> int:
     for prompt in prompts(grid, tokenizer, limit):
         for specs, budgets in plan:
             for budget in budgets:
-                check_budget(prompt, grid.protocol, specs, budget, grid.form)
+                check_budget(prompt, grid.protocol, specs, budget, grid.form, grid.positions)
                 count += 1
     return count
 
@@ -190,7 +191,7 @@ def run_grid(model, tokenizer, grid: RulerGrid, done: set[str] = frozenset(),
                     on_skip()
             if not missing:
                 continue
-            entries = [check_budget(prompt, grid.protocol, specs, b, grid.form) for b in missing]
+            entries = [check_budget(prompt, grid.protocol, specs, b, grid.form, grid.positions) for b in missing]
             replies = answer_budgets(model, tokenizer, prompt, specs, entries, grid.protocol, grid.form,
                                      grid.positions, grid.max_new_tokens)
             for budget, count, answers in zip(missing, entries, replies, strict=True):
