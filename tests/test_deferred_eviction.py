@@ -36,8 +36,9 @@ def model(request, tiny):
     return Arch("gemma3", ("original",)).build().eval()
 
 
-def _held(cache: EvictingCache) -> list:
-    """Per layer: positions, keys and values held, every (row, head) in positional order."""
+def _held(cache: EvictingCache) -> list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+    """Per layer: positions, keys and values held, every (row, head) in positional order (one
+    triple for a uniform layer's whole storage, one per (row, head) of a ragged layer)."""
     out = []
     for layer in cache.layers:
         if layer.heads_differ:  # ragged segments: each head's own entries, read through its mask
@@ -47,8 +48,8 @@ def _held(cache: EvictingCache) -> list:
         pos = layer.storage.pos[:, :, :n]
         order = pos.argsort(dim=-1)
         idx = order[..., None].expand(-1, -1, -1, layer.storage.keys.shape[-1])
-        out.append((pos.gather(-1, order), layer.storage.keys[:, :, :n].gather(2, idx),
-                    layer.storage.values[:, :, :n].gather(2, idx)))
+        out.append([(pos.gather(-1, order), layer.storage.keys[:, :, :n].gather(2, idx),
+                     layer.storage.values[:, :, :n].gather(2, idx))])
     return out
 
 
@@ -89,8 +90,7 @@ def test_a_held_back_eviction_keeps_what_the_forward_would_have_kept(model, spec
                 state.evict_deferred()
                 assert not state.deferred
                 for got, want in zip(_held(state), _held(ref), strict=True):
-                    for (p, k, v), (rp, rk, rv) in zip(got if isinstance(got, list) else [got],
-                                                       want if isinstance(want, list) else [want], strict=True):
+                    for (p, k, v), (rp, rk, rv) in zip(got, want, strict=True):
                         assert torch.equal(p, rp), (spec, positions, budget)
                         torch.testing.assert_close(k, rk, rtol=0, atol=0)
                         torch.testing.assert_close(v, rv, rtol=0, atol=0)

@@ -117,13 +117,9 @@ class RaggedLayer(EvictingLayer):
         # held back (`EvictingCache.defer`): measure as for an eviction, evict in `evict_deferred`
         deferring = self.deferred and self.budget is not None
         will_evict = deferring or self._overflows(0)
-        members = storage.members()
-        hidden = ~members
-        positions = storage.per_head(storage.pos, hidden, -1)
+        members, hidden, positions, views = self._views(seen)
         width = storage.capacity
-        budget = self.budget if self.budget is not None else width
         groups = s.layout.groups
-        views = [self._ragged_view(g, positions, hidden, seen, budget) for g in groups]
         requests = [g.policy.request(v, will_evict) for g, v in zip(groups, views)]
         kinds = {r.kind for r in requests if r is not None}
         out, new_mass, last_mass = self._attend(query, scaling, hidden, seen - m, "new" in kinds, "last" in kinds)
@@ -146,6 +142,18 @@ class RaggedLayer(EvictingLayer):
             self._evict(views, members, positions, seen, shrink=m > 1)
         self.n = int(storage.held.max())
         return out
+
+    def _views(self, seen: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[SlotView]]:
+        """What each row group's policy sees now (`_ragged_view`): the entries each head holds
+        `[B, H_kv, capacity]`, their negation, the positions as each head sees them (-1 elsewhere),
+        and one view per group."""
+        storage = self.storage
+        members = storage.members()
+        hidden = ~members
+        positions = storage.per_head(storage.pos, hidden, -1)
+        budget = self.budget if self.budget is not None else storage.capacity
+        return members, hidden, positions, [self._ragged_view(g, positions, hidden, seen, budget)
+                                            for g in self.settings.layout.groups]
 
     def _evict(self, views: list[SlotView], members: torch.Tensor, positions: torch.Tensor, seen: int,
                shrink: bool) -> None:
@@ -179,12 +187,8 @@ class RaggedLayer(EvictingLayer):
         storage = self.storage
         if self.budget is not None:
             storage.rebase(self.budget)
-            members = storage.members()
-            hidden = ~members
             if self._overflows(0):
-                positions = storage.per_head(storage.pos, hidden, -1)
-                views = [self._ragged_view(g, positions, hidden, self.seen, self.budget)
-                         for g in self.settings.layout.groups]
+                members, _, positions, views = self._views(self.seen)
                 self._evict(views, members, positions, self.seen, shrink=True)
             elif storage.capacity > storage.base:
                 storage.repack(0)
