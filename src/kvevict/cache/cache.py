@@ -164,6 +164,11 @@ class EvictingCache(Cache):
     def budget(self, value: int | None) -> None:
         """Change the budget mid-run (lm-eval's generation restores it after compressing): lowering it evicts
         at the next forward; it is validated like a new cache, and each layer is handed its number."""
+        if value is not None and self.sealed:
+            raise KvevictError(
+                "this cache was frozen for good (freeze(final=True)) and measured nothing since: it cannot evict "
+                "again; build a new EvictingCache, or freeze() without final to set a budget later"
+            )
         self._profile = self._check_budget(value, len(self.layers))
         self._budget = value
         self._set_budgets([self.layer_budget(i, value) for i in range(len(self.layers))])
@@ -207,10 +212,50 @@ class EvictingCache(Cache):
         """The budget of each layer (what the report shows for per-layer policies)."""
         return list(self._budgets)
 
-    def freeze(self) -> None:
-        """Stop evicting: later tokens are all kept (context-compression protocol)."""
+    def freeze(self, final: bool = False) -> None:
+        """Stop evicting: later tokens are all kept (context-compression protocol).
+
+        `final`: the cache will never evict again, so the policies' statistics stop being
+        measured (a decode step is attention alone) and finished rows may leave the batch
+        (`keep_rows`); setting a budget afterwards is refused. Without it a budget may be set
+        again (lm-eval's generation compresses, then evicts as it generates).
+        """
         self._budget = None
         self._set_budgets([None] * len(self.layers))
+        if final:
+            for layer in self.layers:
+                layer.sealed = True
+
+    @property
+    def sealed(self) -> bool:
+        """Whether the cache was frozen for good (`freeze(final=True)`)."""
+        return bool(self.layers) and all(layer.sealed for layer in self.layers)
+
+    def keep_rows(self, rows: Sequence[int]) -> None:
+        """Keep only the batch rows `rows` (in that order; row `rows[i]` is row `i` from now on).
+
+        Why: a batch of answers decodes as long as its longest one; rows that are done can
+        leave, so the others' steps cost what their own rows cost. Only a cache frozen for
+        good (`freeze(final=True)`): it measures no statistics and evicts nothing, so what
+        its layers hold is all that has to follow the rows. Observers are told
+        (`Observer.keep_rows`).
+        """
+        if not self.sealed:
+            raise KvevictError(
+                "rows can leave only a cache frozen for good (cache.freeze(final=True)): one that may still evict "
+                "would need its statistics to follow them"
+            )
+        rows = [int(r) for r in rows]
+        batch = self.layers[0].batch_size if self.layers[0].is_initialized else 0
+        if not rows or len(set(rows)) != len(rows) or not all(0 <= r < batch for r in rows):
+            raise KvevictError(f"keep_rows takes distinct rows of the {batch} this cache holds, got {rows}")
+        self.layout.keep_rows(rows)
+        self.policies = self.layout.policies
+        index = torch.tensor(rows, dtype=torch.long, device=self.layers[0].device)
+        for layer in self.layers:
+            layer.keep_rows(index)
+        for observer in self.observers:
+            observer.keep_rows(rows)
 
     @property
     def can_defer(self) -> bool:

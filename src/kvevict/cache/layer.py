@@ -95,6 +95,8 @@ class EvictingLayer(CacheLayerMixin):
         self.forward = Forward()  # the forward in flight, handed over by the cache at `update`
         # the next eviction is held back: statistics measured, nothing evicted (`EvictingCache.defer`)
         self.deferred = False
+        # never evicts again (`EvictingCache.freeze(final=True)`): the policies' statistics are no longer measured
+        self.sealed = False
 
     @property
     def budget(self) -> int | None:
@@ -236,6 +238,7 @@ class EvictingLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.n = self.seen = self.new = 0
+        self.sealed = False
         self.identical = True
         self.ordered = True
         self._ring = None
@@ -318,6 +321,8 @@ class EvictingLayer(CacheLayerMixin):
         anyway. (When only some rows want it, SDPA for all plus a pass over those rows
         is cheaper than attention by hand for all.)
         """
+        if self.sealed:
+            return False
         total = self.n + self.new
         views = [self._view(group, total) for group in self.settings.layout.groups]
         return self.statistics.plan(views, self.settings.layout, self._will_evict(total))
@@ -342,6 +347,11 @@ class EvictingLayer(CacheLayerMixin):
                 probs = probs.expand(self.batch_size, *probs.shape[1:])
         s = self.settings
         total = self.n + self.new
+        if self.sealed:  # nothing to measure: no eviction will ever read it
+            self.n, self.new = total, 0
+            for observer in s.observers:
+                observer.on_forward(self.index, self.n)
+            return
         if query_positions is not None:
             self.statistics.remember(query, query_positions, self.seen)
         views = self.statistics.feed(s.layout, self.storage, s.mode, query, scaling, self.seen, self.new, total, probs)
@@ -389,6 +399,20 @@ class EvictingLayer(CacheLayerMixin):
         self.fit_storage()
         for observer in self.settings.observers:
             observer.on_forward(self.index, self.n)
+
+    def keep_rows(self, index: torch.Tensor) -> None:
+        """Keep only the rows `index` `[b]` of a sealed layer (the cache re-numbered its row groups).
+
+        Sealed only: a layer that may still evict would need its statistics and remembered
+        queries to follow; a sealed one measures nothing, so they are dropped.
+        """
+        if not self.is_initialized:
+            return
+        self.storage.keep_rows(index)
+        self.batch_size = index.numel()
+        self.statistics.reset()
+        self._arrival_groups = None  # group indices: found again from the new groups
+        self._arrival_valid = False
 
     def _arrive(self, views: list[SlotView], total: int) -> None:
         """Store `Policy.arrival` of the keys that came since the last forward (of every slot when the

@@ -50,6 +50,10 @@ class Observer:
         for i, at in enumerate(seen.tolist()):
             self.on_evict(Eviction(layer, at, None, victims[:, :, i]))
 
+    def keep_rows(self, rows: list[int]) -> None:
+        """Only the batch rows `rows` stay (`EvictingCache.keep_rows`): row `rows[i]` is row `i` from now on.
+        An observer that keeps something per row must follow."""
+
     def reset(self) -> None:
         """The cache was reset for a new sequence."""
 
@@ -94,6 +98,14 @@ class SinkTracker(Observer):
         # one-entry evictions not looked at yet, oldest first: (layer, seen, victims [B, H_kv])
         self._pending: list[tuple[int, int, torch.Tensor]] = []
         self._pending_layers: set[int] = set()
+
+    def keep_rows(self, rows: list[int]) -> None:
+        self._flush()
+        self.pinned_per_row = [self.pinned_per_row[r] for r in rows]
+        self.wants_victims = any(p == 0 for p in self.pinned_per_row)
+        for layer, at in self.lost.items():
+            self.lost[layer] = at[torch.tensor(rows, dtype=torch.long, device=at.device)]
+        self.settled = {layer for layer, at in self.lost.items() if bool((at >= 0).all())}
 
     def on_evict(self, event: Eviction) -> None:
         if not self.wants_victims or event.layer in self.settled:

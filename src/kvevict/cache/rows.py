@@ -70,14 +70,27 @@ class RowLayout:
             raise KvevictError(
                 f"{len(self.policies)} policies given for a batch of {batch} rows: give one policy, or one per row"
             )
+        self._group(policies)
+        for p in self.policies:
+            p.reset()
+        return True
+
+    def _group(self, policies: list[Policy]) -> None:
+        """One `RowGroup` per policy object, from the policy of each row."""
         by_object: dict[int, list[int]] = {}
         for row, p in enumerate(policies):
             by_object.setdefault(id(p), []).append(row)
         self.groups = [RowGroup(policies[rows[0]], rows) for rows in by_object.values()]
         self._shared = {}
-        for p in self.policies:
-            p.reset()
-        return True
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Keep only the bound rows `rows` (in that order), numbered `0..len(rows)-1` from now on.
+        The policies are not reset: they go on where they were."""
+        policies = self.row_policies()
+        kept = [policies[row] for row in rows]
+        if len(self.policies) > 1:
+            self.policies = kept
+        self._group(kept)
 
     def evict_to(self, budget: int, held: int) -> int | None:
         """Entries each row keeps when a layer holds `held` after a forward (None: keep all). Rows share

@@ -53,9 +53,23 @@ class SlotStorage:
             for name, stat in self.stats.items():
                 stat[:, :, :n] = old[3][name][:, :, :n]
         self.capacity = capacity
+        self._index_cells()
+
+    def _index_cells(self) -> None:
         # Offset of each (row, head) in the flattened [B*H*capacity] slots (`gather`).
         cells = torch.arange(self.batch * self.heads, device=self.device)
-        self.row_base = (cells * capacity).view(self.batch, self.heads)
+        self.row_base = (cells * self.capacity).view(self.batch, self.heads)
+
+    def keep_rows(self, index: torch.Tensor) -> None:
+        """Keep only the rows `index` `[b]` (in that order): a batch whose other rows are done."""
+        self.kv = self.kv.index_select(1, index)
+        self.keys, self.values = self.kv[0], self.kv[1]
+        if self.raw is not None:
+            self.raw = self.raw.index_select(0, index)
+        self.pos = self.pos.index_select(0, index)
+        self.stats = {name: stat.index_select(0, index) for name, stat in self.stats.items()}
+        self.batch = index.numel()
+        self._index_cells()
 
     def ensure(self, needed: int, n: int, grow_to: int) -> None:
         """Make room for `needed` slots (keeping the first `n`), growing to `grow_to` at least."""

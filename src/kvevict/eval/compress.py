@@ -16,7 +16,7 @@ compressed, so every generated token is computed from what the policy kept.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -51,6 +51,13 @@ class Compressed:
         """`[B, vocab]` float32 logits of the next token."""
         with torch.inference_mode():
             return logits(model, self.hidden).float()
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Keep only the batch rows `rows` (a cache frozen for good: `EvictingCache.keep_rows`)."""
+        self.cache.keep_rows(rows)
+        if len(self.policies) == self.rows:
+            self.policies = [self.policies[r] for r in rows]
+        self.hidden = self.hidden[rows]
 
     def feed(self, model, ids: torch.Tensor) -> torch.Tensor:
         """Append `ids` (`[q]` shared by every row, or `[B, q]`) without eviction; returns their hidden states."""
@@ -147,7 +154,8 @@ def continuation_nll(
 
 
 def greedy(model, state: Compressed, max_new_tokens: int, stop_ids: Sequence[int] = (),
-           finished: Callable[[int, list[int]], bool] | None = None, pad: int | None = None) -> list[list[int]]:
+           finished: Callable[[int, list[int]], bool] | None = None, pad: int | None = None,
+           release: bool = False) -> list[list[int]]:
     """Greedy decoding from a compressed context, one list of new token ids per row.
 
     Rows stop independently at a stop token (not included), when `finished(row, ids)`
@@ -156,17 +164,27 @@ def greedy(model, state: Compressed, max_new_tokens: int, stop_ids: Sequence[int
     finished: a dialogue that goes on should hold an end of turn, not babble) so the
     batch stays rectangular, and what it produces is discarded. `generate` is not used
     because the cache already holds the context, and kvevict's cache must see every forward.
+
+    `release` (a cache frozen for good, `EvictingCache.freeze(final=True)`, whose state the
+    caller will not use again): once a quarter of the rows still in the batch are done,
+    they leave it (`EvictingCache.keep_rows`), so the batch no longer decodes at its full
+    width for as long as its longest answer. Each row computes what it computes in the
+    full batch: only the batch's width changes.
     """
     stops = set(int(s) for s in stop_ids)
     out: list[list[int]] = [[] for _ in range(state.rows)]
     done = [False] * state.rows
+    live = list(range(state.rows))  # the row of `out` each batch row decodes
+    if release:  # a copy of the record, its cache shared: the caller's record keeps its rows' names
+        state = replace(state)
     with torch.inference_mode():
         for step in range(max_new_tokens):
             token = state.next_logits(model).argmax(-1)
-            for row, value in enumerate(token.tolist()):
+            for i, value in enumerate(token.tolist()):
+                row = live[i]
                 if done[row]:
                     if pad is not None:
-                        token[row] = pad
+                        token[i] = pad
                     continue
                 if value in stops:
                     done[row] = True
@@ -175,5 +193,10 @@ def greedy(model, state: Compressed, max_new_tokens: int, stop_ids: Sequence[int
                     done[row] = finished is not None and finished(row, out[row])
             if all(done) or step == max_new_tokens - 1:
                 break
+            running = [i for i, row in enumerate(live) if not done[row]]
+            if release and 4 * (len(live) - len(running)) >= len(live):
+                state.keep_rows(running)
+                token = token[running]
+                live = [live[i] for i in running]
             state.feed(model, token[:, None])
     return out

@@ -64,6 +64,10 @@ class RaggedLayer(EvictingLayer):
         if self.storage is not None:
             self.storage.reset()
 
+    def keep_rows(self, index: torch.Tensor) -> None:
+        super().keep_rows(index)
+        self._floor_cache = None  # per row
+
     def replays(self, q: int) -> bool:
         """Always: this layer computes its own attention (SDPA needs one length for all heads)."""
         return True
@@ -113,6 +117,10 @@ class RaggedLayer(EvictingLayer):
         s, storage = self.settings, self.storage
         m = query.shape[2]
         storage.append(keys, values, seen - m)
+        if self.sealed:  # no eviction will ever read a statistic: attention alone
+            out, _, _ = self._attend(query, scaling, ~storage.members(), seen - m, False, False)
+            self.n = int(storage.held.max())
+            return out
         self.statistics.remember(query, used, seen)
         # held back (`EvictingCache.defer`): measure as for an eviction, evict in `evict_deferred`
         deferring = self.deferred and self.budget is not None

@@ -68,6 +68,19 @@ class RaggedStorage:
         self.tail = row_base + self.start + (used if used is not None else 0)  # [B, H] flat index
         self.room_left = int((row_base + self.limit - self.tail).min())  # every head advances alike
 
+    def keep_rows(self, index: torch.Tensor) -> None:
+        """Keep only the rows `index` `[b]` (in that order): a batch whose other rows are done."""
+        row_base = torch.arange(self.batch, device=self.device)[:, None] * self.capacity
+        used = (self.tail - row_base - self.start).index_select(0, index)  # [b, H] slots each head has filled
+        self.kv = self.kv.index_select(1, index)
+        self.pos = self.pos.index_select(0, index)
+        self.stats = {name: stat.index_select(0, index) for name, stat in self.stats.items()}
+        self.held = self.held.index_select(0, index)
+        self.batch = index.numel()
+        self._lay_out(self.start.index_select(0, index), self.limit.index_select(0, index))
+        self._rewind(used)
+        self.most_held = int(self.held.sum(dim=-1).max())
+
     def reset(self) -> None:
         self.held.zero_()
         self.most_held = 0

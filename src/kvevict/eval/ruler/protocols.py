@@ -162,11 +162,13 @@ def _line_done(text: str) -> bool:
 
 def decode(model, tokenizer, state: Compressed, max_new_tokens: int, stops: Sequence[int]) -> list[list[int]]:
     """Greedy answers, one list of ids per row, each to the end of its first line (see the module's
-    docstring); a finished row is fed the first stop token (its end of turn) while the others go on."""
+    docstring); a finished row is fed the first stop token (its end of turn) while the others go on,
+    or, from a cache frozen for good (a state nothing reads after its answer), leaves the batch."""
     def line_done(row: int, ids: list[int]) -> bool:
         return _line_done(tokenizer.decode(ids, skip_special_tokens=True))
 
-    return greedy(model, state, max_new_tokens, stops, line_done, pad=stops[0] if stops else None)
+    return greedy(model, state, max_new_tokens, stops, line_done, pad=stops[0] if stops else None,
+                  release=state.cache.sealed)
 
 
 def _text(tokenizer, ids: list[int]) -> str:
@@ -248,7 +250,7 @@ def _answers(model, tokenizer, prompt: Prompt, state: Compressed, protocol: str,
     bounded = state.budget is not None
     results: list[tuple[int, list[list[int]], int]] = []
     if protocol == "aware" and bounded:
-        state.cache.freeze()
+        state.cache.freeze(final=True)
         state.feed(model, prompt.ids[-1:])
         results.append((0, decode(model, tokenizer, state, limit, stops), state.kept))
     elif protocol == "stream" and bounded:
@@ -259,7 +261,7 @@ def _answers(model, tokenizer, prompt: Prompt, state: Compressed, protocol: str,
         results.append((0, decode(model, tokenizer, state, limit, stops), state.kept))
     elif protocol == "multi":
         if form == "aware-requests":
-            state.cache.freeze()
+            state.cache.freeze(final=True)
             state.feed(model, prompt.per_key[0][-1:])
             for q in range(len(prompt.per_key)):
                 copy_state = snapshot(model, state) if q < len(prompt.per_key) - 1 else state
@@ -267,7 +269,7 @@ def _answers(model, tokenizer, prompt: Prompt, state: Compressed, protocol: str,
                     copy_state.feed(model, prompt.follow_ups[q])
                 results.append((q, decode(model, tokenizer, copy_state, limit, stops), state.kept))
         elif form == "requests":
-            state.cache.freeze()
+            state.cache.freeze(final=True)
             for q, ids in enumerate(prompt.per_key):
                 copy_state = snapshot(model, state) if q < len(prompt.per_key) - 1 else state
                 copy_state.feed(model, ids)
@@ -277,7 +279,7 @@ def _answers(model, tokenizer, prompt: Prompt, state: Compressed, protocol: str,
                 state.feed(model, ids)
                 results.append((q, decode(model, tokenizer, state, limit, stops), state.kept))
     else:  # agnostic, and the full cache of agnostic / aware / stream
-        state.cache.freeze()
+        state.cache.freeze(final=True)
         state.feed(model, prompt.question)
         results.append((0, decode(model, tokenizer, state, limit, stops), state.kept))
     seconds = time.perf_counter() - t0
