@@ -4,11 +4,11 @@ Both arms answer the same seeded RULER prompts (niah_single_2: essays, one needl
 the embedded model, under the `agnostic` protocol, for the full cache and 4 policies at
 each budget:
 
-* **kvevict**: per prompt, the full cache once (one row, shared by every budget), then
-  one context prefill for the 4 policy rows and every budget (one row fed, standing for
-  all; the eviction held back, then a copy of the state compressed at each budget:
+* **kvevict**: per prompt, one context prefill for the full cache, the 4 policy rows and
+  every budget (one row fed, standing for all; the eviction held back, then a copy of the
+  state left whole for the full cache and one compressed at each budget:
   `protocols.answer_budgets`), per budget the question read and the answers decoded as
-  rows of one batch;
+  rows of one batch, each row leaving the batch when its answer is done;
 * **per policy** (kvpress's shape: one pipeline call per press and compression ratio):
   per prompt, the full cache, then every policy at every budget in a cache of its own,
   prefilled and decoded alone.
@@ -40,10 +40,10 @@ POLICIES = ["window", "streamingllm", "h2o", "snapkv"]
 
 
 def shared(model, tokenizer, prompt, budgets, policies) -> dict:
-    out = {(a.policy, "full"): a.tokens for a in answer(model, tokenizer, prompt, ["full"], None, "agnostic")}
-    entries = [check_budget(prompt, "agnostic", policies, budget) for budget in budgets]
-    for budget, answers in zip(budgets, answer_budgets(model, tokenizer, prompt, policies, entries, "agnostic"),
-                               strict=True):
+    entries = [None] + [check_budget(prompt, "agnostic", policies, budget) for budget in budgets]  # None: the full cache
+    replies = answer_budgets(model, tokenizer, prompt, policies, entries, "agnostic")
+    out = {(a.policy, "full"): a.tokens for a in replies[0]}
+    for budget, answers in zip(budgets, replies[1:], strict=True):
         for spec, a in zip(policies, answers, strict=True):
             out[(spec, budget)] = a.tokens
     return out
@@ -91,7 +91,7 @@ def main() -> None:
     print()
     print(f"| arm | prefills per prompt | answers per prompt | seconds ({args.samples} prompts) |")
     print("|---|---|---|---|")
-    print(f"| kvevict (one shared prefill for every budget, rows of one batch) | 2 | {answers} | "
+    print(f"| kvevict (one shared prefill for the full cache and every budget, rows of one batch) | 1 | {answers} | "
           f"{totals['kvevict']:.1f} |")
     print(f"| one prefill per policy per context | {1 + len(budgets) * len(policies)} | {answers} | "
           f"{totals['per policy']:.1f} |")

@@ -16,6 +16,7 @@ import torch
 from kvevict.cache import EvictingCache
 from kvevict.errors import KvevictError
 from kvevict.eval.forward import body, logits
+from kvevict.eval.ruler import protocols
 from kvevict.eval.ruler.protocols import answer, answer_budgets, snapshot
 from kvevict.policies import parse_policy
 from test_ruler_protocols import SPECS, Words, _prompt
@@ -110,20 +111,31 @@ def test_a_streaming_cache_refuses_to_hold_back(tiny):
     ("agnostic", "requests", 0), ("aware", "requests", 0), ("multi", "requests", 3),
     ("multi", "aware-requests", 3), ("stream", "requests", 0), ("multi", "turns", 3),
 ])
-def test_one_prefill_for_every_budget_answers_as_a_prefill_per_budget(model, protocol, form, questions):
+def test_one_prefill_for_every_budget_answers_as_a_prefill_per_budget(model, protocol, form, questions, monkeypatch):
     prompt = _prompt(questions)
     specs = ["h2o", "snapkv:window=8", "tova"] if protocol == "aware" or form == "aware-requests" else SPECS
-    got = answer_budgets(model, Words(), prompt, specs, [60, 40, 20], protocol, form)
-    for budget, answers in zip([60, 40, 20], got, strict=True):
-        ref = answer(model, Words(), prompt, specs, budget, protocol, form)
+    reads = []
+    real_read = protocols._read
+    monkeypatch.setattr(protocols, "_read", lambda *a, **k: reads.append(a[2]) or real_read(*a, **k))
+    budgets = [None, 60, 40, 20]  # the full cache first, as the grid asks
+    got = answer_budgets(model, Words(), prompt, specs, budgets, protocol, form)
+    monkeypatch.undo()
+    for budget, answers in zip(budgets, got, strict=True):
+        ref = answer(model, Words(), prompt, ["full"] if budget is None else specs, budget, protocol, form)
         assert [(a.policy, a.question, a.tokens, a.kept) for a in answers] == \
-            [(a.policy, a.question, a.tokens, a.kept) for a in ref]
+            [(a.policy, a.question, a.tokens, a.kept) for a in ref], budget
+    # how often the context was read: once for all where the protocol shares it, the full cache included
+    # where it reads the same context; once per budget where the rows evict as they read
+    shared = protocols.shares_prefill(protocol, form)
+    full_alike = protocols.full_shares_prefill(protocol, form)
+    assert len(reads) == (1 if full_alike else 2 if shared else len(budgets)), reads
 
 
 @pytest.mark.parametrize("protocol", ["agnostic", "aware"])
 def test_per_head_budgets_share_the_prefill_too(model, protocol):
     prompt = _prompt()
     spec = ["adakv:snapkv:window=8", "adakv:h2o"]
-    got = answer_budgets(model, Words(), prompt, spec, [60, 40, 20], protocol)
-    assert [[(a.tokens, a.kept) for a in answers] for answers in got] == \
-        [[(a.tokens, a.kept) for a in answer(model, Words(), prompt, spec, b, protocol)] for b in (60, 40, 20)]
+    got = answer_budgets(model, Words(), prompt, spec, [None, 60, 40, 20], protocol)
+    assert [[(a.policy, a.tokens, a.kept) for a in answers] for answers in got] == \
+        [[(a.policy, a.tokens, a.kept) for a in answer(model, Words(), prompt, ["full"] if b is None else spec, b,
+                                                          protocol)] for b in (None, 60, 40, 20)]

@@ -1,9 +1,9 @@
 """The RULER grid: tasks x lengths x samples, the full cache first, then every policy at every budget.
 
 Every sample is made once (seeded: the same prompt for every policy, budget and
-rerun) and read by the full cache (one row), then by each batch of policies at every
-budget (rows sharing one context prefill, and where the protocol allows one prefill for
-all budgets, see `protocols.answer_budgets`). `on_records` receives a batch's records
+rerun) and answered by the full cache first (one row), then by each batch of policies at
+every budget (rows sharing one context prefill; where the protocol allows, one prefill
+for all budgets and for the full cache too, see `protocols.answer_budgets`). `on_records` receives a batch's records
 at each budget as soon as they are answered, and `done` (record keys already stored)
 skips the budgets that an interrupted earlier run finished, so a rerun only computes what
 is missing. Nothing is kept between samples: memory stays flat in the sample count.
@@ -15,10 +15,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from ...errors import KvevictError
-from ...policies import check_policy, shared_batches
+from ...policies import check_policy, parse_policy, shared_batches
 from ...policies.budget import Budget, budget_label, parse_budget, resolve_budget
 from .framing import framing
-from .protocols import answer_budgets, check_aware, check_protocol, reads_question
+from .protocols import answer_budgets, check_aware, check_protocol, full_shares_prefill, reads_question
 from .qa import QaFile
 from .registry import get_task
 from .sample import Prompt, encode, fit, seeded
@@ -78,12 +78,19 @@ class RulerGrid:
         return [p for p in self.policies if p.strip().lower() != "full"]
 
     def batches(self) -> list[tuple[list[str], list[Budget]]]:
-        """The full cache alone, then the bounded policies in shared batches, each at every budget."""
-        plan: list[tuple[list[str], list[Budget]]] = [(["full"], [None])]
+        """The full cache first, then the bounded policies in shared batches, each at every budget.
+
+        The full cache (budget None) is the first budget of the first batch where one prefill serves
+        it too (`protocols.full_shares_prefill`, a batch of uniform budgets), else a batch of its own.
+        """
         if self.bounded and not self.budgets:
             raise KvevictError("bounded policies need at least one budget: pass e.g. --budgets 50%,25%")
         budgets = [parse_budget(b) for b in self.budgets]
-        return plan + [(batch, budgets) for batch in shared_batches(self.bounded)]
+        batches = shared_batches(self.bounded)
+        if batches and full_shares_prefill(self.protocol, self.form) and \
+                not any(parse_policy(spec).varies_by_head for spec in batches[0]):
+            return [(batches[0], [None, *budgets])] + [(batch, budgets) for batch in batches[1:]]
+        return [(["full"], [None])] + [(batch, budgets) for batch in batches]
 
 
 def record_key(protocol: str, form: str, task: str, length: int, sample: int, policy: str, budget: str,
@@ -165,10 +172,15 @@ def preflight(grid: RulerGrid, tokenizer, limit: int | None) -> int:
     return count
 
 
-def _keys(grid: RulerGrid, prompt: Prompt, specs: list[str], label: str, questions: int) -> list[str]:
+def _rows(specs: list[str], budget: Budget) -> list[str]:
+    """The policy each answer at `budget` is recorded under: the full cache's is `full`."""
+    return ["full"] if budget is None else specs
+
+
+def _keys(grid: RulerGrid, prompt: Prompt, specs: list[str], budget: Budget, questions: int) -> list[str]:
     sample = prompt.sample
-    return [record_key(grid.protocol, grid.form, sample.task, prompt.length, sample.index, spec, label, q)
-            for spec in specs for q in range(questions)]
+    return [record_key(grid.protocol, grid.form, sample.task, prompt.length, sample.index, spec, budget_label(budget),
+                       q) for spec in _rows(specs, budget) for q in range(questions)]
 
 
 def run_grid(model, tokenizer, grid: RulerGrid, done: set[str] = frozenset(),
@@ -184,8 +196,7 @@ def run_grid(model, tokenizer, grid: RulerGrid, done: set[str] = frozenset(),
         questions = sample.per_key if grid.protocol == "multi" else [sample.question]
         task_metric = metric or get_task(sample.task).metric
         for specs, budgets in plan:
-            missing = [b for b in budgets
-                       if not all(k in done for k in _keys(grid, prompt, specs, budget_label(b), len(questions)))]
+            missing = [b for b in budgets if not all(k in done for k in _keys(grid, prompt, specs, b, len(questions)))]
             for _ in range(len(budgets) - len(missing)):
                 if on_skip is not None:
                     on_skip()
@@ -197,8 +208,9 @@ def run_grid(model, tokenizer, grid: RulerGrid, done: set[str] = frozenset(),
             for budget, count, answers in zip(missing, entries, replies, strict=True):
                 label = budget_label(budget)
                 records = []
+                rows = _rows(specs, budget)
                 for i, reply in enumerate(answers):  # question by question, row by row
-                    spec, refs = specs[i % len(specs)], questions[reply.question].answers
+                    spec, refs = rows[i % len(rows)], questions[reply.question].answers
                     records.append({
                         "key": record_key(grid.protocol, grid.form, sample.task, prompt.length, sample.index, spec,
                                           label, reply.question),

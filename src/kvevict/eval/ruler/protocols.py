@@ -50,7 +50,7 @@ import torch
 from ...cache import EvictingCache
 from ...defaults import DEFAULT_CHUNK
 from ...errors import KvevictError
-from ...policies import check_policy
+from ...policies import check_policy, parse_policy
 from ..compress import Compressed, greedy
 from ..forward import body
 from ..prompts import stop_ids
@@ -191,16 +191,27 @@ def answer(model, tokenizer, prompt: Prompt, specs: list[str], entries: int | No
     return answers
 
 
+def full_shares_prefill(protocol: str, form: str) -> bool:
+    """Whether the full cache reads what the bounded rows read before their question (so one held-back
+    prefill serves it too): not under `aware` or `multi aware-requests`, whose rows compress the
+    question with the context while the full cache reads the context alone, nor where nothing is
+    shared (`shares_prefill`)."""
+    return shares_prefill(protocol, form) and protocol != "aware" and not (protocol == "multi" and form == "aware-requests")
+
+
 def answer_budgets(model, tokenizer, prompt: Prompt, specs: list[str], budgets: Sequence[int | None],
                    protocol: str, form: str = "requests", positions: str = "original",
                    max_new_tokens: int | None = None, stream_chunk: int = DEFAULT_CHUNK) -> list[list[Answer]]:
-    """`answer` at each of `budgets` (entries), one list per budget.
+    """`answer` at each of `budgets` (entries), one list per budget; `None` is the full cache, whose
+    answers are named `full` (the rows' specs are the bounded budgets').
 
     Where the protocol allows (`shares_prefill`) and the cache can hold its eviction back
     (`EvictingCache.can_defer`), the context is read once and a copy of that state is
     compressed at each budget: the same answers as a prefill per budget, one forward
-    instead of several. A budget's `seconds` are its own (compression, question, answer)
-    plus an equal share of the prefill.
+    instead of several. The full cache is that state left whole, one row kept, where it
+    reads the same context (`full_shares_prefill`) and the rows' layers attend as the full
+    cache's do (not a per-head batch, whose layers attend by hand). A budget's `seconds` are
+    its own (compression, question, answer) plus an equal share of the prefill.
     """
     check_protocol(protocol, form)
     if protocol == "multi" and not prompt.per_key:
@@ -208,25 +219,57 @@ def answer_budgets(model, tokenizer, prompt: Prompt, specs: list[str], budgets: 
                            f"{prompt.sample.task}: use niah_multikey_1/2/3 or niah_multiquery")
     limit = max_new_tokens or prompt.answer_tokens
     stops = stop_ids(tokenizer)
-    # the full cache (None) reads another prefix under `aware`: it never shares a held-back prefill
-    defer = len(budgets) > 1 and None not in budgets and shares_prefill(protocol, form)
-    t0 = time.perf_counter()
-    state = _read(model, prompt, specs, budgets[0], protocol, form, positions, stream_chunk, defer=defer)
-    if not state.cache.deferred:  # compressed at the first budget already: every other gets its own prefill
-        out = [_answers(model, tokenizer, prompt, state, protocol, form, limit, stops, t0, stream_chunk)]
-        for entries in budgets[1:]:
-            t1 = time.perf_counter()
-            state = _read(model, prompt, specs, entries, protocol, form, positions, stream_chunk)
-            out.append(_answers(model, tokenizer, prompt, state, protocol, form, limit, stops, t1, stream_chunk))
-        return out
-    share = (time.perf_counter() - t0) / len(budgets)
-    out = []
-    for i, entries in enumerate(budgets):
-        t1 = time.perf_counter() - share
-        copy_state = snapshot(model, state) if i < len(budgets) - 1 else state
-        compress_at(copy_state, entries)
-        out.append(_answers(model, tokenizer, prompt, copy_state, protocol, form, limit, stops, t1))
-    return out
+    bounded = [b for b in budgets if b is not None]
+    per_head = any(parse_policy(spec).varies_by_head for spec in specs)
+    fold = bool(bounded) and None in budgets and full_shares_prefill(protocol, form) and not per_head
+    answers: dict[int, list[Answer]] = {}  # by the budget's index
+    if None in budgets and not fold:
+        t1 = time.perf_counter()
+        full = _read(model, prompt, ["full"], None, protocol, form, positions, stream_chunk)
+        answers[budgets.index(None)] = _answers(model, tokenizer, prompt, full, protocol, form, limit, stops, t1,
+                                                stream_chunk)
+    if bounded:
+        served = [i for i, b in enumerate(budgets) if b is not None or fold]  # what one bounded read may serve
+        t0 = time.perf_counter()
+        state = _read(model, prompt, specs, bounded[0], protocol, form, positions, stream_chunk,
+                      defer=shares_prefill(protocol, form) and len(served) > 1)
+        if state.cache.deferred:
+            share = (time.perf_counter() - t0) / len(served)
+            for n, i in enumerate(served):
+                t1 = time.perf_counter() - share
+                copy_state = snapshot(model, state) if n < len(served) - 1 else state
+                if budgets[i] is None:
+                    whole(copy_state)
+                else:
+                    compress_at(copy_state, budgets[i])
+                answers[i] = _answers(model, tokenizer, prompt, copy_state, protocol, form, limit, stops, t1)
+        else:  # compressed at the first bounded budget already: every other reads its own prefill
+            answers[budgets.index(bounded[0])] = _answers(model, tokenizer, prompt, state, protocol, form, limit,
+                                                          stops, t0, stream_chunk)
+            for i, entries in enumerate(budgets):
+                if i not in answers:
+                    t1 = time.perf_counter()
+                    own = _read(model, prompt, ["full"] if entries is None else specs, entries, protocol, form,
+                                positions, stream_chunk)
+                    answers[i] = _answers(model, tokenizer, prompt, own, protocol, form, limit, stops, t1,
+                                          stream_chunk)
+    return [answers[i] for i in range(len(budgets))]
+
+
+def whole(state: Compressed) -> Compressed:
+    """A state `prefill(..., defer=True)` held back, left whole: the full cache, one row (in place).
+
+    Nothing was evicted, and every row holds the same entries, so row 0 is the full
+    cache's state: the same keys and values, the same next hidden state.
+    """
+    with torch.inference_mode():
+        state.cache.budget = None
+        state.cache.evict_deferred()  # at no budget: nothing goes, the layers stop holding back
+        state.cache.freeze(final=True)
+        state.keep_rows([0])
+    state.policies, state.budget = ["full"], None
+    state.kept = max(layer.n for layer in state.cache.layers)
+    return state
 
 
 def _read(model, prompt: Prompt, specs: list[str], entries: int | None, protocol: str, form: str,
