@@ -35,7 +35,7 @@ def main() -> None:
     statistics.attention_mass = timed
     model, tokenizer = load_model("smollm2-135m")
     prompt = fit(get_task("niah_single_2"), 2128, 1, 0, framing(tokenizer), Material())
-    entries = check_budget(prompt, "agnostic", ["h2o"], "50%")
+    entries = check_budget(prompt, "agnostic", ["h2o"], "50%", "requests", "original")
     for spec in ["window", "h2o", "window", "h2o"]:
         spent.update(seconds=0.0, calls=0)
         t0 = time.perf_counter()

@@ -33,7 +33,7 @@ def main() -> None:
     model, tokenizer = load_model("smollm2-135m")
     prompt = fit(get_task("niah_single_2"), 2128, 1, 0, framing(tokenizer), Material())
     stops = stop_ids(tokenizer)
-    entries = check_budget(prompt, "agnostic", POLICIES, "50%")
+    entries = check_budget(prompt, "agnostic", POLICIES, "50%", "requests", "original")
     state, seconds = timed(lambda: prefill(model, prompt.context, POLICIES, entries, "original"))
     print(f"shared prefill 4 rows: {seconds:.2f} s")
     state.cache.freeze()

@@ -40,7 +40,8 @@ POLICIES = ["window", "streamingllm", "h2o", "snapkv"]
 
 
 def shared(model, tokenizer, prompt, budgets, policies) -> dict:
-    entries = [None] + [check_budget(prompt, "agnostic", policies, budget) for budget in budgets]  # None: the full cache
+    # None: the full cache, the first budget of the batch
+    entries = [None] + [check_budget(prompt, "agnostic", policies, b, "requests", "original") for b in budgets]
     replies = answer_budgets(model, tokenizer, prompt, policies, entries, "agnostic")
     out = {(a.policy, "full"): a.tokens for a in replies[0]}
     for budget, answers in zip(budgets, replies[1:], strict=True):
@@ -52,7 +53,7 @@ def shared(model, tokenizer, prompt, budgets, policies) -> dict:
 def separate(model, tokenizer, prompt, budgets, policies) -> dict:
     out = {(a.policy, "full"): a.tokens for a in answer(model, tokenizer, prompt, ["full"], None, "agnostic")}
     for budget in budgets:
-        entries = check_budget(prompt, "agnostic", policies, budget)
+        entries = check_budget(prompt, "agnostic", policies, budget, "requests", "original")
         for spec in policies:
             [a] = answer(model, tokenizer, prompt, [spec], entries, "agnostic")
             out[(spec, budget)] = a.tokens

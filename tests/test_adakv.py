@@ -303,7 +303,7 @@ def test_bad_adakv_specs_are_refused(spec, budget, needle):
     from kvevict.policies import check_policy
 
     with pytest.raises(KvevictError) as caught:
-        check_policy(spec, budget)
+        check_policy(spec, budget, "original")
     assert needle in str(caught.value)
 
 

@@ -89,7 +89,7 @@ def test_budget_sinks_and_window_invariants(data, inner, budget, length, positio
     if parse_policy(spec).varies_by_head:  # adakv: original positions only, and a floor of at least 1
         assume(positions == "original")
         try:
-            check_policy(spec, budget)
+            check_policy(spec, budget, "original")
         except KvevictError:
             assume(False)
     chunks = data.draw(st.lists(st.integers(1, 2 * budget), min_size=0, max_size=4), label="chunks")

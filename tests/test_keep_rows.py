@@ -76,7 +76,8 @@ def test_the_rows_that_stay_compute_what_their_policy_computes_alone(model, spec
 def test_a_cache_frozen_for_good_measures_nothing_and_refuses_a_budget(tiny):
     with torch.inference_mode():
         state = _frozen(tiny, ["h2o:recent=0.25", "tova"], "original")
-        before = {i: {name: s.clone() for name, s in layer.storage.stats.items()} for i, layer in enumerate(state.cache.layers)}
+        before = {i: {name: s.clone() for name, s in layer.storage.stats.items()}
+                  for i, layer in enumerate(state.cache.layers)}
         state.feed(tiny, random_tokens(4, seed=8))
         for i, layer in enumerate(state.cache.layers):
             for name, stat in layer.storage.stats.items():

@@ -239,6 +239,14 @@ def test_policy_options_inside_model_args_are_separated_by_semicolons():
     assert (policy.n_sinks, policy.inner.window, policy.inner.kernel) == (2, 8, 3)
 
 
+def test_an_engine_preset_gets_its_budget_in_the_positions_its_engine_decides():
+    # llama.cpp's preset runs in cache positions only: the budget's entries were once checked in the default mode
+    from kvevict.integrations.lmeval_args import Settings, split_model_args
+
+    settings = Settings.parse(split_model_args("pretrained=x,policy=llamacpp:keep=4,budget=25%,positions=cache"))
+    assert settings.entries(1000) == 250
+
+
 def test_unknown_task_is_one_line(tasks, tiny_dir):
     cli_error("lm-eval", "--tasks", "no_such_task", "--include-path", tasks, "--model-args",
               f"pretrained={tiny_dir},policy=full", needles=("unknown lm-eval task no_such_task",))

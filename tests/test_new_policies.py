@@ -193,7 +193,7 @@ def test_a_budget_set_mid_run_reaches_every_layer_with_its_share():
 )
 def test_bad_pyramid_settings_are_refused(spec, budget, needle):
     with pytest.raises(KvevictError, match=needle):
-        check_policy(spec, budget)
+        check_policy(spec, budget, "original")
 
 
 def test_a_per_layer_policy_cannot_share_a_batch():

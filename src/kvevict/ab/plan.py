@@ -134,7 +134,7 @@ def plan(config: SweepConfig) -> list[Cell]:
             if count < 0:
                 raise KvevictError(f"--sinks takes counts >= 0, got {count}")
             label = "window" if count == 0 else f"sink{count}+window"
-            check_policy(label, budget)
+            check_policy(label, budget, config.positions)
             cells.append(Cell("sinks", canonical(label, config.seed), label, budget))
     if config.needle:
         from ..eval.needle import check_grid

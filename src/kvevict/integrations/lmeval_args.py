@@ -77,13 +77,13 @@ class Settings:
 
     def entries(self, context_length: int) -> int | None:
         """The budget in entries for a context of `context_length` tokens (None: the full cache)."""
-        if check_policy(self.policy, None).unbounded:
+        if check_policy(self.policy, None, self.positions).unbounded:
             return None
         entries = resolve_budget(self.budget, context_length)
         if entries is None:
             raise KvevictError(f"policy '{self.policy}' evicts and needs a budget: add budget=20% or budget=256 "
                                "to model_args")
-        return max(entries, int(check_policy(self.policy, None).pinned) + 1)
+        return max(entries, int(check_policy(self.policy, None, self.positions).pinned) + 1)
 
 
 def split_model_args(text: str) -> dict:

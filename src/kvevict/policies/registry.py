@@ -136,7 +136,7 @@ def _parse_adakv(spec: str, rest: str) -> Policy:
     return AdaKV(inner=parse_policy(inner), **parsed)
 
 
-def check_policy(spec: str | Policy, budget: int | None, positions: str = "original") -> Policy:
+def check_policy(spec: str | Policy, budget: int | None, positions: str) -> Policy:
     """Parse `spec` and check it can run at `budget` (None: unbounded, nothing to check) in
     the position mode `positions`.
 

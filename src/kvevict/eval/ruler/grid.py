@@ -110,8 +110,8 @@ def compressed_length(prompt: Prompt, protocol: str, form: str = "requests") -> 
     return prompt.context.numel()
 
 
-def check_budget(prompt: Prompt, protocol: str, specs: Sequence[str], budget: Budget,
-                 form: str = "requests", positions: str = "original") -> int | None:
+def check_budget(prompt: Prompt, protocol: str, specs: Sequence[str], budget: Budget, form: str,
+                 positions: str) -> int | None:
     """Entries of `budget` for this prompt, refused when it keeps everything or the policy cannot run at it
     in the position mode `positions`."""
     if budget is None:

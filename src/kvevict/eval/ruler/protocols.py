@@ -50,7 +50,7 @@ import torch
 from ...cache import EvictingCache
 from ...defaults import DEFAULT_CHUNK
 from ...errors import KvevictError
-from ...policies import check_policy, parse_policy
+from ...policies import parse_policy
 from ..compress import Compressed, greedy
 from ..forward import body
 from ..prompts import stop_ids
@@ -79,7 +79,7 @@ def check_aware(specs: Sequence[str], protocol: str = "aware", form: str = "requ
     for spec in specs:
         if spec.strip().lower() == "full":
             continue
-        if not check_policy(spec, None).needs_attention:
+        if not parse_policy(spec).needs_attention:
             raise KvevictError(
                 f"{what} is meaningless for '{spec}': it keeps entries by position or key alone, so the "
                 "question would only take budget, not guide what is kept; run it under agnostic or stream "
@@ -196,7 +196,8 @@ def full_shares_prefill(protocol: str, form: str) -> bool:
     prefill serves it too): not under `aware` or `multi aware-requests`, whose rows compress the
     question with the context while the full cache reads the context alone, nor where nothing is
     shared (`shares_prefill`)."""
-    return shares_prefill(protocol, form) and protocol != "aware" and not (protocol == "multi" and form == "aware-requests")
+    compresses_question = protocol == "aware" or (protocol == "multi" and form == "aware-requests")
+    return shares_prefill(protocol, form) and not compresses_question
 
 
 def answer_budgets(model, tokenizer, prompt: Prompt, specs: list[str], budgets: Sequence[int | None],
