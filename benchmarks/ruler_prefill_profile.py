@@ -36,7 +36,7 @@ def main() -> None:
     entries = check_budget(prompt, "agnostic", POLICIES, "50%", "requests", "original")
     state, seconds = timed(lambda: prefill(model, prompt.context, POLICIES, entries, "original"))
     print(f"shared prefill 4 rows: {seconds:.2f} s")
-    state.cache.freeze()
+    state.cache.freeze(final=True)
     _, seconds = timed(lambda: state.feed(model, prompt.question))
     print(f"question 4 rows: {seconds:.2f} s")
     out, seconds = timed(lambda: decode(model, tokenizer, state, 128, stops))
@@ -44,7 +44,7 @@ def main() -> None:
     for spec in ["full", *POLICIES]:
         budget = None if spec == "full" else entries
         state, seconds = timed(prefill, model, prompt.context, [spec], budget, "original")
-        state.cache.freeze()
+        state.cache.freeze(final=True)
         state.feed(model, prompt.question)
         out, answer_seconds = timed(decode, model, tokenizer, state, 128, stops)
         print(f"{spec}: prefill {seconds:.2f} s, decode {answer_seconds:.2f} s for {len(out[0])} tokens")
