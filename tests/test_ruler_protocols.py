@@ -63,6 +63,30 @@ def _tokens(answers, question=0):
     return [a.tokens for a in answers if a.question == question]
 
 
+class Lines(Words):
+    """Ids print as numbers, every id divisible by 4 as a newline: answers run over several lines."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join("\n" if i % 4 == 0 else f" {i}" for i in ids)
+
+
+@pytest.mark.parametrize("references", [["1"], ["1", "2", "3"]])
+def test_one_reference_is_read_to_its_first_line_and_a_list_whole(tiny, references):
+    prompt = _prompt()
+    prompt.sample.question = Question("", "", references)
+    prompt.answer_tokens = 24
+    [got] = answer(tiny, Lines(), prompt, ["h2o"], 40, "agnostic")
+    ref = compress_prompt(tiny, prompt.ids, ["h2o"], 40, split=prompt.context.numel())
+    [whole] = greedy(tiny, ref, 24)  # RULER's reading: the whole answer length
+    if len(references) == 1:  # cut after the token that ends the first line with text in it
+        ends = [k for k in range(1, len(whole) + 1) if "\n" in Lines().decode(whole[:k]).lstrip()]
+        assert ends, "the stand-in never ends a line: pick another seed"
+        want = whole[: ends[0]]
+        assert got.tokens == want and got.text == Lines().decode(want).strip().split("\n")[0]
+    else:
+        assert got.tokens == whole and "\n" in got.text and got.text == Lines().decode(whole).strip()
+
+
 def test_agnostic_equals_compressing_the_context_with_every_row_fed(model):
     prompt = _prompt()
     got = answer(model, Words(), prompt, SPECS, 40, "agnostic")

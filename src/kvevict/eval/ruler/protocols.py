@@ -30,9 +30,12 @@ own entries. The full cache is the reference, one row, computed once per sample 
 shared by every budget and protocol (it evicts nothing, so `agnostic`, `aware` and
 `stream` are one computation for it).
 
-Answers are greedy and stop at the end of the turn, at the end of the answer's first
-line (RULER lets the model run for its full answer length and scores it all; its answers
-are one line), or after the task's answer length. A row that finished is fed its
+Answers are greedy and stop at the end of the turn or after the task's answer length
+(RULER's `tokens_to_generate`: RULER lets the model run that long and scores it all), and
+an answer to a question with one reference (a needle's value, a QA answer) also at the end
+of its first line (`one_line`). A list (niah_multivalue, niah_multiquery, vt, cwe, fwe)
+is read whole: models write one item a line (SmolLM2 answers ":" and then the values),
+and the first line alone would score nothing. A row that finished is fed its
 end-of-turn token while the others finish, so the batch stays rectangular; in `turns`
 those repeats stay in its dialogue.
 """
@@ -160,20 +163,30 @@ def _line_done(text: str) -> bool:
     return "\n" in body_text
 
 
-def decode(model, tokenizer, state: Compressed, max_new_tokens: int, stops: Sequence[int]) -> list[list[int]]:
-    """Greedy answers, one list of ids per row, each to the end of its first line (see the module's
-    docstring); a finished row is fed the first stop token (its end of turn) while the others go on,
-    or, from a cache frozen for good (a state nothing reads after its answer), leaves the batch."""
+def decode(model, tokenizer, state: Compressed, max_new_tokens: int, stops: Sequence[int],
+           first_line: bool = True) -> list[list[int]]:
+    """Greedy answers, one list of ids per row, each to the end of its first line where the answer is
+    one reference (`first_line`, see `one_line`), else for the task's whole answer length; a
+    finished row is fed the first stop token (its end of turn) while the others go on, or, from a
+    cache frozen for good (a state nothing reads after its answer), leaves the batch."""
     def line_done(row: int, ids: list[int]) -> bool:
         return _line_done(tokenizer.decode(ids, skip_special_tokens=True))
 
-    return greedy(model, state, max_new_tokens, stops, line_done, pad=stops[0] if stops else None,
-                  release=state.cache.sealed)
+    return greedy(model, state, max_new_tokens, stops, line_done if first_line else None,
+                  pad=stops[0] if stops else None, release=state.cache.sealed)
 
 
-def _text(tokenizer, ids: list[int]) -> str:
-    text = tokenizer.decode(ids, skip_special_tokens=True).lstrip()
-    return text.split("\n", 1)[0]
+def one_line(prompt: Prompt, protocol: str, question: int) -> bool:
+    """Whether an answer is read to the end of its first line: when its question has one reference.
+    A list (several values, keys, variables or words) may run over several lines, one item a line,
+    so it is read for the task's whole answer length, as RULER reads every answer."""
+    asked = prompt.sample.per_key[question] if protocol == "multi" else prompt.sample.question
+    return len(asked.answers) == 1
+
+
+def _text(tokenizer, ids: list[int], first_line: bool) -> str:
+    text = tokenizer.decode(ids, skip_special_tokens=True).strip()
+    return text.split("\n", 1)[0] if first_line else text
 
 
 def shares_prefill(protocol: str, form: str) -> bool:
@@ -296,13 +309,13 @@ def _answers(model, tokenizer, prompt: Prompt, state: Compressed, protocol: str,
     if protocol == "aware" and bounded:
         state.cache.freeze(final=True)
         state.feed(model, prompt.ids[-1:])
-        results.append((0, decode(model, tokenizer, state, limit, stops), state.kept))
+        results.append((0, decode(model, tokenizer, state, limit, stops, one_line(prompt, protocol, 0)), state.kept))
     elif protocol == "stream" and bounded:
         with torch.inference_mode():
             for start in range(0, prompt.question.numel(), stream_chunk):
                 piece = prompt.question[start : start + stream_chunk].long()
                 state.hidden = body(model, piece[None].expand(state.rows, -1), state.cache)[:, -1]
-        results.append((0, decode(model, tokenizer, state, limit, stops), state.kept))
+        results.append((0, decode(model, tokenizer, state, limit, stops, one_line(prompt, protocol, 0)), state.kept))
     elif protocol == "multi":
         if form == "aware-requests":
             state.cache.freeze(final=True)
@@ -311,21 +324,24 @@ def _answers(model, tokenizer, prompt: Prompt, state: Compressed, protocol: str,
                 copy_state = snapshot(model, state) if q < len(prompt.per_key) - 1 else state
                 if q:  # a later turn after the first question, its answer left out (requests are independent)
                     copy_state.feed(model, prompt.follow_ups[q])
-                results.append((q, decode(model, tokenizer, copy_state, limit, stops), state.kept))
+                results.append((q, decode(model, tokenizer, copy_state, limit, stops, one_line(prompt, protocol, q)),
+                                state.kept))
         elif form == "requests":
             state.cache.freeze(final=True)
             for q, ids in enumerate(prompt.per_key):
                 copy_state = snapshot(model, state) if q < len(prompt.per_key) - 1 else state
                 copy_state.feed(model, ids)
-                results.append((q, decode(model, tokenizer, copy_state, limit, stops), state.kept))
+                results.append((q, decode(model, tokenizer, copy_state, limit, stops, one_line(prompt, protocol, q)),
+                                state.kept))
         else:
             for q, ids in enumerate([prompt.per_key[0], *prompt.follow_ups[1:]]):
                 state.feed(model, ids)
-                results.append((q, decode(model, tokenizer, state, limit, stops), state.kept))
+                results.append((q, decode(model, tokenizer, state, limit, stops, one_line(prompt, protocol, q)),
+                                state.kept))
     else:  # agnostic, and the full cache of agnostic / aware / stream
         state.cache.freeze(final=True)
         state.feed(model, prompt.question)
-        results.append((0, decode(model, tokenizer, state, limit, stops), state.kept))
+        results.append((0, decode(model, tokenizer, state, limit, stops, one_line(prompt, protocol, 0)), state.kept))
     seconds = time.perf_counter() - t0
-    return [Answer(spec, q, ids, _text(tokenizer, ids), kept, seconds)
+    return [Answer(spec, q, ids, _text(tokenizer, ids, one_line(prompt, protocol, q)), kept, seconds)
             for q, rows, kept in results for spec, ids in zip(state.policies, rows, strict=True)]
