@@ -139,6 +139,18 @@ def test_cells_intervals_and_the_beyond_mark():
     assert not h2o.beyond and found[("vt", "full")].beyond  # vt's full cache: 1.5/4 < 50%
 
 
+def test_a_row_whose_cells_hold_different_counts_says_each_count():
+    # a policy added to a run later has answered fewer samples than the full cache: its row must not show one n
+    records = [_record("full", "full", 1, i) for i in range(10)] + [_record("h2o", "50%", 1, i) for i in range(10)]
+    records += [_record("tova", "50%", 0, i) for i in range(5)]
+    [row] = ruler_report.ruler_table(ruler_report.cells(records)).rows
+    assert row[3] == "5–10"
+    assert row[4].endswith("n=10") and row[5].endswith("n=10") and row[6].endswith("n=5")
+    same = [_record("full", "full", 1, i) for i in range(5)] + [_record("h2o", "50%", 0, i) for i in range(5)]
+    [row] = ruler_report.ruler_table(ruler_report.cells(same)).rows
+    assert row[3] == "5" and "n=" not in row[4] + row[5]
+
+
 def test_rank_correlation_between_perplexity_and_tasks():
     ppl = [PplRecord(f"p{p}", "policy", p, 64, value) for p, value in
            [("window", 30.0), ("h2o", 20.0), ("snapkv", 25.0)]]

@@ -159,9 +159,15 @@ def ruler_table(found: Sequence[RulerCell]) -> Table:
     body = []
     for (protocol, where, budget), row in rows.items():
         ref = full.get((protocol, where))
-        n = max([c.n for c in row.values()] + ([ref.n] if ref else []))
-        body.append([protocol, where, budget, str(n), fmt(ref) if ref else "-"]
-                    + [fmt(row[p]) if p in row else "-" for p in policies])
+        counts = sorted({c.n for c in row.values()} | ({ref.n} if ref else set()))
+        # cells of one row may hold different numbers of answers (a policy added to a run later): each says its own
+        mixed = len(counts) > 1
+
+        def text(cell: RulerCell) -> str:
+            return fmt(cell) + (f" n={cell.n}" if mixed else "")
+
+        body.append([protocol, where, budget, f"{counts[0]}–{counts[-1]}" if mixed else str(counts[0]),
+                     text(ref) if ref else "-"] + [text(row[p]) if p in row else "-" for p in policies])
     return Table(["protocol", "task@length", "budget", "n", "full"] + policies, body,
                  ["left", "left", "right", "right", "right"] + ["right"] * len(policies))
 
