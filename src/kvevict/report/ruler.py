@@ -163,7 +163,7 @@ def ruler_table(found: Sequence[RulerCell]) -> Table:
         # cells of one row may hold different numbers of answers (a policy added to a run later): each says its own
         mixed = len(counts) > 1
 
-        def text(cell: RulerCell) -> str:
+        def text(cell: RulerCell, mixed: bool = mixed) -> str:
             return fmt(cell) + (f" n={cell.n}" if mixed else "")
 
         body.append([protocol, where, budget, f"{counts[0]}–{counts[-1]}" if mixed else str(counts[0]),
