@@ -6,7 +6,8 @@ every budget (rows sharing one context prefill; where the protocol allows, one p
 for all budgets and for the full cache too, see `protocols.answer_budgets`).
 `on_records` receives a batch's records at each budget as soon as they are answered, and
 `done` (record keys already stored) skips the budgets that an interrupted earlier run
-finished, so a rerun only computes what is missing. Nothing is kept between samples: memory stays flat in the sample count.
+finished, so a rerun only computes what is missing. Nothing is kept between samples:
+memory stays flat in the sample count.
 """
 
 from __future__ import annotations
