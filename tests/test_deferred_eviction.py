@@ -127,7 +127,7 @@ def test_one_prefill_for_every_budget_answers_as_a_prefill_per_budget(model, pro
     # how often the context was read: once for all where the protocol shares it, the full cache included
     # where it reads the same context; once per budget where the rows evict as they read
     shared = protocols.shares_prefill(protocol, form)
-    full_alike = protocols.full_shares_prefill(protocol, form)
+    full_alike = protocols.full_shares_prefill(protocol, form, specs)
     assert len(reads) == (1 if full_alike else 2 if shared else len(budgets)), reads
 
 

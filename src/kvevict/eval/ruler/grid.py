@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from ...errors import KvevictError
-from ...policies import check_policy, parse_policy, shared_batches
+from ...policies import check_policy, shared_batches
 from ...policies.budget import Budget, budget_label, parse_budget, resolve_budget
 from .framing import framing
 from .protocols import answer_budgets, check_aware, check_protocol, full_shares_prefill, reads_question
@@ -82,14 +82,13 @@ class RulerGrid:
         """The full cache first, then the bounded policies in shared batches, each at every budget.
 
         The full cache (budget None) is the first budget of the first batch where one prefill serves
-        it too (`protocols.full_shares_prefill`, a batch of uniform budgets), else a batch of its own.
+        it too (`protocols.full_shares_prefill`), else a batch of its own.
         """
         if self.bounded and not self.budgets:
             raise KvevictError("bounded policies need at least one budget: pass e.g. --budgets 50%,25%")
         budgets = [parse_budget(b) for b in self.budgets]
         batches = shared_batches(self.bounded)
-        if batches and full_shares_prefill(self.protocol, self.form) and \
-                not any(parse_policy(spec).varies_by_head for spec in batches[0]):
+        if batches and full_shares_prefill(self.protocol, self.form, batches[0]):
             return [(batches[0], [None, *budgets])] + [(batch, budgets) for batch in batches[1:]]
         return [(["full"], [None])] + [(batch, budgets) for batch in batches]
 

@@ -204,13 +204,15 @@ def answer(model, tokenizer, prompt: Prompt, specs: list[str], entries: int | No
     return answers
 
 
-def full_shares_prefill(protocol: str, form: str) -> bool:
-    """Whether the full cache reads what the bounded rows read before their question (so one held-back
-    prefill serves it too): not under `aware` or `multi aware-requests`, whose rows compress the
-    question with the context while the full cache reads the context alone, nor where nothing is
-    shared (`shares_prefill`)."""
+def full_shares_prefill(protocol: str, form: str, specs: Sequence[str] = ()) -> bool:
+    """Whether the full cache can be the held-back prefill of a batch of `specs`, left whole: it reads
+    what the bounded rows read before their question (not under `aware` or `multi aware-requests`,
+    whose rows compress the question with the context while the full cache reads the context alone,
+    nor where nothing is shared, `shares_prefill`), and the rows' layers attend as the full cache's
+    do (not a per-head batch, whose layers attend by hand)."""
     compresses_question = protocol == "aware" or (protocol == "multi" and form == "aware-requests")
-    return shares_prefill(protocol, form) and not compresses_question
+    per_head = any(parse_policy(spec).varies_by_head for spec in specs)
+    return shares_prefill(protocol, form) and not compresses_question and not per_head
 
 
 def answer_budgets(model, tokenizer, prompt: Prompt, specs: list[str], budgets: Sequence[int | None],
@@ -222,9 +224,8 @@ def answer_budgets(model, tokenizer, prompt: Prompt, specs: list[str], budgets: 
     Where the protocol allows (`shares_prefill`) and the cache can hold its eviction back
     (`EvictingCache.can_defer`), the context is read once and a copy of that state is
     compressed at each budget: the same answers as a prefill per budget, one forward
-    instead of several. The full cache is that state left whole, one row kept, where it
-    reads the same context (`full_shares_prefill`) and the rows' layers attend as the full
-    cache's do (not a per-head batch, whose layers attend by hand). A budget's `seconds` are
+    instead of several. The full cache is that state left whole, one row kept, where it can
+    be (`full_shares_prefill`). A budget's `seconds` are
     its own (compression, question, answer) plus an equal share of the prefill.
     """
     check_protocol(protocol, form)
@@ -234,8 +235,7 @@ def answer_budgets(model, tokenizer, prompt: Prompt, specs: list[str], budgets: 
     limit = max_new_tokens or prompt.answer_tokens
     stops = stop_ids(tokenizer)
     bounded = [b for b in budgets if b is not None]
-    per_head = any(parse_policy(spec).varies_by_head for spec in specs)
-    fold = bool(bounded) and None in budgets and full_shares_prefill(protocol, form) and not per_head
+    fold = bool(bounded) and None in budgets and full_shares_prefill(protocol, form, specs)
     answers: dict[int, list[Answer]] = {}  # by the budget's index
     if None in budgets and not fold:
         t1 = time.perf_counter()
