@@ -103,8 +103,9 @@ class SinkTracker(Observer):
         self._flush()
         self.pinned_per_row = [self.pinned_per_row[r] for r in rows]
         self.wants_victims = any(p == 0 for p in self.pinned_per_row)
+        index = torch.tensor(rows, dtype=torch.long)
         for layer, at in self.lost.items():
-            self.lost[layer] = at[torch.tensor(rows, dtype=torch.long, device=at.device)]
+            self.lost[layer] = at[index.to(at.device)]
         self.settled = {layer for layer, at in self.lost.items() if bool((at >= 0).all())}
 
     def on_evict(self, event: Eviction) -> None:

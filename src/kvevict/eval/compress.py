@@ -194,10 +194,11 @@ def greedy(model, state: Compressed, max_new_tokens: int, stop_ids: Sequence[int
                     done[row] = finished is not None and finished(row, out[row])
             if all(done) or step == max_new_tokens - 1:
                 break
-            running = [i for i, row in enumerate(live) if not done[row]]
-            if release and 4 * (len(live) - len(running)) >= len(live):
-                state.keep_rows(running)
-                token = token[running]
-                live = [live[i] for i in running]
+            if release:
+                running = [i for i, row in enumerate(live) if not done[row]]
+                if 4 * (len(live) - len(running)) >= len(live):
+                    state.keep_rows(running)
+                    token = token[running]
+                    live = [live[i] for i in running]
             state.feed(model, token[:, None])
     return out
