@@ -186,6 +186,49 @@ def test_a_long_prefill_attends_in_blocks_of_queries_and_matches_the_reference(m
     run_against_reference(16, 0.25, 0, 0.2, prefill=30, tokens=60)
 
 
+def snapkv_by_hand(attentions: torch.Tensor, heads: int, window: int, kernel: int) -> torch.Tensor:
+    """SnapKV's scores after a prefill, from eager attention weights `[H_q, T, T]` of one layer:
+    per KV head, the attention the last `window` queries of its query group pay to each earlier
+    token, max-pooled `kernel` wide along the positions (the pooling's window cut at both ends),
+    the window itself `inf`. Returns `[H_kv, T]`."""
+    hq, total, _ = attentions.shape
+    mass = attentions[:, total - window :].sum(dim=1).view(heads, hq // heads, total).sum(dim=1)
+    prefix = total - window
+    scores = torch.full((heads, total), float("inf"))
+    for head in range(heads):
+        for p in range(prefix):
+            lo, hi = max(0, p - kernel // 2), min(prefix, p + kernel // 2 + 1)
+            scores[head, p] = mass[head, lo:hi].max()
+    return scores
+
+
+@pytest.mark.parametrize("alpha,budget", [(0.2, 16), (0.0, 12), (1.0, 16)])
+def test_adakv_snapkv_compression_matches_snapkv_by_hand(alpha, budget):
+    """What RULER's rows compress with (`adakv:snapkv`): after one prefill each layer keeps, per
+    row, the `H x budget` entries Ada-KV picks from SnapKV's pooled window scores, read here
+    from eager attention weights; `alpha=1` is plain SnapKV's per-head top-`budget`."""
+    from kvevict.eval.compress import compress
+
+    model = make_tiny(seed=21, kv_heads=2)
+    tokens = random_tokens(70, seed=22)
+    window, kernel = 4, 7
+    heads = model.config.num_key_value_heads
+    state = compress(model, tokens, f"adakv:alpha={alpha}:snapkv:window={window},kernel={kernel}", budget)
+    with attn(model, "eager"), torch.inference_mode():
+        attentions = model(tokens[None], output_attentions=True).attentions
+    floor = int(alpha * budget + 1e-9)
+    uneven = False
+    for index, layer in enumerate(state.cache.layers):
+        scores = snapkv_by_hand(attentions[index][0].float(), heads, window, kernel)
+        alive = [list(range(tokens.numel()))] * heads
+        expected = reference_keep(alive, lambda h, p, s=scores: float(s[h, p]), heads * budget, floor)
+        kept = layer.kept_positions()[0]
+        for head in range(heads):
+            assert kept[head][kept[head] >= 0].tolist() == sorted(expected[head]), f"layer {index} head {head}"
+            uneven |= len(expected[head]) != budget
+    assert uneven == (alpha < 1), "the heads split as the allocation says they may"
+
+
 # --- real memory ------------------------------------------------------------------------
 
 
