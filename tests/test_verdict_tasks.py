@@ -121,6 +121,38 @@ def test_several_protocols_pool_on_the_same_answers():
     assert (h2o.task.hits, h2o.task.n) == (9, 10) and v.beyond == ["niah_single_1@1000 (stream)"]
 
 
+def test_the_tasks_are_judged_agnostic_and_a_policy_told_the_question_is_not_ranked_on_it():
+    """A policy run only under `aware` (its flattering protocol) must not be shipped over the ones judged question-
+    agnostic: the verdict judges agnostic answers, and names the other policy with 0 of them."""
+    records = answers("full", "full", 10) + answers("full", "full", 10, protocol="aware")
+    records += answers("h2o", "50%", 9) + answers("snapkv", "50%", 0)
+    records += answers("snapkv", "50%", 10, protocol="aware") + answers("adakv:alpha=1:snapkv", "50%", 10,
+                                                                        protocol="aware")
+    v = by_budget(records)["50%"]
+    assert v.protocol == "agnostic"
+    assert {c.name: (c.task.hits, c.task.n) for c in v.candidates} == {"h2o": (9, 10), "snapkv": (0, 10)}
+    assert v.partial == [("adakv:alpha=1:snapkv", 0, 10)]
+    assert v.recommended.name == "h2o" and "adakv" not in v.sentence.partition("avoid")[0]
+    assert ("not ranked on the tasks (fewer agnostic answers than the budget asks; rerunning the same command fills "
+            "them): adakv:alpha=1:snapkv 0/10") in run_markdown(records)
+
+
+def test_a_policy_with_fewer_answers_is_named_with_its_count_not_ranked_on_other_answers():
+    """tova added later with 5 of the 10 samples, all right: 5/5 must not outrank window's 9/10 on different
+    answers; the others keep their 10."""
+    records = answers("full", "full", 10) + answers("window", "50%", 9) + answers("tova", "50%", 5, n=5)
+    v = by_budget(records)["50%"]
+    assert [(c.name, c.task.n) for c in v.candidates] == [("window", 10)]
+    assert v.partial == [("tova", 5, 10)] and v.recommended.name == "window"
+
+
+def test_a_run_without_agnostic_answers_is_judged_on_its_first_protocol_in_order():
+    records = answers("full", "full", 10, protocol="aware") + answers("full", "full", 10, protocol="stream")
+    records += answers("h2o", "50%", 2, protocol="stream") + answers("h2o", "50%", 10, protocol="aware")
+    v = by_budget(records)["50%"]
+    assert v.protocol == "stream" and v.candidates[0].task.hits == 2
+
+
 def test_a_budget_whose_every_task_is_beyond_the_model_says_so():
     records = answers("full", "full", 1) + answers("window", "50%", 10)
     [v] = verdict(records)

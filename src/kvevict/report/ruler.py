@@ -7,9 +7,16 @@ task is "beyond this model at this length": its cells are shown, marked, and lef
 of every ranking, since a policy cannot lose what the model never had.
 
 `task_scores` is the one task figure the verdict and the rank correlation read: per
-policy and budget, its answers pooled over every protocol, task and length within reach,
-on the very answers the full cache gave too, beside the full cache's hits on them; each
-rate with its Wilson interval (`uncertainty.wilson`, the report's one binomial interval).
+policy and budget, its answers pooled over every task and length within reach, on the
+very answers the full cache gave too, beside the full cache's hits on them; each rate
+with its Wilson interval (`uncertainty.wilson`, the report's one binomial interval).
+
+`judged` is what the verdict reads of it. One protocol only (`judged_protocol`):
+`agnostic` where the run has it, since a policy's rate under `aware` is flattered by the
+question it was told, and a policy `aware` refuses (window) would otherwise be ranked
+on other answers than one it accepts. And the same answers for every policy: a policy
+that answered fewer of them than the budget asks (added later, or killed part-way) is
+set aside with its count, not ranked on a different set.
 
 `rank_agreement` answers the first question a user asks of the tasks: does the
 perplexity ranking of the policies say the same as the task ranking? Per protocol and
@@ -138,6 +145,53 @@ def task_scores(records: Iterable[RulerRecord], floor: float = FLOOR) -> dict[tu
         found[1] += full[unit]
         found[2] += 1
     return {key: TaskScore(hits, full_hits, int(n)) for key, (hits, full_hits, n) in sums.items()}
+
+
+#: the protocol the verdict judges on, the first of these a run holds: the question-agnostic one first (the service
+#: that reuses a compressed context), the flattering `aware` last
+JUDGED_ORDER = ("agnostic", "stream", "multi-requests", "multi-turns", "multi-aware-requests", "aware")
+
+
+def judged_protocol(records: Iterable[RulerRecord]) -> str | None:
+    """The protocol the verdict judges a run's tasks on (`JUDGED_ORDER`; another name after those), or None."""
+    shapes = {r.shape for r in records}
+    order = [p for p in JUDGED_ORDER if p in shapes] + sorted(shapes - set(JUDGED_ORDER))
+    return order[0] if order else None
+
+
+@dataclass(frozen=True)
+class Judged:
+    """What the verdict reads of the tasks: the `protocol`, the `scores` of the policies that answered every
+    answer their budget asks (`task_scores`, keyed (policy, budget)), and `partial`: (policy, budget) ->
+    (answered, asked) for those that answered fewer, left out of the ranking."""
+
+    protocol: str | None
+    scores: dict[tuple[str, str], TaskScore]
+    partial: dict[tuple[str, str], tuple[int, int]]
+
+
+def judged(records: Iterable[RulerRecord], floor: float = FLOOR) -> Judged:
+    """The tasks as the verdict judges them: one protocol (`judged_protocol`), and per budget only the policies
+    that answered every answer (within reach, the full cache's too) that some policy at that budget answered. A
+    policy of the run with fewer (none, where it ran only under other protocols) is `partial`."""
+    records = list(records)
+    protocol = judged_protocol(records)
+    everyone = {(r.policy, r.budget) for r in records if r.budget != "full"}  # a policy of another protocol too
+    records = [r for r in records if r.shape == protocol]
+    out_of_reach = beyond(records, floor)
+    full = {_unit(r) for r in records if r.budget == "full"}
+    units: dict[tuple[str, str], set[tuple]] = {}
+    for r in records:
+        if r.budget != "full" and _unit(r) in full and _unit(r)[:3] not in out_of_reach:
+            units.setdefault((r.policy, r.budget), set()).add(_unit(r))
+    asked: dict[str, set[tuple]] = {}
+    for (_, budget), found in units.items():
+        asked.setdefault(budget, set()).update(found)
+    complete = {key for key, found in units.items() if found == asked[key[1]]}
+    scores = {key: score for key, score in task_scores(records, floor).items() if key in complete}
+    partial = {key: (len(units.get(key, ())), len(asked[key[1]])) for key in sorted(everyone)
+               if key not in complete and key[1] in asked}
+    return Judged(protocol, scores, partial)
 
 
 def fmt(cell: RulerCell) -> str:

@@ -22,7 +22,9 @@ from the records alone:
   Wilson intervals overlap) and which score below it, the tasks' collapse (the whole
   interval below `COLLAPSE_NEEDLE` of the full cache's rate), the Spearman rank
   correlation of PPL and tasks (`ruler.rank_agreement`) and the pairs the two rank in
-  opposite orders, each separated by its own data. The recommendation is then the
+  opposite orders, each separated by its own data. The tasks are judged on one protocol,
+  `agnostic` where the run has it, and on the same answers for every policy
+  (`ruler.judged`): a policy that answered fewer is named with its count, not ranked. The recommendation is then the
   cheapest policy tied on *both*; where that is not the PPL's pick, the sentence says so
   and why. A run of tasks alone (`kvevict ruler`, no PPL) gets a verdict per budget from
   the tasks alone. Tasks beyond the model (full cache below `ruler.FLOOR`) are named and
@@ -50,7 +52,7 @@ from functools import cached_property
 from ..eval.sink_loss import unbounded_note
 from .columns import number
 from .records import PplRecord, Record, ppl_records, ruler_records, task_records
-from .ruler import FLOOR, TaskScore, beyond, rank_agreement, task_scores
+from .ruler import FLOOR, TaskScore, beyond, judged, rank_agreement
 from .tables import budget_order
 from .traits import is_preset, needs_attention, pinned
 from .uncertainty import Blocks, Interval, blocks, mean_interval, paired_difference, wilson
@@ -69,9 +71,11 @@ HOW = (
     "policies tied with the closest one, the cheapest is recommended (no attention statistics, then the fewest "
     "pinned slots). A policy collapsed when its whole PPL interval lies at or above 2× the full cache's PPL, or "
     "its whole pass-key interval below half of the full cache's rate. With RULER answers, each policy's task rate "
-    "is pooled over the answers of every protocol, task and length within the model's reach (a task on which the "
-    f"full cache scores below {FLOOR:.0%} is beyond this model at that length: named, left out), on the same answers "
-    "as the full cache; a policy scores below the full cache only where their Wilson intervals are disjoint, and "
+    "is pooled over the answers of one protocol (agnostic where the run has it: aware flatters the policies told "
+    "the question; the other protocols stay in the tables) and of every task and length within the model's reach (a "
+    f"task on which the full cache scores below {FLOOR:.0%} is beyond this model at that length: named, left out), "
+    "on the same answers for every policy and the full cache (a policy that answered fewer is named with its count, "
+    "not ranked); a policy scores below the full cache only where their Wilson intervals are disjoint, and "
     "collapsed on the tasks when its whole interval lies below half of the full cache's rate. The recommendation is "
     "the cheapest policy tied with the closest on PPL and not below the full cache on the tasks; where the tasks "
     "overturn the perplexity's pick, the sentence says so. A run of tasks alone is judged on the tasks alone. "
@@ -165,6 +169,8 @@ class BudgetVerdict:
     agreement: list[dict] = field(default_factory=list)
     opposed: list[tuple[Candidate, Candidate]] = field(default_factory=list)
     beyond: list[str] = field(default_factory=list)
+    protocol: str | None = None  # the protocol the tasks are judged on (`ruler.judged_protocol`)
+    partial: list[tuple[str, int, int]] = field(default_factory=list)  # (policy, answered, asked): not ranked
     unsound_reference: str | None = None  # why the policies are ranked by PPL, not by KL to the full cache
 
     @property
@@ -313,6 +319,9 @@ def _sentence(v: BudgetVerdict) -> str:
     below the full cache on them); if it lost token 0 somewhere, the closest one that kept it everywhere beside
     it (or the advice to pin sinks)."""
     if v.closest is None:
+        if v.partial:
+            return (f"At budget {v.budget} no policy answered every {v.protocol} answer the budget asks "
+                    f"({', '.join(f'{p} {k}/{n}' for p, k, n in v.partial)}): rerun the same command to fill them.")
         if v.beyond:
             return (f"At budget {v.budget} every task the run holds is beyond this model at its length (the full "
                     f"cache scores below {FLOOR:.0%}: {', '.join(v.beyond)}): the tasks cannot judge the policies.")
@@ -409,12 +418,14 @@ def verdict(records: Sequence[Record]) -> list[BudgetVerdict]:
     needle = needle_trials(records)
     full_needle = needle.get(("full", "full"))
     answers = ruler_records(records)
-    tasks = task_scores(answers)
+    found = judged(answers)
+    tasks = found.scores
     agreement = rank_agreement(rows, answers)
     out_of_reach = sorted(f"{task}@{length} ({shape})" for shape, task, length in beyond(answers))
     out = []
     ppl_budgets = sorted({r.budget for r in rows if r.budget is not None and r.kind != "oracle"})
-    task_only = sorted({r.budget for r in answers if r.budget != "full"} - {str(b) for b in ppl_budgets},
+    task_only = sorted({r.budget for r in answers if r.budget != "full" and r.shape == found.protocol}
+                       - {str(b) for b in ppl_budgets},
                        key=budget_order)
     for budget in [*ppl_budgets, *task_only]:
         candidates = (_candidates(rows, budget, needle, tasks) if isinstance(budget, int)
@@ -427,6 +438,9 @@ def verdict(records: Sequence[Record]) -> list[BudgetVerdict]:
         if answers:
             v.agreement = [a for a in agreement if a["budget"] == str(budget)]
             v.beyond = out_of_reach
+            v.protocol = found.protocol
+            v.partial = [(policy, *counts) for (policy, label), counts in found.partial.items()
+                         if label == str(budget)]
         _judge(v, full_needle)
         v.sentence = _sentence(v)
         out.append(v)
@@ -458,7 +472,8 @@ def _facts(v: BudgetVerdict) -> list[tuple[str, str]]:
     collapsed = "; ".join(f"{c.name} ({why})" for c, why in v.collapsed) or "none"
     lost = "; ".join(f"{c.name} on {c.heads_lost} of {c.heads} heads" for c in v.lost_sink) or "none"
     if not v.has_ppl:  # tasks alone: the closest by task rate, the collapsed, then the tasks' facts
-        return [("closest to full", _closest_text(v)), ("collapsed", collapsed)] + _task_facts(v)
+        return ([("closest to full", _closest_text(v)), ("collapsed", collapsed)] + _task_facts(v)
+                + ([_partial_fact(v)] if v.partial else []))
     first = "lowest PPL (the full cache is worse)" if v.unsound_reference else "closest to full"
     facts = [(first, _closest_text(v)),
              ("tied with it (paired 95% block bootstrap)", _names(v.tied[1:]) or "none"),
@@ -471,13 +486,21 @@ def _facts(v: BudgetVerdict) -> list[tuple[str, str]]:
         facts.append(("pass-key hits (95% Wilson interval)", needle))
     if v.has_tasks:
         facts += _task_facts(v)
+    if v.partial:
+        facts.append(_partial_fact(v))
     return facts
+
+
+def _partial_fact(v: BudgetVerdict) -> tuple[str, str]:
+    """The policies left out of the tasks' ranking: fewer answers than the others (the same command resumes them)."""
+    return (f"not ranked on the tasks (fewer {v.protocol} answers than the budget asks; rerunning the same command "
+            "fills them)", "; ".join(f"{name} {answered}/{asked}" for name, answered, asked in v.partial))
 
 
 def _task_facts(v: BudgetVerdict) -> list[tuple[str, str]]:
     found = [c for c in v.candidates if c.task is not None]
     full = found[0].task.full_text() if found else "-"
-    facts = [("RULER answers within reach (hits/answers, 95% Wilson interval)",
+    facts = [(f"RULER answers within reach ({v.protocol}; hits/answers, 95% Wilson interval)",
               "; ".join(f"{c.name} {c.task.text()}" for c in found) + f"; full {full} (on the same answers)"),
              ("not told apart from the full cache on the tasks", _names(v.task_tied) or "none"),
              ("below the full cache on the tasks", _names(v.task_below) or "none")]
