@@ -133,8 +133,8 @@ def test_the_tasks_are_judged_agnostic_and_a_policy_told_the_question_is_not_ran
     assert {c.name: (c.task.hits, c.task.n) for c in v.candidates} == {"h2o": (9, 10), "snapkv": (0, 10)}
     assert v.partial == [("adakv:alpha=1:snapkv", 0, 10)]
     assert v.recommended.name == "h2o" and "adakv" not in v.sentence.partition("avoid")[0]
-    assert ("not ranked on the tasks (fewer agnostic answers than the budget asks; rerunning the same command fills "
-            "them): adakv:alpha=1:snapkv 0/10") in run_markdown(records)
+    assert ("not ranked on the tasks (fewer agnostic answers than the other policies at this budget; a run of the same "
+            "tasks and samples fills them): adakv:alpha=1:snapkv 0/10") in run_markdown(records)
 
 
 def test_a_policy_with_fewer_answers_is_named_with_its_count_not_ranked_on_other_answers():

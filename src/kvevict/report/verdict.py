@@ -493,8 +493,9 @@ def _facts(v: BudgetVerdict) -> list[tuple[str, str]]:
 
 def _partial_fact(v: BudgetVerdict) -> tuple[str, str]:
     """The policies left out of the tasks' ranking: fewer answers than the others (the same command resumes them)."""
-    return (f"not ranked on the tasks (fewer {v.protocol} answers than the budget asks; rerunning the same command "
-            "fills them)", "; ".join(f"{name} {answered}/{asked}" for name, answered, asked in v.partial))
+    return (f"not ranked on the tasks (fewer {v.protocol} answers than the other policies at this budget; a run of "
+            "the same tasks and samples fills them)",
+            "; ".join(f"{name} {answered}/{asked}" for name, answered, asked in v.partial))
 
 
 def _task_facts(v: BudgetVerdict) -> list[tuple[str, str]]:
