@@ -146,6 +146,15 @@ def test_a_policy_with_fewer_answers_is_named_with_its_count_not_ranked_on_other
     assert v.partial == [("tova", 5, 10)] and v.recommended.name == "window"
 
 
+def test_policies_that_answered_different_samples_are_not_ranked_against_each_other():
+    records = answers("full", "full", 10) + answers("h2o", "50%", 5, n=5)
+    records += [r for r in answers("tova", "50%", 0) if r.sample >= 5]  # samples 5-9 only
+    [v] = verdict(records)
+    assert not v.candidates and v.partial == [("h2o", 5, 10), ("tova", 5, 10)]
+    assert v.sentence == ("At budget 50% no policy answered every agnostic answer the budget asks (h2o 5/10, tova "
+                          "5/10): run the same tasks and samples for each.")
+
+
 def test_a_run_without_agnostic_answers_is_judged_on_its_first_protocol_in_order():
     records = answers("full", "full", 10, protocol="aware") + answers("full", "full", 10, protocol="stream")
     records += answers("h2o", "50%", 2, protocol="stream") + answers("h2o", "50%", 10, protocol="aware")

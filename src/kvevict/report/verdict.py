@@ -24,8 +24,8 @@ from the records alone:
   correlation of PPL and tasks (`ruler.rank_agreement`) and the pairs the two rank in
   opposite orders, each separated by its own data. The tasks are judged on one protocol,
   `agnostic` where the run has it, and on the same answers for every policy
-  (`ruler.judged`): a policy that answered fewer is named with its count, not ranked. The recommendation is then the
-  cheapest policy tied on *both*; where that is not the PPL's pick, the sentence says so
+  (`ruler.judged`): a policy that answered fewer is named with its count, not ranked.
+  The recommendation is then the cheapest policy tied on *both*; where that is not the PPL's pick, the sentence says so
   and why. A run of tasks alone (`kvevict ruler`, no PPL) gets a verdict per budget from
   the tasks alone. Tasks beyond the model (full cache below `ruler.FLOOR`) are named and
   left out.
@@ -321,7 +321,7 @@ def _sentence(v: BudgetVerdict) -> str:
     if v.closest is None:
         if v.partial:
             return (f"At budget {v.budget} no policy answered every {v.protocol} answer the budget asks "
-                    f"({', '.join(f'{p} {k}/{n}' for p, k, n in v.partial)}): rerun the same command to fill them.")
+                    f"({', '.join(f'{p} {k}/{n}' for p, k, n in v.partial)}): run the same tasks and samples for each.")
         if v.beyond:
             return (f"At budget {v.budget} every task the run holds is beyond this model at its length (the full "
                     f"cache scores below {FLOOR:.0%}: {', '.join(v.beyond)}): the tasks cannot judge the policies.")
@@ -492,7 +492,7 @@ def _facts(v: BudgetVerdict) -> list[tuple[str, str]]:
 
 
 def _partial_fact(v: BudgetVerdict) -> tuple[str, str]:
-    """The policies left out of the tasks' ranking: fewer answers than the others (the same command resumes them)."""
+    """The policies left out of the tasks' ranking: fewer answers than the others at the budget, with their counts."""
     return (f"not ranked on the tasks (fewer {v.protocol} answers than the other policies at this budget; a run of "
             "the same tasks and samples fills them)",
             "; ".join(f"{name} {answered}/{asked}" for name, answered, asked in v.partial))
