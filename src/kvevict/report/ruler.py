@@ -129,22 +129,34 @@ def _unit(r: RulerRecord) -> tuple:
     return (r.shape, r.task, r.length, r.sample, r.question)
 
 
+def _counted(records: list[RulerRecord], floor: float) -> list[tuple[RulerRecord, tuple, float]]:
+    """The bounded answers a task figure counts, each with its unit and the full cache's score on that unit:
+    those of a (protocol, task, length) within reach (`beyond` ones left out) that the full cache answered too."""
+    out_of_reach = beyond(records, floor)
+    full = {_unit(r): float(r.score) for r in records if r.budget == "full"}
+    counted = []
+    for r in records:
+        unit = _unit(r)
+        if r.budget != "full" and unit in full and unit[:3] not in out_of_reach:
+            counted.append((r, unit, full[unit]))
+    return counted
+
+
+def _sums(counted: Iterable[tuple[RulerRecord, tuple, float]]) -> dict[tuple[str, str], TaskScore]:
+    """Per (policy, budget) the `TaskScore` of the answers `counted` holds."""
+    sums: dict[tuple[str, str], list[float]] = {}
+    for r, _, full_score in counted:
+        found = sums.setdefault((r.policy, r.budget), [0.0, 0.0, 0])
+        found[0] += float(r.score)
+        found[1] += full_score
+        found[2] += 1
+    return {key: TaskScore(hits, full_hits, int(n)) for key, (hits, full_hits, n) in sums.items()}
+
+
 def task_scores(records: Iterable[RulerRecord], floor: float = FLOOR) -> dict[tuple[str, str], TaskScore]:
     """Per (policy as written, budget as written) its `TaskScore`: every answer of a (protocol, task, length)
     within reach that the full cache answered too (`beyond` ones left out)."""
-    records = list(records)
-    out_of_reach = beyond(records, floor)
-    full = {_unit(r): float(r.score) for r in records if r.budget == "full"}
-    sums: dict[tuple[str, str], list[float]] = {}
-    for r in records:
-        unit = _unit(r)
-        if r.budget == "full" or unit not in full or unit[:3] in out_of_reach:
-            continue
-        found = sums.setdefault((r.policy, r.budget), [0.0, 0.0, 0])
-        found[0] += float(r.score)
-        found[1] += full[unit]
-        found[2] += 1
-    return {key: TaskScore(hits, full_hits, int(n)) for key, (hits, full_hits, n) in sums.items()}
+    return _sums(_counted(list(records), floor))
 
 
 #: the protocol the verdict judges on, the first of these a run holds: the question-agnostic one first (the service
@@ -177,18 +189,15 @@ def judged(records: Iterable[RulerRecord], floor: float = FLOOR) -> Judged:
     records = list(records)
     protocol = judged_protocol(records)
     everyone = {(r.policy, r.budget) for r in records if r.budget != "full"}  # a policy of another protocol too
-    records = [r for r in records if r.shape == protocol]
-    out_of_reach = beyond(records, floor)
-    full = {_unit(r) for r in records if r.budget == "full"}
+    counted = _counted([r for r in records if r.shape == protocol], floor)
     units: dict[tuple[str, str], set[tuple]] = {}
-    for r in records:
-        if r.budget != "full" and _unit(r) in full and _unit(r)[:3] not in out_of_reach:
-            units.setdefault((r.policy, r.budget), set()).add(_unit(r))
+    for r, unit, _ in counted:
+        units.setdefault((r.policy, r.budget), set()).add(unit)
     asked: dict[str, set[tuple]] = {}
     for (_, budget), found in units.items():
         asked.setdefault(budget, set()).update(found)
     complete = {key for key, found in units.items() if found == asked[key[1]]}
-    scores = {key: score for key, score in task_scores(records, floor).items() if key in complete}
+    scores = _sums(c for c in counted if (c[0].policy, c[0].budget) in complete)
     partial = {key: (len(units.get(key, ())), len(asked[key[1]])) for key in sorted(everyone)
                if key not in complete and key[1] in asked}
     return Judged(protocol, scores, partial)
