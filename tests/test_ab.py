@@ -185,7 +185,7 @@ def test_sigkill_mid_sweep_loses_nothing(tmp_path, tiny_dir):
     text_file = tmp_path / "long.txt"
     text_file.write_text(TEXT * 6)
     args = ["ab", "--model", str(tiny_dir), "--text", str(text_file), "--tokens", "1000",
-            "--budgets", "8,16,24,32,40", "--policies", "window,streamingllm,h2o", "--oracle-stride", "50",
+            "--budgets", "8,16,24", "--policies", "window,streamingllm,h2o", "--oracle-stride", "50",
             "--out", str(tmp_path / "runs"), "--name", "kill"]
     results = tmp_path / "runs" / "kill" / "results.jsonl"
     proc = _run_cli(args)
@@ -201,7 +201,7 @@ def test_sigkill_mid_sweep_loses_nothing(tmp_path, tiny_dir):
     assert proc.returncode == -signal.SIGKILL
     survived = results.read_text()
     lines = survived.splitlines()
-    assert 3 <= len(lines) < 16
+    assert 3 <= len(lines) < 1 + 3 * (1 + 3)  # killed mid-sweep: some cells written, not all
     for line in lines:
         json.loads(line)  # no corrupt line
     proc = _run_cli(args)
@@ -210,7 +210,7 @@ def test_sigkill_mid_sweep_loses_nothing(tmp_path, tiny_dir):
     final = results.read_text()
     assert final.startswith(survived)  # finished cells kept bit-identical
     keys = [json.loads(line)["key"] for line in final.splitlines()]
-    assert len(keys) == len(set(keys)) == 1 + 5 * (1 + 3)
+    assert len(keys) == len(set(keys)) == 1 + 3 * (1 + 3)  # full; per budget the oracle and 3 policies
     report = stdout.strip().splitlines()[-1]
     assert report.endswith("report.html") and os.path.exists(report)
 

@@ -83,6 +83,15 @@ def sweep(tmp_path, tiny_dir, text_file, name: str) -> SweepConfig:
                        out=str(tmp_path / "runs"), name=name)
 
 
+@pytest.fixture(scope="module")
+def local_numbers(tmp_path_factory, tiny_dir, text_file) -> dict:
+    """The numbers of `sweep` run in this process by the local executor: what every Ray run of it must equal
+    (computed once for the module's tests)."""
+    folder = tmp_path_factory.mktemp("ray-local")
+    run_sweep(sweep(folder, tiny_dir, text_file, "local"), progress=False, executor=LocalExecutor())
+    return numbers(folder / "runs" / "local" / "results.jsonl")
+
+
 def _run(*args: str, namespace: bool = False) -> subprocess.CompletedProcess:
     """`kvevict ARGS` in a fresh process under the socket guard (exit 3 if it refused a socket); with `namespace`,
     inside a loopback-only network namespace of its own."""
@@ -104,16 +113,14 @@ def ray_servers() -> set[int]:
 
 
 @needs_ray
-def test_cli_ray_run_equals_local_run_and_resumes(tmp_path, tiny_dir, text_file):
+def test_cli_ray_run_equals_local_run_and_resumes(tmp_path, tiny_dir, text_file, local_numbers):
     """`--executor ray` without an address starts a local Ray instance for the run and stops it; same cells, same
-    numbers as the local executor; `kvevict report` redraws it; a rerun has nothing left to do. The Ray runs are
-    Ray sweeps under the socket guard, in a namespace of their own."""
+    numbers as the local executor (the options are `sweep`'s); `kvevict report` redraws it; a rerun has nothing
+    left to do. The Ray runs are Ray sweeps under the socket guard, in a namespace of their own."""
     needs_netns()
     common = ["ab", "--model", str(tiny_dir), "--text", str(text_file), "--tokens", "240", "--budgets", "16,32",
               "--policies", "window,h2o,sink2+window", "--sinks", "0,4", "--oracle-stride", "20",
               "--out", str(tmp_path / "runs")]
-    local = _run(*common, "--name", "local")
-    assert local.returncode == 0, local.stderr
     before = ray_servers()
     ray_run = _run(*common, "--name", "ray", "--executor", "ray", "--workers", "2", namespace=True)
     assert ray_run.returncode == 0, ray_run.stderr
@@ -121,9 +128,8 @@ def test_cli_ray_run_equals_local_run_and_resumes(tmp_path, tiny_dir, text_file)
     while ray_servers() - before and time.monotonic() < deadline:
         time.sleep(0.5)
     assert ray_servers() <= before  # the local instance the run started is stopped with it
-    ours, theirs = numbers(tmp_path / "runs" / "ray" / "results.jsonl"), numbers(tmp_path / "runs" / "local" /
-                                                                                 "results.jsonl")
-    assert len(ours) == 1 + 2 * (1 + 3 + 2) and ours == theirs  # full; per budget the oracle, 3 policies, 2 sink rows
+    ours = numbers(tmp_path / "runs" / "ray" / "results.jsonl")
+    assert len(ours) == 1 + 2 * (1 + 3 + 2) and ours == local_numbers  # full; per budget oracle, 3 policies, 2 sinks
     for line in (tmp_path / "runs" / "ray" / "results.jsonl").read_text().splitlines():
         record = json.loads(line)
         assert record["batch_seconds"] > 0 and record["tokens_per_s"] > 0 and record["peak_mb"] > 0
@@ -320,18 +326,17 @@ def test_loopback_start_answers_loopback_without_asking_the_network(monkeypatch)
 
 
 @needs_ray
-def test_sigkilled_worker_loses_only_its_batch_which_is_retried(ray_host, tmp_path, tiny_dir, text_file):
+def test_sigkilled_worker_loses_only_its_batch_which_is_retried(ray_host, tmp_path, tiny_dir, text_file,
+                                                               local_numbers):
     got, _ = ray_host.call(killed_sweep, tmp_path, tiny_dir, text_file)
     assert got["failed"] == [] and len(got["killed"]) == 1
     assert got["dispatched"].count("budget 16: rows") == 2  # handed out again once
-    run_sweep(sweep(tmp_path, tiny_dir, text_file, "local"), progress=False, executor=LocalExecutor())
-    runs = tmp_path / "runs"
-    assert numbers(runs / "killed" / "results.jsonl") == numbers(runs / "local" / "results.jsonl")
+    assert numbers(tmp_path / "runs" / "killed" / "results.jsonl") == local_numbers
 
 
 @needs_ray
 def test_worker_dying_every_time_is_reported_failed_and_a_rerun_finishes_it(ray_host, tmp_path, tiny_dir,
-                                                                             text_file):
+                                                                             text_file, local_numbers):
     got, err = ray_host.call(failing_sweep, tmp_path, tiny_dir, text_file)
     assert got["code"] == 1
     assert got["failed"] == [("budget 32: rows", 5)]
@@ -340,9 +345,7 @@ def test_worker_dying_every_time_is_reported_failed_and_a_rerun_finishes_it(ray_
     assert not any("|32" in key and "oracle" not in key for key in got["written"])
     assert got["report"]
     ray_host.call(rerun_sweep, tmp_path, tiny_dir, text_file, "failing")  # the rerun
-    run_sweep(sweep(tmp_path, tiny_dir, text_file, "reference"), progress=False)
-    runs = tmp_path / "runs"
-    assert numbers(runs / "failing" / "results.jsonl") == numbers(runs / "reference" / "results.jsonl")
+    assert numbers(tmp_path / "runs" / "failing" / "results.jsonl") == local_numbers
 
 
 def test_core_runs_without_the_extras(tmp_path, tiny_dir):
