@@ -207,39 +207,32 @@ def test_unreachable_ray_address_fails_fast_in_one_line(tmp_path, monkeypatch, k
 
 
 class Killer:
-    """Kills the worker a chosen batch was handed to, `delay` seconds later (inside the batch)."""
+    """Kills the worker a chosen batch was handed to, `delay` seconds later (inside the batch): the rows batch of
+    each budget in `times`, that many times."""
 
-    def __init__(self, budget: int, times: int, delay: float = 0.3) -> None:
-        self.budget, self.times, self.delay = budget, times, delay
+    def __init__(self, times: dict[int, int], delay: float = 0.3) -> None:
+        self.times, self.delay = times, delay
         self.dispatched: list[tuple[str, int]] = []
-        self.killed: list[int] = []
+        self.killed: dict[int, list[int]] = {budget: [] for budget in times}
 
     def __call__(self, batch, pid: int) -> None:
         self.dispatched.append((batch.name, pid))
-        if batch.kind == "rows" and batch.budget == self.budget and len(self.killed) < self.times:
-            self.killed.append(pid)
+        if batch.kind == "rows" and len(self.killed.get(batch.budget, ())) < self.times.get(batch.budget, 0):
+            self.killed[batch.budget].append(pid)
             threading.Timer(self.delay, os.kill, (pid, signal.SIGKILL)).start()
 
 
 # --- bodies the Ray host runs (module-level, so the host imports them by name) ------------------------------------
 
 
-def killed_sweep(tmp_path, tiny_dir, text_file) -> dict:
-    from kvevict.integrations.ray_executor import RayExecutor
-
-    killer = Killer(budget=16, times=1)
-    executor = RayExecutor(workers=2, retries=2, on_dispatch=killer)
-    run_sweep(sweep(tmp_path, tiny_dir, text_file, "killed"), progress=False, executor=executor)
-    return {"failed": executor.failed, "killed": killer.killed, "dispatched": [n for n, _ in killer.dispatched]}
-
-
-def failing_sweep(tmp_path, tiny_dir, text_file) -> dict:
-    """A batch whose worker dies every time: the command's exit code, what failed, and what was written."""
+def killing_sweep(tmp_path, tiny_dir, text_file) -> dict:
+    """One sweep, two faults: budget 16's worker is SIGKILLed once (one retry is allowed), budget 32's every time
+    it is handed out. The command's exit code, what failed, what was killed and dispatched, what was written."""
     from kvevict.cli.ab import run_ab
     from kvevict.integrations.ray_executor import RayExecutor
 
-    config = sweep(tmp_path, tiny_dir, text_file, "failing")
-    killer = Killer(budget=32, times=2)
+    config = sweep(tmp_path, tiny_dir, text_file, "killed")
+    killer = Killer({16: 1, 32: 2})
     executor = RayExecutor(workers=2, retries=1, on_dispatch=killer)
     try:
         run_ab(config, executor=executor)
@@ -249,7 +242,8 @@ def failing_sweep(tmp_path, tiny_dir, text_file) -> dict:
     results = config.folder / "results.jsonl"
     written = [json.loads(line)["key"] for line in results.read_text().splitlines()]
     return {"code": code, "failed": [(b.name, len(b.cells)) for b, _ in executor.failed], "written": written,
-            "report": (config.folder / "report.html").exists()}
+            "report": (config.folder / "report.html").exists(), "killed": killer.killed,
+            "dispatched": [n for n, _ in killer.dispatched]}
 
 
 def rerun_sweep(tmp_path, tiny_dir, text_file, name: str) -> None:
@@ -326,26 +320,24 @@ def test_loopback_start_answers_loopback_without_asking_the_network(monkeypatch)
 
 
 @needs_ray
-def test_sigkilled_worker_loses_only_its_batch_which_is_retried(ray_host, tmp_path, tiny_dir, text_file,
-                                                               local_numbers):
-    got, _ = ray_host.call(killed_sweep, tmp_path, tiny_dir, text_file)
-    assert got["failed"] == [] and len(got["killed"]) == 1
+def test_a_sigkilled_worker_loses_only_its_batch_and_one_dying_every_time_is_reported_and_rerun(
+        ray_host, tmp_path, tiny_dir, text_file, local_numbers):
+    """Budget 16's batch is retried once its worker is killed and then written whole; budget 32's, killed every
+    time, is reported failed (exit 1, the report still written, nothing of it in the results), and a rerun of the
+    same sweep finishes it: the numbers are then the local executor's."""
+    got, err = ray_host.call(killing_sweep, tmp_path, tiny_dir, text_file)
+    assert len(got["killed"][16]) == 1 and len(got["killed"][32]) == 2
     assert got["dispatched"].count("budget 16: rows") == 2  # handed out again once
-    assert numbers(tmp_path / "runs" / "killed" / "results.jsonl") == local_numbers
-
-
-@needs_ray
-def test_worker_dying_every_time_is_reported_failed_and_a_rerun_finishes_it(ray_host, tmp_path, tiny_dir,
-                                                                             text_file, local_numbers):
-    got, err = ray_host.call(failing_sweep, tmp_path, tiny_dir, text_file)
+    assert got["dispatched"].count("budget 32: rows") == 2  # and given up after its one retry
     assert got["code"] == 1
     assert got["failed"] == [("budget 32: rows", 5)]
     assert "failed: budget 32: rows (window, h2o, sink2+window, window, sink4+window)" in err
     assert "rerun the same command to finish it" in err
     assert not any("|32" in key and "oracle" not in key for key in got["written"])
+    assert sum("|16" in key and "oracle" not in key for key in got["written"]) == 5  # the retried batch, whole
     assert got["report"]
-    ray_host.call(rerun_sweep, tmp_path, tiny_dir, text_file, "failing")  # the rerun
-    assert numbers(tmp_path / "runs" / "failing" / "results.jsonl") == local_numbers
+    ray_host.call(rerun_sweep, tmp_path, tiny_dir, text_file, "killed")  # the rerun
+    assert numbers(tmp_path / "runs" / "killed" / "results.jsonl") == local_numbers
 
 
 def test_core_runs_without_the_extras(tmp_path, tiny_dir):
