@@ -183,8 +183,8 @@ def _run_cli(args):
 
 def test_sigkill_mid_sweep_loses_nothing(tmp_path, tiny_dir):
     text_file = tmp_path / "long.txt"
-    text_file.write_text(TEXT * 6)
-    args = ["ab", "--model", str(tiny_dir), "--text", str(text_file), "--tokens", "1000",
+    text_file.write_text(TEXT * 4)
+    args = ["ab", "--model", str(tiny_dir), "--text", str(text_file), "--tokens", "600",
             "--budgets", "8,16,24", "--policies", "window,streamingllm,h2o", "--oracle-stride", "50",
             "--out", str(tmp_path / "runs"), "--name", "kill"]
     results = tmp_path / "runs" / "kill" / "results.jsonl"
