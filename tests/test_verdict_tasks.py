@@ -168,3 +168,24 @@ def test_a_budget_whose_every_task_is_beyond_the_model_says_so():
     assert v.recommended is None and not v.candidates
     assert v.sentence == ("At budget 50% every task the run holds is beyond this model at its length (the full cache "
                           "scores below 50%: niah_single_1@1000 (agnostic)): the tasks cannot judge the policies.")
+
+
+def test_a_list_tasks_partial_scores_are_counted_to_one_decimal():
+    """A list task scores the share of its items found: three answers scoring 1/3 each sum to 1 hit, six to 2,
+    and 2/3 + 1/3 + 1/3 = 4/3, which the verdict writes as 1.3 (not 1.33333). The interval is Wilson's on the
+    unrounded sum (hits 4/3 of n 10), computed here from its formula."""
+    import math
+
+    def listed(policy: str, scores: list[float], budget: str = "50%") -> list[RulerRecord]:
+        return [RulerRecord(f"ruler|agnostic|niah_multivalue|1000|{i}|{policy}|{budget}|0", "niah_multivalue",
+                            "agnostic", 1000, i, policy, budget, s) for i, s in enumerate(scores)]
+
+    records = listed("full", [1.0] * 10, "full") + listed("window", [2 / 3, 1 / 3, 1 / 3] + [0.0] * 7)
+    records += listed("h2o", [1 / 3] * 6 + [0.0] * 4)
+    facts = run_markdown(records)
+    p, n, z = (4 / 3) / 10, 10, 1.959963984540054
+    centre, half = (p + z * z / (2 * n)) / (1 + z * z / n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (
+        1 + z * z / n)
+    assert f"window 1.3/10 [{centre - half:.2f}, {centre + half:.2f}]" in facts
+    assert "h2o 2/10 " in facts and "full 10/10 " in facts
+    assert "1.33333" not in facts and "1.3333" not in facts

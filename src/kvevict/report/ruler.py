@@ -118,10 +118,17 @@ class TaskScore:
         return self.interval.high < self.full_interval.low
 
     def text(self) -> str:
-        return f"{self.hits:g}/{self.n} {self.interval.text()}"
+        return f"{hits_text(self.hits)}/{self.n} {self.interval.text()}"
 
     def full_text(self) -> str:
-        return f"{self.full_hits:g}/{self.n} {self.full_interval.text()}"
+        return f"{hits_text(self.full_hits)}/{self.n} {self.full_interval.text()}"
+
+
+def hits_text(hits: float) -> str:
+    """A sum of scores as a count: whole where it is whole, else to one decimal (a list task's partial answers sum
+    to fractions such as 44.8333, whose later digits say nothing at these sample sizes; six thirds sum to
+    2.0000000000000004 in floating point, which is 2)."""
+    return f"{hits:.0f}" if abs(hits - round(hits)) < 1e-9 else f"{hits:.1f}"
 
 
 def _unit(r: RulerRecord) -> tuple:
