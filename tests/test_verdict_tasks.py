@@ -171,9 +171,9 @@ def test_a_budget_whose_every_task_is_beyond_the_model_says_so():
 
 
 def test_a_list_tasks_partial_scores_are_counted_to_one_decimal():
-    """A list task scores the share of its items found: three answers scoring 1/3 each sum to 1 hit, six to 2,
-    and 2/3 + 1/3 + 1/3 = 4/3, which the verdict writes as 1.3 (not 1.33333). The interval is Wilson's on the
-    unrounded sum (hits 4/3 of n 10), computed here from its formula."""
+    """A list task scores the share of its items found: six answers scoring 1/3 each sum to 2 hits (written 2,
+    though the float sum is 2.0000000000000004), and 2/3 + 1/3 + 1/3 = 4/3, written 1.3 (not 1.33333). The
+    interval is Wilson's on the unrounded sum (hits 4/3 of n 10), computed here from its formula."""
     import math
 
     def listed(policy: str, scores: list[float], budget: str = "50%") -> list[RulerRecord]:
