@@ -469,11 +469,15 @@ def _needle_text(v: BudgetVerdict) -> str | None:
 
 
 def _facts(v: BudgetVerdict) -> list[tuple[str, str]]:
+    """The budget's facts under its sentence: the rankings', then the policies left out of the tasks' ranking."""
+    return _ranking_facts(v) + ([_partial_fact(v)] if v.partial else [])
+
+
+def _ranking_facts(v: BudgetVerdict) -> list[tuple[str, str]]:
     collapsed = "; ".join(f"{c.name} ({why})" for c, why in v.collapsed) or "none"
     lost = "; ".join(f"{c.name} on {c.heads_lost} of {c.heads} heads" for c in v.lost_sink) or "none"
     if not v.has_ppl:  # tasks alone: the closest by task rate, the collapsed, then the tasks' facts
-        return ([("closest to full", _closest_text(v)), ("collapsed", collapsed)] + _task_facts(v)
-                + ([_partial_fact(v)] if v.partial else []))
+        return [("closest to full", _closest_text(v)), ("collapsed", collapsed)] + _task_facts(v)
     first = "lowest PPL (the full cache is worse)" if v.unsound_reference else "closest to full"
     facts = [(first, _closest_text(v)),
              ("tied with it (paired 95% block bootstrap)", _names(v.tied[1:]) or "none"),
@@ -486,8 +490,6 @@ def _facts(v: BudgetVerdict) -> list[tuple[str, str]]:
         facts.append(("pass-key hits (95% Wilson interval)", needle))
     if v.has_tasks:
         facts += _task_facts(v)
-    if v.partial:
-        facts.append(_partial_fact(v))
     return facts
 
 
