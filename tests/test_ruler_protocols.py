@@ -13,13 +13,15 @@ import torch
 
 from kvevict.cache import EvictingCache
 from kvevict.errors import KvevictError
-from kvevict.eval.compress import compress_prompt, greedy
+from kvevict.eval.compress import compress, compress_prompt, greedy
 from kvevict.eval.forward import body
 from kvevict.eval.ruler.grid import RulerGrid
 from kvevict.eval.ruler.protocols import answer, check_aware, prefill, snapshot
 from kvevict.eval.ruler.sample import Prompt, Question, Sample
+from kvevict.policies.span import pin_span
 
-from conftest import random_tokens
+from conftest import make_tiny, random_tokens
+from helpers import attn
 
 SPECS = ["window", "streamingllm", "h2o", "snapkv:window=8"]
 
@@ -164,27 +166,90 @@ def test_multi_turns_equal_each_policy_alone_evicting_throughout(model):
                 assert _tokens(got, q)[row] == tokens, (spec, q)
 
 
-def test_multi_aware_requests_compress_the_first_question_and_serve_the_others_from_it(model):
-    """The independent path: every request compressed anew with every row fed, the first question (but its last
-    token) in what is compressed, the later ones read after it as turns of a dialogue."""
+def test_multi_aware_requests_answer_as_each_policy_alone(tiny):
+    """The batch against the plain path, one policy per cache: the context and the first question (but its
+    last token) compressed with that question pinned beside the budget; the first request reads on, each
+    later one takes the question back out (`drop_latest`) and reads its own after the context."""
     prompt = _prompt(questions=3)
-    specs = ["h2o", "snapkv:window=8"]
-    got = answer(model, Words(), prompt, specs, 40, "multi", form="aware-requests")
-    first = prompt.per_key[0]
-    split = prompt.context.numel() + first.numel() - 1
-    for q in range(3):
-        ids = torch.cat([prompt.context, first] + ([prompt.follow_ups[q]] if q else []))
-        ref = compress_prompt(model, ids, specs, 40, split=split)
-        assert _tokens(got, q) == greedy(model, ref, NEW), q
-    assert {a.question for a in got} == {0, 1, 2} and len(got) == 6
+    context, first = prompt.context, prompt.per_key[0]
+    span = first.numel() - 1
+    for specs in (["h2o", "snapkv:window=8", "sink4+tova"], ["adakv:snapkv:window=4"]):
+        got = answer(tiny, Words(), prompt, specs, 40, "multi", form="aware-requests")
+        if len(specs) > 1:  # uniform heads (Ada-KV's fullest head may hold more than the budget)
+            assert {a.kept for a in got} == {40}, "the context's entries, the question the request's own"
+        for row, spec in enumerate(specs):
+            for q in range(3):
+                state = compress(tiny, torch.cat([context, first[:-1]]), pin_span(spec, span, context.numel()),
+                                 40 + span)
+                state.cache.freeze()
+                if q:
+                    state.cache.drop_latest(span)
+                state.feed(tiny, prompt.per_key[q] if q else first[-1:])
+                assert _tokens(got, q)[row] == greedy(tiny, state, NEW)[0], (spec, q)
 
 
-def test_multi_aware_requests_full_cache_reads_the_same_tokens(tiny):
+@pytest.mark.parametrize("spec, floor", [("snapkv:window=4,kernel=7", 1.0),
+                                         ("adakv:alpha=0.2:snapkv:window=4,kernel=7", 0.2)])
+def test_aware_requests_keep_what_the_first_question_picks_among_the_context(spec, floor):
+    """Independent of the engine: with the first question taken back out, each head holds what SnapKV's window
+    scores (read from eager attention over the context and the question) pick among the context alone, Ada-KV's
+    allocation by hand where the heads share the allowance; every head holds the question before."""
+    from test_adakv import reference_keep, snapkv_by_hand
+
+    model = make_tiny(seed=21, kv_heads=2)
+    context, question = random_tokens(60, seed=22), random_tokens(6, seed=23)
+    tokens = torch.cat([context, question])
+    budget, heads = 12, model.config.num_key_value_heads
+    state = compress(model, tokens, pin_span(spec, 6, 60), budget + 6)
+    before = [layer.kept_positions()[0] for layer in state.cache.layers]
+    state.cache.drop_latest(6)
+    assert state.cache.tokens_seen == 60 and state.cache.get_seq_length() == 60
+    with attn(model, "eager"), torch.inference_mode():
+        attentions = model(tokens[None], output_attentions=True).attentions
+    for index, layer in enumerate(state.cache.layers):
+        scores = snapkv_by_hand(attentions[index][0].float(), heads, 4, 7)
+        expected = reference_keep([list(range(60))] * heads, lambda h, p, s=scores: float(s[h, p]), heads * budget,
+                                  int(floor * budget + 1e-9))
+        kept = layer.kept_positions()[0]
+        for head in range(heads):
+            assert set(range(60, 66)) <= set(before[index][head].tolist()), "the question is held whole"
+            assert kept[head][kept[head] >= 0].tolist() == sorted(expected[head]), f"layer {index} head {head}"
+
+
+@pytest.mark.parametrize("positions", ["original", "cache"])
+def test_taking_the_question_out_leaves_the_context_as_compressed_alone(tiny, positions):
+    """A window behind the pinned question keeps the context's last entries; without the question the cache
+    reads on exactly as the context compressed alone does (positions continuing from the context's end, or
+    renumbered from the entries kept), the next question's logits equal."""
+    context, first, later = random_tokens(100, seed=31), random_tokens(8, seed=32), random_tokens(7, seed=33)
+    state = compress(tiny, torch.cat([context, first]), pin_span("window", 8, 100), 30 + 8, positions=positions)
+    state.cache.freeze()
+    state.cache.drop_latest(8)
+    ref = compress(tiny, context, "window", 30, positions=positions)
+    ref.cache.freeze()
+    assert [la.kept_positions().tolist() for la in state.cache.layers] == \
+        [la.kept_positions().tolist() for la in ref.cache.layers] == [[[list(range(70, 100))] * 2]] * 2
+    state.feed(tiny, later)
+    ref.feed(tiny, later)
+    torch.testing.assert_close(state.next_logits(tiny), ref.next_logits(tiny), rtol=1e-5, atol=1e-5)
+    with pytest.raises(KvevictError, match="does not hold all of the 31 latest tokens"):
+        compress(tiny, context, "window", 30).cache.drop_latest(31)  # a window of 30 holds 30 of them
+
+
+def test_multi_aware_requests_full_cache_serves_the_later_requests_as_requests_do(tiny):
     prompt = _prompt(questions=2)
     got = answer(tiny, Words(), prompt, ["full"], None, "multi", form="aware-requests")
-    ids = torch.cat([prompt.context, prompt.per_key[0], prompt.follow_ups[1]])
-    ref = compress_prompt(tiny, ids, ["full"], None)
-    assert _tokens(got, 1) == greedy(tiny, ref, NEW)
+    for q in range(2):
+        ref = compress_prompt(tiny, torch.cat([prompt.context, prompt.per_key[q]]), ["full"], None)
+        assert _tokens(got, q) == greedy(tiny, ref, NEW), q
+
+
+def test_multi_aware_requests_refuse_a_model_with_sliding_window_layers():
+    from architectures import Arch
+
+    gemma = Arch("gemma3", ("original",)).build().eval()
+    with pytest.raises(KvevictError, match="sliding-window layers keep only the last"):
+        answer(gemma, Words(), _prompt(questions=2), ["h2o"], 40, "multi", form="aware-requests")
 
 
 def test_snapshot_is_independent_of_the_original(model):

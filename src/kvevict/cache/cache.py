@@ -306,6 +306,13 @@ class EvictingCache(Cache):
         for observer in self.observers:
             observer.reset()
 
+    def drop_latest(self, count: int) -> None:
+        """Take the `count` latest tokens back out of every layer (`EvictingLayer.drop_latest`): a
+        question read after a frozen prefix, so the next request reads the prefix alone."""
+        with torch.inference_mode():
+            for layer in self.layers:
+                layer.drop_latest(count)
+
     # --- what the cache holds --------------------------------------------------------------
     def fits(self, q: int) -> bool:
         """Whether a forward of `q` more tokens evicts in no layer the policy runs in (rows stay identical)."""

@@ -400,6 +400,25 @@ class EvictingLayer(CacheLayerMixin):
         for observer in self.settings.observers:
             observer.on_forward(self.index, self.n)
 
+    def drop_latest(self, count: int) -> None:
+        """Take the `count` latest tokens back out, as if they had never been read: a request's question
+        after a frozen prefix, so that the next request reads the prefix alone (`multi --form
+        aware-requests`). Every row and KV head must hold all of them (a pinned span,
+        `policies/span.py`), so each keeps the same number of entries: the others stay in positional
+        order, and the next token takes the first dropped one's position."""
+        if count <= 0 or not self.is_initialized:
+            return
+        positions = self.storage.pos[:, :, : self.n]  # [B, H_kv, n]
+        latest = positions >= self.seen - count
+        if not bool((latest.sum(dim=-1) == count).all()):
+            raise KvevictError(f"layer {self.index} does not hold all of the {count} latest tokens in every row "
+                               "and head, so they cannot be taken back out: pin them while compressing")
+        held = self.n - count
+        keep = positions.masked_fill(latest, self.seen).argsort(dim=-1)[..., :held]  # [B, H_kv, held]
+        self.settings.mode.compact(self.storage, keep, held)
+        self.n, self.seen = held, self.seen - count
+        self.ordered, self._ring, self._arrival_valid = True, None, False
+
     def keep_rows(self, index: torch.Tensor) -> None:
         """Keep only the rows `index` `[b]` of a sealed layer (the cache re-numbered its row groups).
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from ...errors import KvevictError
 from ...policies import SlotView
 from ..layer import EvictingLayer
 from ..probabilities import BLOCK_ELEMENTS, attention_mass
@@ -67,6 +68,21 @@ class RaggedLayer(EvictingLayer):
     def keep_rows(self, index: torch.Tensor) -> None:
         super().keep_rows(index)
         self._floor_cache = None  # per row
+
+    def drop_latest(self, count: int) -> None:
+        """`EvictingLayer.drop_latest` on ragged segments: the latest `count` tokens become holes in every
+        head (each must hold them all), which keeps its share of the rest."""
+        if count <= 0 or not self.is_initialized:
+            return
+        storage = self.storage
+        members = storage.members()  # [B, H, capacity]
+        latest = members & (storage.pos >= self.seen - count)[:, None, :]
+        if not bool((latest.sum(dim=-1) == count).all()):
+            raise KvevictError(f"layer {self.index} does not hold all of the {count} latest tokens in every row "
+                               "and head, so they cannot be taken back out: pin them while compressing")
+        keep = members & ~latest
+        storage.evict(keep, int(keep.sum(dim=(1, 2)).max()))
+        self.n, self.seen = int(storage.held.max()), self.seen - count
 
     def replays(self, q: int) -> bool:
         """Always: this layer computes its own attention (SDPA needs one length for all heads)."""

@@ -100,13 +100,12 @@ def record_key(protocol: str, form: str, task: str, length: int, sample: int, po
     return f"ruler|{shape}|{task}|{length}|{sample}|{policy}|{budget}|{question}"
 
 
-def compressed_length(prompt: Prompt, protocol: str, form: str = "requests") -> int:
-    """The tokens a budget share is taken of: the context, or (aware) the prompt but its last token, or
-    (multi aware-requests) the context and the first question but its last token."""
+def compressed_length(prompt: Prompt, protocol: str) -> int:
+    """The tokens a budget share is taken of: the context, or (aware) the prompt but its last token. Under
+    multi aware-requests the first question is kept whole beside the budget (`protocols.pinned_span`),
+    so the share is the context's, as in `requests`."""
     if protocol == "aware":
         return prompt.tokens - 1
-    if protocol == "multi" and form == "aware-requests":
-        return prompt.context.numel() + prompt.per_key[0].numel() - 1
     return prompt.context.numel()
 
 
@@ -116,7 +115,7 @@ def check_budget(prompt: Prompt, protocol: str, specs: Sequence[str], budget: Bu
     in the position mode `positions`."""
     if budget is None:
         return None
-    length = compressed_length(prompt, protocol, form)
+    length = compressed_length(prompt, protocol)
     entries = resolve_budget(budget, length)
     if entries >= length:
         raise KvevictError(

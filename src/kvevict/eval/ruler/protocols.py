@@ -17,12 +17,15 @@
   `requests`: every question starts from the same compressed context (a copy of the
   frozen state); `turns`: a dialogue, each question after the previous answer, the
   budget enforced throughout (the cache is never frozen); `aware-requests` (SCBench's
-  case): the first question is read with the context and compressed with it, as in
-  `aware`, and every later question starts from that compressed state, as in `requests`:
-  it follows the first question as a later turn (`follow_ups`), the first answer left
-  out, as a prefix cache holding the first request would serve it. What a query-aware
-  policy kept for the first question is all the later ones get. Like `aware`, it runs
-  only policies that rank by attention.
+  case): the first question (but its last token) is read after the context and the
+  context compressed with it, the question pinned whole beside the budget
+  (`policies/span.py`); the first request reads on from there, and every later one starts
+  from the compressed context with the first question taken back out
+  (`EvictingCache.drop_latest`), as a prefix cache holding the context would serve it.
+  What a query-aware policy kept for the first question is all the later ones get; the
+  budget is a share of the context, as in `requests`. Like `aware`, it runs only
+  policies that rank by attention, and not on a model with sliding-window layers
+  (`check_model_form`).
 
 The context prefill is computed once for all the policy rows of a batch: one row is
 fed and stands for all (`EvictingCache.shares_rows`), each row's policy then keeps its
@@ -54,6 +57,7 @@ from ...cache import EvictingCache
 from ...defaults import DEFAULT_CHUNK
 from ...errors import KvevictError
 from ...policies import parse_policy
+from ...policies.span import pin_span
 from ..compress import Compressed, greedy
 from ..forward import body
 from ..prompts import stop_ids
@@ -89,6 +93,21 @@ def check_aware(specs: Sequence[str], protocol: str = "aware", form: str = "requ
                 f"(or multi --form requests), or drop it from --policies for this protocol ({what} runs h2o, "
                 "snapkv, tova, pyramidkv, adakv:...)"
             )
+
+
+def check_model_form(model, protocol: str, form: str) -> None:
+    """`multi --form aware-requests` takes the first question back out of the compressed state
+    (`EvictingCache.drop_latest`); a sliding-window layer holds only the model's last `W - 1` tokens,
+    so reading the question pushed context out of it that the later requests would have seen."""
+    if not (protocol == "multi" and form == "aware-requests"):
+        return
+    config = model.config.get_text_config()
+    if "sliding_attention" in (getattr(config, "layer_types", None) or []):
+        raise KvevictError(
+            f"protocol multi --form aware-requests cannot run on {type(model).__name__}: its sliding-window layers "
+            f"keep only the last {config.sliding_window - 1} tokens, so the first question would push out context "
+            "the later requests need; use --form requests or turns, or a model without sliding-window layers"
+        )
 
 
 @dataclass
@@ -229,6 +248,7 @@ def answer_budgets(model, tokenizer, prompt: Prompt, specs: list[str], budgets: 
     its own (compression, question, answer) plus an equal share of the prefill.
     """
     check_protocol(protocol, form)
+    check_model_form(model, protocol, form)
     if protocol == "multi" and not prompt.per_key:
         raise KvevictError(f"protocol multi needs a task with several keys in one context, not "
                            f"{prompt.sample.task}: use niah_multikey_1/2/3 or niah_multiquery")
@@ -255,7 +275,7 @@ def answer_budgets(model, tokenizer, prompt: Prompt, specs: list[str], budgets: 
                 if budgets[i] is None:
                     whole(copy_state)
                 else:
-                    compress_at(copy_state, budgets[i])
+                    compress_at(copy_state, budgets[i] + pinned_span(prompt, protocol, form))
                 answers[i] = _answers(model, tokenizer, prompt, copy_state, protocol, form, limit, stops, t1)
         else:  # compressed at the first bounded budget already: every other reads its own prefill
             answers[budgets.index(bounded[0])] = _answers(model, tokenizer, prompt, state, protocol, form, limit,
@@ -295,10 +315,19 @@ def _read(model, prompt: Prompt, specs: list[str], entries: int | None, protocol
         return prefill(model, prompt.ids[:-1], specs, entries, positions, defer=defer)
     if protocol == "stream" and bounded:
         return prefill(model, prompt.context, specs, entries, positions, stream=True, chunk=stream_chunk)
-    if protocol == "multi" and form == "aware-requests":
-        first = prompt.per_key[0]
-        return prefill(model, torch.cat([prompt.context, first[:-1]]), specs, entries, positions, defer=defer)
+    span = pinned_span(prompt, protocol, form)
+    if span:  # multi aware-requests: the first question but its last token, pinned whole beside the budget
+        start = prompt.context.numel()
+        rows = [pin_span(spec, span, start) for spec in specs] if bounded else specs
+        return prefill(model, torch.cat([prompt.context, prompt.per_key[0][:-1]]), rows,
+                       None if entries is None else entries + span, positions, defer=defer)
     return prefill(model, prompt.context, specs, entries, positions, defer=defer)
+
+
+def pinned_span(prompt: Prompt, protocol: str, form: str) -> int:
+    """Tokens read after the context and kept whole beside the budget, to be taken back out for the
+    later requests: the first question but its last token under `multi --form aware-requests`, else 0."""
+    return prompt.per_key[0].numel() - 1 if protocol == "multi" and form == "aware-requests" else 0
 
 
 def _answers(model, tokenizer, prompt: Prompt, state: Compressed, protocol: str, form: str, limit: int,
@@ -319,13 +348,17 @@ def _answers(model, tokenizer, prompt: Prompt, state: Compressed, protocol: str,
     elif protocol == "multi":
         if form == "aware-requests":
             state.cache.freeze(final=True)
+            span = pinned_span(prompt, protocol, form)
+            kept = state.kept - span  # the context's entries: the question is the request's, as in `requests`
+            later = snapshot(model, state) if len(prompt.per_key) > 1 else None
             state.feed(model, prompt.per_key[0][-1:])
-            for q in range(len(prompt.per_key)):
-                copy_state = snapshot(model, state) if q < len(prompt.per_key) - 1 else state
-                if q:  # a later turn after the first question, its answer left out (requests are independent)
-                    copy_state.feed(model, prompt.follow_ups[q])
+            results.append((0, decode(model, tokenizer, state, limit, stops, one_line(prompt, protocol, 0)), kept))
+            for q in range(1, len(prompt.per_key)):
+                copy_state = snapshot(model, later) if q < len(prompt.per_key) - 1 else later
+                copy_state.cache.drop_latest(span)  # the first question out: the context as it compressed it
+                copy_state.feed(model, prompt.per_key[q])
                 results.append((q, decode(model, tokenizer, copy_state, limit, stops, one_line(prompt, protocol, q)),
-                                state.kept))
+                                kept))
         elif form == "requests":
             state.cache.freeze(final=True)
             for q, ids in enumerate(prompt.per_key):
