@@ -113,10 +113,11 @@ def ray_servers() -> set[int]:
 
 
 @needs_ray
-def test_cli_ray_run_equals_local_run_and_resumes(tmp_path, tiny_dir, text_file, local_numbers):
+def test_cli_ray_run_equals_local_run_and_resumes(ray_host, tmp_path, tiny_dir, text_file, local_numbers):
     """`--executor ray` without an address starts a local Ray instance for the run and stops it; same cells, same
     numbers as the local executor (the options are `sweep`'s); `kvevict report` redraws it; a rerun has nothing
-    left to do. The Ray runs are Ray sweeps under the socket guard, in a namespace of their own."""
+    left to do. The Ray run is a Ray sweep under the socket guard, in a namespace of its own; the rerun runs the
+    same command in the Ray host's process (guarded, in its namespace)."""
     needs_netns()
     common = ["ab", "--model", str(tiny_dir), "--text", str(text_file), "--tokens", "240", "--budgets", "16,32",
               "--policies", "window,h2o,sink2+window", "--sinks", "0,4", "--oracle-stride", "20",
@@ -133,8 +134,8 @@ def test_cli_ray_run_equals_local_run_and_resumes(tmp_path, tiny_dir, text_file,
     for line in (tmp_path / "runs" / "ray" / "results.jsonl").read_text().splitlines():
         record = json.loads(line)
         assert record["batch_seconds"] > 0 and record["tokens_per_s"] > 0 and record["peak_mb"] > 0
-    again = _run(*common, "--name", "ray", "--executor", "ray", namespace=True)
-    assert again.returncode == 0, again.stderr
+    (code, err), _ = ray_host.call(rerun_cli, [*common, "--name", "ray", "--executor", "ray"])
+    assert code == 0, err
     assert numbers(tmp_path / "runs" / "ray" / "results.jsonl") == ours  # nothing recomputed or appended
     report = cli("report", str(tmp_path / "runs" / "ray"), "--markdown")
     assert report.exit_code == 0 and report.stdout.startswith("## Verdict")
@@ -244,6 +245,12 @@ def killing_sweep(tmp_path, tiny_dir, text_file) -> dict:
     return {"code": code, "failed": [(b.name, len(b.cells)) for b, _ in executor.failed], "written": written,
             "report": (config.folder / "report.html").exists(), "killed": killer.killed,
             "dispatched": [n for n, _ in killer.dispatched]}
+
+
+def rerun_cli(args: list[str]) -> tuple[int, str]:
+    """`kvevict ARGS` in the host's process: its exit code and stderr."""
+    result = cli(*args)
+    return result.exit_code, result.stderr
 
 
 def rerun_sweep(tmp_path, tiny_dir, text_file, name: str) -> None:
