@@ -46,8 +46,12 @@ def test_the_plain_parse_equals_gguf_s_reader(tmp_path):
         assert mine.tensor_type == theirs_t.tensor_type and np.array_equal(mine.data, theirs_t.data)
 
 
-def test_plain_reader_lends_the_class_for_one_block_only():
+def test_plain_reader_lends_one_parse_per_file_for_one_block_only(tmp_path):
+    path = tmp_path / "t.gguf"
+    _file(path)
     original = gguf.GGUFReader
     with plain_reader():
-        assert gguf.GGUFReader is PlainReader
+        first = gguf.GGUFReader(path)
+        assert isinstance(first, PlainReader) and gguf.GGUFReader(str(path)) is first  # transformers' second read
+        assert list(first.fields) == list(original(path).fields)
     assert gguf.GGUFReader is original

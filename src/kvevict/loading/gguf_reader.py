@@ -11,7 +11,8 @@ ndarray view of the same map: 3.2 s and 0.8 s, every field and tensor identical
 
 `plain_reader()` lends it to transformers for one load: transformers looks the class
 up on the `gguf` module each time it reads a file, so it is swapped there and put back
-after. Two loads in two threads at once may see either class; both parse the same.
+after, and a file read twice in the block is parsed once (its map is read-only). Two
+loads in two threads at once may see either reader; both parse the same.
 """
 
 from __future__ import annotations
@@ -38,9 +39,18 @@ class PlainReader(gguf.GGUFReader):
 
 @contextmanager
 def plain_reader() -> Iterator[None]:
-    """transformers' GGUF loads inside this block parse with `PlainReader`."""
+    """transformers' GGUF loads inside this block parse with `PlainReader`, each file once: a read-only
+    parse is handed back to every later read of the same file in the block (the config, then the weights)."""
     original = gguf.GGUFReader
-    gguf.GGUFReader = PlainReader
+    parsed: dict[tuple[str, str], PlainReader] = {}
+
+    def read(path, mode: str = "r") -> PlainReader:
+        key = (str(path), mode)
+        if key not in parsed or mode != "r":
+            parsed[key] = PlainReader(path, mode)
+        return parsed[key]
+
+    gguf.GGUFReader = read
     try:
         yield
     finally:
