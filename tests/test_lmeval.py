@@ -10,9 +10,12 @@ from __future__ import annotations
 import json
 import math
 from importlib.util import find_spec
+from pathlib import Path
 
 import pytest
 import torch
+
+from kvevict.errors import KvevictError
 
 from helpers import attn, cli, cli_error
 
@@ -250,6 +253,33 @@ def test_an_engine_preset_gets_its_budget_in_the_positions_its_engine_decides():
 def test_unknown_task_is_one_line(tasks, tiny_dir):
     cli_error("lm-eval", "--tasks", "no_such_task", "--include-path", tasks, "--model-args",
               f"pretrained={tiny_dir},policy=full", needles=("unknown lm-eval task no_such_task",))
+
+
+def test_a_task_no_file_names_is_refused_before_the_index_is_built(tmp_path):
+    """lm-eval's index is built from its task files, so a name none of them contains is unknown without it;
+    a name some file contains goes to the index, which decides. Checked on lm-eval's own folder too."""
+    import lm_eval.tasks
+
+    from kvevict.integrations.lmeval_tasks import task_manager, unmentioned
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "one.yaml").write_text("task: kv_one\ntag: [kv_tagged]\n")
+    (tmp_path / "two.py").write_text("NAME = 'kv_two'\n")
+    (tmp_path / "kv_three.txt").write_text("kv_three\n")  # neither YAML nor Python: not a task file
+    assert unmentioned(tmp_path, ["kv_one", "kv_tagged", "kv_two", "kv_three", "kv_none"]) == ["kv_three", "kv_none"]
+    built = []
+
+    class Index:
+        def __init__(self, include_path=None, include_defaults=True):
+            built.append(include_defaults)
+            self.all_tasks = ["kv_one"]
+
+    with pytest.raises(KvevictError, match="unknown lm-eval task kv_none: check --tasks"):
+        task_manager(Index, ["kv_one", "kv_none"], None, tmp_path)
+    assert built == []  # refused before any index
+    assert task_manager(Index, ["kv_two"], None, tmp_path).all_tasks == ["kv_one"] and built == [True]
+    assert unmentioned(Path(lm_eval.tasks.__file__).parent, ["no_such_task", "arc_easy", "hellaswag"]) == \
+        ["no_such_task"]
 
 
 # --- this machine only: datasets offline unless allowed, nothing sent elsewhere -----------------------------------

@@ -26,6 +26,7 @@ lm-eval is an optional extra (`pip install kvevict[lm-eval]`), imported only her
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 
@@ -209,7 +210,7 @@ def evaluate(model_args: str, tasks: list[str], num_fewshot: int | None = None, 
     registered()
     extra = {} if batch_size is None else {"batch_size": batch_size}
     with quiet_hub(allow_download):
-        manager = task_manager(TaskManager, tasks, include_path)
+        manager = task_manager(TaskManager, tasks, include_path, Path(lm_eval.tasks.__file__).parent)
         check_names(manager, tasks)
         check_data(manager, tasks, allow_download)
         return lm_eval.simple_evaluate(model="kvevict", model_args=model_args, tasks=tasks, num_fewshot=num_fewshot,
