@@ -21,7 +21,7 @@ from kvevict.report.html import render
 from kvevict.report.records import PplRecord
 
 from conftest import make_tiny
-from helpers import attn, band_sink_nll
+from helpers import attn, band_sink_nll, cli
 
 
 class CharTokenizer:
@@ -204,9 +204,9 @@ def test_sigkill_mid_sweep_loses_nothing(tmp_path, tiny_dir):
     assert 3 <= len(lines) < 1 + 3 * (1 + 3)  # killed mid-sweep: some cells written, not all
     for line in lines:
         json.loads(line)  # no corrupt line
-    proc = _run_cli(args)
-    stdout, stderr = proc.communicate(timeout=600)
-    assert proc.returncode == 0, stderr
+    rerun = cli(*args)  # the resume in this process: only the kill needs a process of its own
+    assert rerun.exit_code == 0, rerun.stderr
+    stdout = rerun.stdout
     final = results.read_text()
     assert final.startswith(survived)  # finished cells kept bit-identical
     keys = [json.loads(line)["key"] for line in final.splitlines()]
