@@ -5,7 +5,7 @@ the embedded model and text.
 |---|---|
 | `models.py` | `load_model`, `load_tokenizer`: embedded names, `.gguf` files, folders, HF ids (offline) |
 | `gguf.py` | the embedded models' GGUF files (chunks assembled and checked), dequantised once and cached |
-| `gguf_reader.py` | `plain_reader`: transformers' GGUF parse over a plain array, once per file (a parse ~4x faster, a first load 1.6-2.4x; the same fields) |
+| `gguf_reader.py` | `plain_reader`: the GGUF metadata parse over a plain array, once per file (same fields) |
 | `packages.py` | `package_dir`: an installed data package's folder, found without importing it |
 """
 
