@@ -410,14 +410,19 @@ class EvictingLayer(CacheLayerMixin):
             return
         positions = self.storage.pos[:, :, : self.n]  # [B, H_kv, n]
         latest = positions >= self.seen - count
-        if not bool((latest.sum(dim=-1) == count).all()):
-            raise KvevictError(f"layer {self.index} does not hold all of the {count} latest tokens in every row "
-                               "and head, so they cannot be taken back out: pin them while compressing")
+        self._check_holds_latest(latest, count)
         held = self.n - count
         keep = positions.masked_fill(latest, self.seen).argsort(dim=-1)[..., :held]  # [B, H_kv, held]
         self.settings.mode.compact(self.storage, keep, held)
         self.n, self.seen = held, self.seen - count
         self.ordered, self._ring, self._arrival_valid = True, None, False
+
+    def _check_holds_latest(self, latest: torch.Tensor, count: int) -> None:
+        """`drop_latest`'s condition: `latest` `[B, H_kv, slots]` marks the latest tokens held, `count` per
+        row and head."""
+        if not bool((latest.sum(dim=-1) == count).all()):
+            raise KvevictError(f"layer {self.index} does not hold all of the {count} latest tokens in every row "
+                               "and head, so they cannot be taken back out: pin them while compressing")
 
     def keep_rows(self, index: torch.Tensor) -> None:
         """Keep only the rows `index` `[b]` of a sealed layer (the cache re-numbered its row groups).

@@ -49,9 +49,6 @@ class SpanPinned(SinkWrapper):
         """Pinning by position keeps a slot's score its own: slot-local when the inner policy is."""
         return self.inner.slot_local
 
-    def prefix(self) -> str:
-        return f"span{self.n_sinks}@{self.start}"
-
     def spec(self) -> str:
         return self.inner.spec()
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import torch
 
-from ...errors import KvevictError
 from ...policies import SlotView
 from ..layer import EvictingLayer
 from ..probabilities import BLOCK_ELEMENTS, attention_mass
@@ -77,9 +76,7 @@ class RaggedLayer(EvictingLayer):
         storage = self.storage
         members = storage.members()  # [B, H, capacity]
         latest = members & (storage.pos >= self.seen - count)[:, None, :]
-        if not bool((latest.sum(dim=-1) == count).all()):
-            raise KvevictError(f"layer {self.index} does not hold all of the {count} latest tokens in every row "
-                               "and head, so they cannot be taken back out: pin them while compressing")
+        self._check_holds_latest(latest, count)
         keep = members & ~latest
         storage.evict(keep, int(keep.sum(dim=(1, 2)).max()))
         self.n, self.seen = int(storage.held.max()), self.seen - count

@@ -54,6 +54,7 @@ from dataclasses import dataclass
 import torch
 
 from ...cache import EvictingCache
+from ...cache.model_info import layer_kinds, text_config
 from ...defaults import DEFAULT_CHUNK
 from ...errors import KvevictError
 from ...policies import parse_policy
@@ -101,11 +102,11 @@ def check_model_form(model, protocol: str, form: str) -> None:
     so reading the question pushed context out of it that the later requests would have seen."""
     if not (protocol == "multi" and form == "aware-requests"):
         return
-    config = model.config.get_text_config()
-    if "sliding_attention" in (getattr(config, "layer_types", None) or []):
+    text = text_config(model)
+    if "sliding_attention" in layer_kinds(text, type(model).__name__):  # the kinds the cache gives its layers
         raise KvevictError(
             f"protocol multi --form aware-requests cannot run on {type(model).__name__}: its sliding-window layers "
-            f"keep only the last {config.sliding_window - 1} tokens, so the first question would push out context "
+            f"keep only the last {text.sliding_window - 1} tokens, so the first question would push out context "
             "the later requests need; use --form requests or turns, or a model without sliding-window layers"
         )
 
