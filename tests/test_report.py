@@ -39,7 +39,7 @@ def demo() -> list[PplRecord]:
 # --- records ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["demo", "issue3"])
+@pytest.mark.parametrize("name", ["demo", "baselines-4000"])
 def test_old_results_round_trip_exactly(name):
     for line in lines(name):
         record = from_dict(line)
