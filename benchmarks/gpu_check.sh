@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The engine on CUDA: the CLI and the three benchmarks with --device cuda, one table at the end.
-# Never run yet: no GPU machine has been lent to issue 22 (docs/benchmarks.md). The test suite builds
+# Not run on a GPU yet (docs/benchmarks.md, "Not measured"). The test suite builds
 # its tiny models on the CPU and has no device switch, so the exactness tests below run on the CPU
 # beside the CUDA runs (they prove the engine's numbers, not that CUDA gives the same ones); the CLI
 # run and the benchmarks are what exercise the CUDA paths (tensors, generators and meters on the device).

@@ -87,7 +87,7 @@ def cli_error(*args: str, needles: tuple[str, ...] = ()) -> None:
 
 
 def series(ax) -> dict[str, tuple[list, list]]:
-    """The named lines of an axis (legend label -> x data, y data); helper lines (`_child...`) left out."""
+    """The named lines of an axis (legend label -> x data, y data); unnamed lines (`_child...`) left out."""
     return {
         line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
         for line in ax.get_lines()

@@ -154,7 +154,7 @@ class Guard:
         self._saved.clear()
 
 
-#: the suite's one guard (conftest installs it for the whole session; the Ray host installs its own)
+#: the suite's one guard (conftest installs it for the whole test run; the Ray host installs its own)
 GUARD = Guard()
 
 
@@ -162,7 +162,7 @@ GUARD = Guard()
 
 
 def pytest_configure(config):
-    """The guard is up before any test module is imported, and stays up for the whole session."""
+    """The guard is up before any test module is imported, and stays up for the whole test run."""
     GUARD.install()
 
 

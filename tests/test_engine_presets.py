@@ -339,7 +339,7 @@ def test_ab_records_and_reports_what_a_burst_preset_holds_on_average(tiny_dir, t
     """`kvevict ab` with `llamacpp:keep=2` at n_ctx 12 over 40 tokens. Worked by hand: the cache grows to
     10 (tokens 0-9: 1..10, sum 55); token 10 makes 11, and 11 + 1 >= 12 shifts out (11 - 2) // 2 = 4,
     leaving 7; from then on it holds 8, 9, 10, 7 (one shift every 4 tokens): tokens 11-38 are 7 such
-    rounds (7 x 34 = 238) and token 39 holds 8. Mean 308 / 40 = 7.7 entries, against `kept` (the most)
+    cycles (7 x 34 = 238) and token 39 holds 8. Mean 308 / 40 = 7.7 entries, against `kept` (the most)
     11 - 1 = 10 between tokens, and 10.35 for a window of 12 (1..12, then 12: 414 / 40)."""
     import json
 

@@ -43,7 +43,7 @@ NUMBERS = ("ppl", "nll_mean", "kl_to_full", "top1_agreement", "sink_loss", "max_
 
 
 def child_env() -> dict:
-    """The environment of a process the tests start: this checkout's kvevict and the test helpers, one thread."""
+    """The environment of a process the tests start: this checkout's kvevict and the test modules, one thread."""
     path = os.pathsep.join(p for p in (SRC, str(TESTS), os.environ.get("PYTHONPATH")) if p)
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
 

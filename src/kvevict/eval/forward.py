@@ -1,6 +1,6 @@
 """One place that knows how to call a transformers causal LM with a cache.
 
-transformers 5.x renamed `past_key_values` to `cache`; the helpers pick whichever the
+transformers 5.x renamed `past_key_values` to `cache`; the functions here pick whichever the
 installed version's forward accepts, and split the LM head off the body so a long
 prefill never holds `[rows, tokens, vocab]` logits at once.
 """
