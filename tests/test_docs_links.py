@@ -1,5 +1,9 @@
 """The README and docs/ hold together: links resolve, named records exist, the words stay the project's.
 
+A records file is named either by its path (`docs/results/...`, `docs/img/...`, globs allowed) or by its bare
+file name in prose; a bare name must exist under docs/results/ or docs/img/ unless it is one of the names a
+run or a user writes (`GENERIC`: results.jsonl, report.html, a user's own file in an example).
+
 Checked against the files themselves and GitHub's own rules for heading anchors (lower case;
 everything but letters, digits, spaces, hyphens and underscores dropped; spaces become hyphens;
 a repeated heading gets `-1`, `-2`, ...), not against any code of kvevict.
@@ -28,6 +32,11 @@ FENCE = re.compile(r"^\s*(```|~~~)")
 LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 RECORDS = re.compile(r"docs/(?:results|img)/[A-Za-z0-9_.*\-]+[A-Za-z0-9*]")
+# a bare file name in prose: a records file (under docs/results/ or docs/img/) unless it is a name a run or a
+# user writes, listed here
+BARE = re.compile(r"(?<![/\w.-])([A-Za-z0-9_][\w.-]*\.(?:jsonl|json|txt|html|png))\b")
+GENERIC = {"results.jsonl", "run.json", "report.html", "config.json", "FILE.jsonl", "qa.jsonl", "my.txt", "my-logs.txt",
+           "my-questions.jsonl", "sinks.png", "controls.txt", "kvevict.report.html", "policy.json"}
 BANNED = re.compile(r"\b(sessions?|issues?|helpers?|worktrees?|rounds?)\b|/work/|/home/", re.IGNORECASE)
 ALLOWED_ROUND = re.compile(r"round[- ]trip|--rounds\b", re.IGNORECASE)
 
@@ -101,9 +110,13 @@ def test_every_relative_link_resolves(path):
 def test_every_records_file_named_exists(path):
     missing = []
     for number, line, _ in prose_lines(path.read_text()):
-        for name in RECORDS.findall(line):
+        named = RECORDS.findall(line) + [
+            f"docs/*/{bare}" for bare in BARE.findall(line) if bare not in GENERIC and "*" not in bare
+        ]
+        for name in named:
             if not list(ROOT.glob(name)):
-                missing.append(f"{path.relative_to(ROOT)}:{number}: {name}")
+                missing.append(f"{path.relative_to(ROOT)}:{number}: {name} (no such records file; a name a run or a "
+                               "user writes goes in GENERIC)")
     assert missing == []
 
 
