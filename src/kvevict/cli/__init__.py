@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import typer
 
-from . import ab, engine, lmeval, ruler, stream, tasks
+from . import ab, engine, envelope, lmeval, ruler, stream, tasks
 
 COMMANDS = [stream.ppl, stream.compare, ab.ab, ab.report, ab.demo, tasks.needle, tasks.generation, tasks.sinks,
-            lmeval.lm_eval, ruler.ruler, engine.engine_check]
+            lmeval.lm_eval, ruler.ruler, engine.engine_check, envelope.envelope]
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="KV-cache eviction policies: measure before you ship."
