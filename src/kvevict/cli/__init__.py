@@ -5,7 +5,8 @@
 * `tables` — result tables that fit the terminal without cutting a number;
 * `stream` — `ppl`, `compare`; `ab` — `ab`, `report`, `demo`; `tasks` — `needle`,
   `generation`, `sinks`; `lmeval` — `lm-eval` (lm-evaluation-harness tasks); `ruler` — `ruler` (RULER's
-  long-context tasks); `engine` — `engine-check` (the `llamacpp` preset against llama.cpp itself).
+  long-context tasks); `engine` — `engine-check` (the `llamacpp` preset against llama.cpp itself); `envelope` —
+  `envelope` (the smallest budget within a tolerance, and its capacity).
 
 The commands are plain functions; `COMMANDS` registers them on `app`, in the order
 `kvevict --help` lists them.
