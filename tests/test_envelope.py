@@ -15,12 +15,13 @@ from kvevict.eval.streaming import compare, full_reference
 from kvevict.report.envelope import envelope_rows, envelope_verdict
 from kvevict.report.envelope_page import render_envelope
 from kvevict.report.envelope_plot import envelope_figure, pareto
-from kvevict.report.records import PplRecord
+from kvevict.report.records import PplRecord, load, ppl_records
 from kvevict.report.store import ResultStore
 from kvevict.report.tolerance import Tolerance, judge_ppl
 from kvevict.report.uncertainty import blocks
 
 from conftest import make_tiny
+from helpers import cli, cli_error
 
 TEXT = "It was the best of times, it was the worst of times, it was the age of wisdom. " * 40
 SEED, TOKENS, FLOOR, RATIO = 3, 128, 8, 1.2
@@ -188,3 +189,25 @@ def test_report_page_table_figure_and_verdict(tmp_path, text_file):
 def test_pareto_front_by_hand():
     points = [(10, 3.0), (20, 2.0), (15, 4.0), (30, 2.5), (40, 1.0), (5, 9.0)]
     assert pareto(points) == [(5, 9.0), (10, 3.0), (20, 2.0), (40, 1.0)]
+
+
+def test_lengths_run_one_search_per_length(tmp_path, tiny_dir):
+    """`--lengths`: one run folder per length, and the cross-length table gives each folder's own answer."""
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    result = cli("envelope", "--model", str(tiny_dir), "--text", str(text), "--lengths", "96,128", "--policies",
+                 "window", "--floor", "8", "--resolution", "1.5", "--max-ppl-ratio", "1.5",
+                 "--out", str(tmp_path / "runs"), "--name", "l", env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.stderr
+    line = [x for x in result.stdout.splitlines() if x.startswith("│ window")][-1]  # the cross-length table
+    cells = [c.strip() for c in line.strip("│ ").split("│")]
+    for length, cell in zip((96, 128), cells[1:]):
+        records = ppl_records(load(ResultStore(tmp_path / "runs" / f"l-{length}" / "results.jsonl").records()))
+        (row,) = envelope_rows(records, Tolerance(max_ppl_ratio=1.5))[1]
+        assert cell.split()[0] == (str(row.smallest.budget) if row.smallest else "none")
+
+
+@pytest.mark.parametrize("lengths,needle", [("2X", "--lengths takes token counts"), ("1", "at least 2 tokens"),
+                                            ("64,128", "--floor 64 is not below")])
+def test_bad_lengths(lengths, needle):
+    cli_error("envelope", "--lengths", lengths, "--floor", "64", needles=(needle,))

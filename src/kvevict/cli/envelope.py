@@ -76,6 +76,8 @@ def envelope(
     model: str = typer.Option("smollm2-135m", help=MODEL_HELP),
     text: str = typer.Option("pg-essays", help="embedded name, .txt file, folder or .jsonl"),
     tokens: int = typer.Option(4096, help="stream length: budgets are searched below it"),
+    lengths: str = typer.Option("", help="several stream lengths, e.g. 2K,4K,8K (K = 1024): one search per length, "
+                                "each in OUT/NAME-LENGTH; overrides --tokens"),
     policies: str = typer.Option("window,streamingllm,h2o,snapkv", help="comma-separated policy specs"),
     floor: int = typer.Option(16, help="the smallest budget searched (entries)"),
     resolution: float = typer.Option(1.1, help="stop when the passing and failing budgets are within this ratio"),
@@ -101,20 +103,45 @@ def envelope(
     deployment = _deployment(deploy_context, accelerator_memory, weight_bytes)
     if config_only_path:
         return config_only(config_only_path, configs, deployment, bool(weight_bytes), kv_dtype)
-    from ..ab.envelope import EnvelopeConfig, run_envelope
+    from ..ab.envelope import EnvelopeConfig, configurations, run_envelope
 
     check_device(device)
     check_positions(positions)
-    config = EnvelopeConfig(
-        model=model, text=text, tokens=tokens, policies=split_specs(policies), floor=floor, resolution=resolution,
+    sizes = parse_lengths(lengths) if lengths.strip() else [tokens]
+    configs = [EnvelopeConfig(
+        model=model, text=text, tokens=size, policies=split_specs(policies), floor=floor, resolution=resolution,
         max_ppl_ratio=_optional_float(max_ppl_ratio, "--max-ppl-ratio"), max_kl=_optional_float(max_kl, "--max-kl"),
-        positions=positions, chunk=parse_chunk(chunk), seed=seed, name=name, out=out_dir,
-    )
-    store, records = run_envelope(config, allow_download=allow_download, device=device)
-    show_envelope(config, records, deployment, weight_bytes)
+        positions=positions, chunk=parse_chunk(chunk), seed=seed, name=name if len(sizes) == 1 else f"{name}-{size}",
+        out=out_dir,
+    ) for size in sizes]
+    for config in configs:  # every length's options checked before the first search starts
+        configurations(config)
+    per_length = {}
+    for config in configs:
+        _, records = run_envelope(config, allow_download=allow_download, device=device)
+        per_length[config.tokens] = show_envelope(config, records, deployment, weight_bytes)
+    if len(per_length) > 1:
+        from ..report.envelope import lengths_table
+
+        show(lengths_table(per_length), "smallest budget inside the tolerance, per context length")
 
 
-def show_envelope(config, records, deployment, weight_bytes: str) -> None:
+def parse_lengths(text: str) -> list[int]:
+    """`2K,4K,8K` (K = 1024) or plain token counts, ascending, each at least 2."""
+    out = []
+    for item in split_specs(text):
+        raw = item.upper()
+        try:
+            value = int(raw[:-1]) * 1024 if raw.endswith("K") else int(raw)
+        except ValueError:
+            raise KvevictError(f"--lengths takes token counts such as 2K,4K,8K or 2048,4096, got '{item}'") from None
+        if value < 2:
+            raise KvevictError(f"--lengths: a stream needs at least 2 tokens, got '{item}'")
+        out.append(value)
+    return sorted(set(out))
+
+
+def show_envelope(config, records, deployment, weight_bytes: str) -> list:
     """The envelope table, the verdict, the capacity of each configuration inside; the HTML page's path."""
     from ..report.capacity import KvShape
     from ..report.envelope import envelope_rows, envelope_table, envelope_verdict
@@ -135,3 +162,4 @@ def show_envelope(config, records, deployment, weight_bytes: str) -> None:
         show(capacity_table(capacity[1]), f"capacity at {context} tokens (budgets as found at {config.tokens})")
     path = render_envelope(vars(config), full, rows, tolerance, config.sweep().folder / "envelope.html", capacity)
     print(path.resolve())
+    return rows

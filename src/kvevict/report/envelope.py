@@ -179,3 +179,19 @@ def describe_tolerance(tolerance: Tolerance) -> str:
         parts.append(f"KL(full || policy) at most {tolerance.max_kl:g} nats")
     level = round(100 * tolerance.confidence)
     return " and ".join(parts) + f", the whole paired {level}% interval"
+
+
+def lengths_table(per_length: dict[int, list[EnvelopeRow]]) -> Table:
+    """Context length as a second axis: per configuration, the smallest budget inside at each length (with its
+    share of that length's full cache), `none` where no budget below the length was inside."""
+    lengths = sorted(per_length)
+    names = list(dict.fromkeys(r.name for rows in per_length.values() for r in rows))
+
+    def cell(name: str, length: int) -> str:
+        row = next((r for r in per_length[length] if r.name == name), None)
+        if row is None:
+            return "-"
+        return "none" if row.smallest is None else f"{row.smallest.budget} ({_share(row.smallest)})"
+
+    return Table(["configuration"] + [f"{n} tokens" for n in lengths],
+                 [[name] + [cell(name, n) for n in lengths] for name in names])
