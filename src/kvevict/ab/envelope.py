@@ -8,7 +8,7 @@ reference computed once, KV bytes from the cache's `memory()`), and written as a
 by the tolerance rule (`report.envelope.judge_probe`), so the search and the report
 decide alike.
 
-A round asks every unfinished configuration for its next budget. The cache stores one
+Each step asks every unfinished configuration for its next budget. The cache stores one
 budget for all rows of a batch, so the configurations that want the same budget run as
 rows of one stream, and different budgets run back to back, all against the one
 full-cache reference. A rerun replays every search from the recorded probes and
