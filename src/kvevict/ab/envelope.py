@@ -86,7 +86,7 @@ def configurations(config: EnvelopeConfig) -> list[Cell]:
     return cells
 
 
-def next_round(config: EnvelopeConfig, cells: list[Cell], records: list[PplRecord]) -> list[Batch]:
+def next_probes(config: EnvelopeConfig, cells: list[Cell], records: list[PplRecord]) -> list[Batch]:
     """The probes every unfinished search asks for next, as batches: one per budget (policies that
     declare `own_batch` alone), in ascending budget."""
     full = next((r for r in records if r.kind == "full"), None)
@@ -128,7 +128,7 @@ def run_envelope(
     worker: Worker | None = None
     while True:
         records = ppl_records(load(store.records()))
-        todo = next_round(config, cells, records)
+        todo = next_probes(config, cells, records)
         if not todo:
             return store, records
         worker = worker or Worker(config.sweep(), model, tokenizer, allow_download, device)
