@@ -299,7 +299,8 @@ def test_every_command_turns_errors_into_one_line():
     guarded = one_line_errors(lambda: None).__code__
     commands = {c.callback.__name__: c.callback for c in app.registered_commands}
     assert set(commands) == {
-        "ppl", "compare", "ab", "report", "demo", "needle", "generation", "sinks", "lm_eval", "ruler", "engine_check"
+        "ppl", "compare", "ab", "report", "demo", "needle", "generation", "sinks", "lm_eval", "ruler", "engine_check",
+        "envelope",
     }
     for name, callback in commands.items():
         assert callback.__code__ is guarded, f"`kvevict {name}` is not wrapped in one_line_errors"

@@ -26,9 +26,10 @@ budget, Spearman's rank correlation between streaming PPL (lower is better) and 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+from scipy import stats
 
 from .columns import Table
 from .records import PplRecord, RulerRecord
@@ -242,32 +243,12 @@ def ruler_table(found: Sequence[RulerCell]) -> Table:
                  ["left", "left", "right", "right", "right"] + ["right"] * len(policies))
 
 
-def _ranks(values: Sequence[float]) -> list[float]:
-    """Average ranks (1 = smallest), ties sharing the mean of their places."""
-    order = sorted(range(len(values)), key=lambda i: values[i])
-    ranks = [0.0] * len(values)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            ranks[order[k]] = (i + j) / 2 + 1
-        i = j + 1
-    return ranks
-
-
 def spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
-    """Spearman's rho (Pearson correlation of average ranks); None when either side has no spread."""
-    if len(a) < 2:
+    """Spearman's rho (scipy.stats.spearmanr: Pearson correlation of average ranks); None when either side has no
+    spread, or fewer than two values."""
+    if len(a) < 2 or len(set(a)) < 2 or len(set(b)) < 2:
         return None
-    ra, rb = _ranks(a), _ranks(b)
-    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
-    va, vb = sum((x - ma) ** 2 for x in ra), sum((y - mb) ** 2 for y in rb)
-    if va == 0 or vb == 0:
-        return None
-    return cov / math.sqrt(va * vb)
+    return float(stats.spearmanr(a, b).statistic)
 
 
 def rank_agreement(ppl: Sequence[PplRecord], answers: Sequence[RulerRecord], floor: float = FLOOR) -> list[dict]:

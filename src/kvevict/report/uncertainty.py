@@ -9,7 +9,8 @@
 * Hit rates (pass-key, task accuracy): Wilson's binomial score interval.
 
 Intervals are at `LEVEL` with `DRAWS` resamples from a fixed seed, so a report redraws
-to the same numbers. Pure numpy: nothing here knows a policy or a table.
+to the same numbers. The statistics are scipy.stats' (`bootstrap`, `binomtest`); nothing
+here knows a policy or a table.
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from scipy import stats
 
 LEVEL = 0.95
 DRAWS = 2000
 SEED = 0
 #: the normal quantile of LEVEL (two-sided 95%)
-Z = 1.959963984540054
+Z = float(stats.norm.ppf(1 - (1 - LEVEL) / 2))
 
 
 @dataclass(frozen=True)
@@ -59,42 +61,49 @@ def blocks(curve: Sequence[dict] | None, key: str) -> Blocks | None:
     return Blocks(tuple(int(w["start"]) for w in curve), np.array(means), np.array(weights))
 
 
-def _draws(n: int) -> np.ndarray:
-    """`[DRAWS, n]` block indices, the same for every figure of a report (fixed seed)."""
-    return np.random.default_rng(SEED).integers(0, n, size=(DRAWS, n))
+def bootstrap(samples: tuple[np.ndarray, ...], statistic, level: float = LEVEL) -> Interval:
+    """Percentile bootstrap interval of `statistic(*samples, axis)` (scipy.stats.bootstrap), `DRAWS` resamples from
+    `SEED`. Several samples are resampled *paired*: the same indices for all (the same blocks, the same prompts)."""
+    found = stats.bootstrap(samples, statistic, paired=len(samples) > 1, vectorized=True, n_resamples=DRAWS,
+                            confidence_level=level, method="percentile", rng=np.random.default_rng(SEED))
+    return Interval(float(found.confidence_interval.low), float(found.confidence_interval.high))
 
 
-def _weighted(values: np.ndarray, weights: np.ndarray, index: np.ndarray) -> np.ndarray:
-    return (values[index] * weights[index]).sum(-1) / weights[index].sum(-1)
+def _weighted(values: np.ndarray, weights: np.ndarray, axis: int = -1) -> np.ndarray:
+    return (values * weights).sum(axis=axis) / weights.sum(axis=axis)
 
 
-def _percentiles(samples: np.ndarray) -> Interval:
-    tail = (1 - LEVEL) / 2 * 100
-    low, high = np.percentile(samples, [tail, 100 - tail])
-    return Interval(float(low), float(high))
-
-
-def mean_interval(b: Blocks, exp: bool = False) -> Interval:
+def mean_interval(b: Blocks, exp: bool = False, level: float = LEVEL) -> Interval:
     """Interval of the weighted mean over blocks (of exp(mean) with `exp`: PPL from NLL)."""
-    samples = _weighted(b.means, b.weights, _draws(len(b.means)))
-    return _percentiles(np.exp(samples) if exp else samples)
+    found = bootstrap((b.means, b.weights), _weighted, level)
+    return Interval(math.exp(found.low), math.exp(found.high)) if exp else found
 
 
-def paired_difference(a: Blocks, b: Blocks) -> Interval | None:
+def paired_difference(a: Blocks, b: Blocks, level: float = LEVEL) -> Interval | None:
     """Interval of mean(a) - mean(b) over the same resampled blocks; None if the rows' blocks differ."""
     if a.starts != b.starts:
         return None
-    index = _draws(len(a.means))
-    return _percentiles(_weighted(a.means, a.weights, index) - _weighted(b.means, b.weights, index))
+
+    def difference(am, aw, bm, bw, axis=-1):
+        return _weighted(am, aw, axis) - _weighted(bm, bw, axis)
+
+    return bootstrap((a.means, a.weights, b.means, b.weights), difference, level)
 
 
 def wilson(hits: float, n: int) -> Interval | None:
-    """Wilson's score interval of a hit rate from `hits` of `n` trials (None without trials)."""
+    """Wilson's score interval of a hit rate from `hits` of `n` trials (None without trials): scipy's
+    (`binomtest(...).proportion_ci(method="wilson")`) for whole hits. A list task's partial answers sum to fractional
+    hits, which scipy's test refuses; for those the same score interval (Wilson, JASA 1927) is written out."""
     if n <= 0:
         return None
     p = hits / n
-    centre = (p + Z * Z / (2 * n)) / (1 + Z * Z / n)
-    half = Z * math.sqrt(p * (1 - p) / n + Z * Z / (4 * n * n)) / (1 + Z * Z / n)
+    if float(hits).is_integer():
+        found = stats.binomtest(int(hits), n).proportion_ci(confidence_level=LEVEL, method="wilson")
+        low, high = float(found.low), float(found.high)
+    else:
+        centre = (p + Z * Z / (2 * n)) / (1 + Z * Z / n)
+        half = Z * math.sqrt(p * (1 - p) / n + Z * Z / (4 * n * n)) / (1 + Z * Z / n)
+        low, high = centre - half, centre + half
     # The interval always holds p; at p = 0 or 1 its end is p itself, which rounding can miss by an ulp
     # (10/10 gave a high of 0.9999999999999999): a figure's error bar would then point the wrong way.
-    return Interval(min(p, max(0.0, centre - half)), max(p, min(1.0, centre + half)))
+    return Interval(min(p, max(0.0, low)), max(p, min(1.0, high)))

@@ -1,0 +1,165 @@
+"""`kvevict envelope`: the cheapest cache that holds quality, and what it buys at deployment.
+
+Two modes. With a model, a search (`ab.envelope`) per configuration for the smallest
+budget inside the tolerance, then the table, the verdict and the HTML page. With
+`--config-only CONFIG.json`, no model and no search: the KV arithmetic of the named
+configurations at the deployment's context (`report.capacity`).
+"""
+
+from __future__ import annotations
+
+import typer
+
+from ..defaults import DEFAULT_CHUNK
+from ..errors import KvevictError
+from .common import (
+    CHUNK_HELP,
+    DEVICE_HELP,
+    DOWNLOAD_HELP,
+    MODEL_HELP,
+    check_device,
+    check_positions,
+    one_line_errors,
+    parse_chunk,
+    split_specs,
+)
+from .tables import show
+
+
+def _optional_float(text: str, option: str) -> float | None:
+    if not text.strip():
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise KvevictError(f"{option} takes a number, got '{text}'") from None
+
+
+def _deployment(deploy_context: int, memory: str, weights: str) -> tuple[int, int, int] | None:
+    """(context, accelerator bytes, weight bytes), or None when no deployment is described."""
+    from ..report.capacity import parse_size
+
+    if not deploy_context and not memory:
+        return None
+    if deploy_context < 1 or not memory:
+        raise KvevictError("capacity needs both --deploy-context (tokens, e.g. 32768) and --accelerator-memory "
+                           "(e.g. 80GB)")
+    return deploy_context, parse_size(memory, "--accelerator-memory"), parse_size(weights or "0", "--weight-bytes")
+
+
+def _capacity(shape, configs, deployment, weights_given: bool):
+    from ..report.capacity import arithmetic, capacity_rows, gib
+
+    context, memory, weights = deployment
+    rows = capacity_rows(shape, configs, context, memory, weights)
+    note = arithmetic(shape, context) + f"; {memory / 1e9:g} GB ({gib(memory)}) of accelerator memory"
+    note += (f" less {weights / 1e9:g} GB of weights" if weights_given
+             else " (weights not subtracted: pass --weight-bytes)")
+    return note, rows
+
+
+def config_only(path: str, configs: str, deployment, weights_given: bool, dtype: str) -> None:
+    """Print the KV arithmetic of named configurations for a model's config.json."""
+    from ..report.capacity import named_configs, read_config
+    from ..report.envelope_page import capacity_table
+
+    if deployment is None:
+        raise KvevictError("--config-only needs --deploy-context and --accelerator-memory (e.g. 32768 and 80GB)")
+    shape = read_config(path, dtype)
+    note, rows = _capacity(shape, named_configs(configs or "full", deployment[0]), deployment, weights_given)
+    print(note)
+    show(capacity_table(rows), f"capacity at {deployment[0]} tokens")
+
+
+@one_line_errors
+def envelope(
+    model: str = typer.Option("smollm2-135m", help=MODEL_HELP),
+    text: str = typer.Option("pg-essays", help="embedded name, .txt file, folder or .jsonl"),
+    tokens: int = typer.Option(4096, help="stream length: budgets are searched below it"),
+    lengths: str = typer.Option("", help="several stream lengths, e.g. 2K,4K,8K (K = 1024): one search per length, "
+                                "each in OUT/NAME-LENGTH; overrides --tokens"),
+    policies: str = typer.Option("window,streamingllm,h2o,snapkv", help="comma-separated policy specs"),
+    floor: int = typer.Option(16, help="the smallest budget searched (entries)"),
+    resolution: float = typer.Option(1.1, help="stop when the passing and failing budgets are within this ratio"),
+    max_ppl_ratio: str = typer.Option("1.05", help="tolerance: PPL / full cache at most this ('' : none)"),
+    max_kl: str = typer.Option("", help="tolerance: mean KL(full || policy) in nats at most this"),
+    positions: str = typer.Option("original", help="original | cache"),
+    chunk: str = typer.Option(str(DEFAULT_CHUNK), help=CHUNK_HELP),
+    seed: int = typer.Option(0, help="seed of random policies"),
+    name: str = typer.Option("envelope", help="run name, one folder name: results go to OUT/NAME"),
+    out_dir: str = typer.Option("runs", "--out", help="output folder"),
+    deploy_context: int = typer.Option(0, help="capacity: the deployment's context length in tokens"),
+    accelerator_memory: str = typer.Option("", help="capacity: accelerator memory, e.g. 80GB or 79.6GiB"),
+    weight_bytes: str = typer.Option("", help="capacity: memory the weights take (default: the loaded model's)"),
+    config_only_path: str = typer.Option("", "--config-only", help="a model's config.json: capacity arithmetic "
+                                         "only, no model, no search"),
+    configs: str = typer.Option("full", help="--config-only: configurations as POLICY@BUDGET, e.g. "
+                                "full,window@4096,h2o@25%"),
+    kv_dtype: str = typer.Option("", help="--config-only: the cache's dtype (default: the config's)"),
+    allow_download: bool = typer.Option(False, "--allow-download", help=DOWNLOAD_HELP),
+    device: str = typer.Option("cpu", help=DEVICE_HELP),
+) -> None:
+    """Find, per policy, the smallest KV budget within a quality tolerance; bytes, capacity, a verdict."""
+    deployment = _deployment(deploy_context, accelerator_memory, weight_bytes)
+    if config_only_path:
+        return config_only(config_only_path, configs, deployment, bool(weight_bytes), kv_dtype)
+    from ..ab.envelope import EnvelopeConfig, configurations, run_envelope
+
+    check_device(device)
+    check_positions(positions)
+    sizes = parse_lengths(lengths) if lengths.strip() else [tokens]
+    configs = [EnvelopeConfig(
+        model=model, text=text, tokens=size, policies=split_specs(policies), floor=floor, resolution=resolution,
+        max_ppl_ratio=_optional_float(max_ppl_ratio, "--max-ppl-ratio"), max_kl=_optional_float(max_kl, "--max-kl"),
+        positions=positions, chunk=parse_chunk(chunk), seed=seed, name=name if len(sizes) == 1 else f"{name}-{size}",
+        out=out_dir,
+    ) for size in sizes]
+    for config in configs:  # every length's options checked before the first search starts
+        configurations(config)
+    per_length = {}
+    for config in configs:
+        _, records = run_envelope(config, allow_download=allow_download, device=device)
+        per_length[config.tokens] = show_envelope(config, records, deployment, weight_bytes)
+    if len(per_length) > 1:
+        from ..report.envelope import lengths_table
+
+        show(lengths_table(per_length), "smallest budget inside the tolerance, per context length")
+
+
+def parse_lengths(text: str) -> list[int]:
+    """`2K,4K,8K` (K = 1024) or plain token counts, ascending, each at least 2."""
+    out = []
+    for item in split_specs(text):
+        raw = item.upper()
+        try:
+            value = int(raw[:-1]) * 1024 if raw.endswith("K") else int(raw)
+        except ValueError:
+            raise KvevictError(f"--lengths takes token counts such as 2K,4K,8K or 2048,4096, got '{item}'") from None
+        if value < 2:
+            raise KvevictError(f"--lengths: a stream needs at least 2 tokens, got '{item}'")
+        out.append(value)
+    return sorted(set(out))
+
+
+def show_envelope(config, records, deployment, weight_bytes: str) -> list:
+    """The envelope table, the verdict, the capacity of each configuration inside; the HTML page's path."""
+    from ..report.capacity import KvShape
+    from ..report.envelope import envelope_rows, envelope_table, envelope_verdict
+    from ..report.envelope_page import capacity_table, render_envelope
+
+    tolerance = config.tolerance()
+    full, rows = envelope_rows(records, tolerance)
+    show(envelope_table(rows), f"kvevict envelope: {config.model} on {config.text}, {config.tokens} tokens")
+    print(envelope_verdict(full, rows, tolerance))
+    capacity = None
+    if deployment is not None and full is not None and "kv_shape" in full.extra:
+        context, memory, weights = deployment
+        if not weight_bytes:
+            deployment = (context, memory, int(full.extra.get("weight_bytes", 0)))
+        named = [(r.name, r.smallest.budget) for r in rows if r.smallest is not None]
+        capacity = _capacity(KvShape(**full.extra["kv_shape"]), named, deployment, True)
+        print(capacity[0])
+        show(capacity_table(capacity[1]), f"capacity at {context} tokens (budgets as found at {config.tokens})")
+    path = render_envelope(vars(config), full, rows, tolerance, config.sweep().folder / "envelope.html", capacity)
+    print(path.resolve())
+    return rows

@@ -1,0 +1,214 @@
+"""The rule a verdict ships by: a tolerance the user states, and a paired interval judged against it.
+
+A policy is safe to ship at a budget only where the data show it: its whole paired
+interval for the difference from the full cache lies inside the tolerance
+(non-inferiority, as in ICH E9 / CONSORT's non-inferiority extension, Piaggio et al.,
+JAMA 2012). Where the interval straddles the limit, the samples cannot tell, and the
+judgement is *undecided*, with an estimate of how many more samples would decide it.
+"Not told apart from the full cache" is never "safe": with 2 samples almost nothing can
+be told apart.
+
+The intervals, each paired (both sides on the same blocks of tokens or the same prompts):
+
+* PPL: the ratio policy PPL / full PPL = exp(mean NLL difference), a paired bootstrap
+  over blocks of consecutive tokens (`uncertainty.paired_difference`, scipy.stats.bootstrap).
+* KL(full ‖ policy): already a per-token difference from the full cache; the bootstrap
+  interval of its mean over blocks (`uncertainty.mean_interval`).
+* Task accuracy, answers scored 0 or 1: the exact conditional interval on the discordant
+  pairs (the sign test behind McNemar's exact test; McNemar, Psychometrika 1947; Fagerland,
+  Lydersen & Laake, BMC Med Res Methodol 13:91, 2013). Of the n prompts, b were answered by
+  the full cache alone and c by the policy alone; given b + c, b is Binomial(b + c, θ), and
+  the drop full − policy is (b + c)/n · (2θ − 1). The Clopper-Pearson interval of θ
+  (scipy.stats.binomtest(...).proportion_ci(method="exact")) maps onto the drop. The
+  concordant pairs carry no evidence either way, so 30 prompts with one discordant answer
+  are judged on that one answer, scaled by 1/30. The interval conditions on b + c; where one
+  answer is worth more than the tolerance (n × limit < 1) the sample cannot resolve it, and
+  "inside" is withheld (undecided: the samples to reach n × limit = 1).
+* Task accuracy with fractional scores (list tasks give partial credit): a paired bootstrap
+  of the mean difference (scipy.stats.bootstrap, paired=True).
+
+Pure numpy and scipy: nothing here knows a policy, a record or a table.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import numpy as np
+from scipy import stats
+
+from ..errors import KvevictError
+from .uncertainty import Blocks, bootstrap, mean_interval, paired_difference
+
+Outcome = Literal["inside", "outside", "undecided"]
+Metric = Literal["ppl-ratio", "accuracy-drop", "kl"]
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """How far from the full cache a policy may be and still ship. `max_ppl_ratio`: policy PPL / full PPL;
+    `max_accuracy_drop`: full minus policy accuracy, absolute (0.05 = 5 points); `max_kl`: mean KL(full ‖ policy)
+    in nats per token (None: not judged); `confidence`: the two-sided level of every interval."""
+
+    max_ppl_ratio: float = 1.05
+    max_accuracy_drop: float = 0.05
+    max_kl: float | None = None
+    confidence: float = 0.95
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.max_ppl_ratio) and self.max_ppl_ratio > 1):
+            raise KvevictError(f"--max-ppl-ratio is policy PPL over full PPL and must be above 1 (1.05: within 5%), "
+                               f"got {self.max_ppl_ratio:g}")
+        if not 0 <= self.max_accuracy_drop < 1:
+            raise KvevictError(f"--max-accuracy-drop is absolute accuracy points in [0, 1) (0.05: 5 points), "
+                               f"got {self.max_accuracy_drop:g}")
+        if self.max_kl is not None and not (math.isfinite(self.max_kl) and self.max_kl > 0):
+            raise KvevictError(f"--max-kl is nats per token and must be above 0 (leave it out to not judge KL), "
+                               f"got {self.max_kl:g}")
+        if not 0.5 <= self.confidence < 1:
+            raise KvevictError(f"the confidence level must be in [0.5, 1), got {self.confidence:g}")
+
+    def describe(self) -> str:
+        """The sentence the report writes: "perplexity within 5% of the full cache; task accuracy within 5 points"."""
+        parts = [f"perplexity within {_share(self.max_ppl_ratio - 1)} of the full cache",
+                 f"task accuracy within {_points(self.max_accuracy_drop)} point"
+                 + ("" if self.max_accuracy_drop * 100 == 1 else "s")]
+        if self.max_kl is not None:
+            parts.append(f"KL(full ‖ policy) at most {self.max_kl:g} nats per token")
+        return "; ".join(parts)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, found: dict | None) -> Tolerance:
+        """The tolerance a run recorded (`run.json`'s `tolerance`); the default where it recorded none."""
+        if not found:
+            return cls()
+        return cls(**{k: found[k] for k in ("max_ppl_ratio", "max_accuracy_drop", "max_kl", "confidence")
+                      if k in found})
+
+
+def _share(x: float) -> str:
+    return f"{x * 100:.4g}%"
+
+
+def _points(x: float) -> str:
+    return f"{x * 100:.4g}"
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """One metric of one policy against its limit. `estimate`, `low`, `high`: the observed value and its paired
+    interval (larger is worse for every metric); `n`: blocks of tokens or prompts used; `more_samples`: where
+    undecided, about how many more would decide it if the observed effect and spread persist (None: no number
+    would, the estimate sits on the limit)."""
+
+    outcome: Outcome
+    metric: Metric
+    estimate: float
+    low: float
+    high: float
+    limit: float
+    n: int
+    more_samples: int | None = None
+
+    def text(self) -> str:
+        """`PPL ratio 1.02 [0.99, 1.04] ≤ 1.05`-style: the figure, its interval, and where the limit sits."""
+        name, fmt = _LABELS[self.metric]
+        sign = {"inside": "≤", "outside": ">", "undecided": "vs"}[self.outcome]
+        return f"{name} {fmt(self.estimate)} [{fmt(self.low)}, {fmt(self.high)}] {sign} {fmt(self.limit)}"
+
+
+_LABELS = {
+    "ppl-ratio": ("PPL ratio", lambda x: f"{x:.3f}"),
+    "accuracy-drop": ("accuracy drop", lambda x: f"{x:+.2f}"),
+    "kl": ("KL", lambda x: f"{x:.3f}"),
+}
+
+
+def decide(metric: Metric, estimate: float, low: float, high: float, limit: float, n: int,
+           scale: str = "linear") -> Judgement:
+    """Inside when the whole interval is at or below `limit`, outside when it is wholly above, else undecided.
+
+    The samples that would decide an undecided one: an interval's half-width shrinks as 1/sqrt(n), so with the
+    half-width h on the side that faces the limit, n' = n (h / |estimate − limit|)². `scale` "log" judges a ratio
+    on its log (the bootstrap's interval of a ratio is symmetric there)."""
+    f = math.log if scale == "log" else (lambda x: x)
+    e, lo, hi, lim = f(estimate), f(low), f(high), f(limit)
+    if hi <= lim:
+        return Judgement("inside", metric, estimate, low, high, limit, n)
+    if lo > lim:
+        return Judgement("outside", metric, estimate, low, high, limit, n)
+    gap = abs(e - lim)
+    half = (hi - e) if e < lim else (e - lo)
+    more = None if gap == 0 or half <= 0 else max(1, math.ceil(n * (half / gap) ** 2) - n)
+    return Judgement("undecided", metric, estimate, low, high, limit, n, more)
+
+
+def judge_ppl(policy: Blocks | None, full: Blocks | None, tol: Tolerance) -> Judgement | None:
+    """The paired PPL ratio policy / full over the same resampled blocks; None where either row lacks blocks or
+    their blocks differ (no pairing: no judgement)."""
+    if policy is None or full is None:
+        return None
+    found = paired_difference(policy, full, tol.confidence)
+    if found is None:
+        return None
+    estimate = math.exp(_mean(policy) - _mean(full))
+    return decide("ppl-ratio", estimate, math.exp(found.low), math.exp(found.high), tol.max_ppl_ratio,
+                  len(policy.means), scale="log")
+
+
+def judge_kl(policy: Blocks | None, tol: Tolerance) -> Judgement | None:
+    """Mean KL(full ‖ policy) over blocks against `tol.max_kl`; None where KL is not judged or not recorded."""
+    if tol.max_kl is None or policy is None:
+        return None
+    found = mean_interval(policy, level=tol.confidence)
+    return decide("kl", _mean(policy), found.low, found.high, tol.max_kl, len(policy.means))
+
+
+def _mean(b: Blocks) -> float:
+    return float((b.means * b.weights).sum() / b.weights.sum())
+
+
+def judge_accuracy(policy_hits: Sequence[float], full_hits: Sequence[float], tol: Tolerance) -> Judgement:
+    """The accuracy drop full − policy on the same prompts (position i of both is one prompt), against
+    `tol.max_accuracy_drop`."""
+    return judge_pair(policy_hits, full_hits, tol)
+
+
+def judge_pair(a_hits: Sequence[float], b_hits: Sequence[float], tol: Tolerance) -> Judgement:
+    """How much `a` loses against `b` on the same prompts (mean of b − a, paired), against `tol.max_accuracy_drop`:
+    inside = `a` is shown within the tolerance of `b` (two policies, or a policy and the full cache)."""
+    a, b = np.asarray(a_hits, dtype=float), np.asarray(b_hits, dtype=float)
+    if a.shape != b.shape or a.ndim != 1 or not len(a):
+        raise ValueError(f"paired scores need two equal, non-empty sequences, got {a.shape} and {b.shape}")
+    low, high = drop_interval(a, b, tol.confidence)
+    n, limit = len(a), tol.max_accuracy_drop
+    found = decide("accuracy-drop", float((b - a).mean()), low, high, limit, n)
+    if found.outcome == "inside" and n * limit < 1:  # one answer is worth more than the tolerance: unresolved
+        need = math.ceil(1 / limit) - n if limit > 0 else None
+        return Judgement("undecided", found.metric, found.estimate, low, high, limit, n, need)
+    return found
+
+
+def drop_interval(a: np.ndarray, b: np.ndarray, level: float) -> tuple[float, float]:
+    """The paired interval of mean(b − a) (module docstring): exact conditional for 0/1 scores, else a paired
+    bootstrap."""
+    binary = bool(np.isin(a, (0.0, 1.0)).all() and np.isin(b, (0.0, 1.0)).all())
+    if not binary:
+        if len(a) < 2:
+            return (-1.0, 1.0)  # one partial answer: anything is possible
+        found = bootstrap((a, b), lambda x, y, axis: (y - x).mean(axis=axis), level)
+        return (found.low, found.high)
+    lost = int(((b == 1) & (a == 0)).sum())  # b alone right: a's losses
+    won = int(((a == 1) & (b == 0)).sum())
+    discordant = lost + won
+    if discordant == 0:
+        return (0.0, 0.0)
+    theta = stats.binomtest(lost, discordant).proportion_ci(confidence_level=level, method="exact")
+    scale = discordant / len(a)
+    return (scale * (2 * theta.low - 1), scale * (2 * theta.high - 1))

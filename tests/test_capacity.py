@@ -1,0 +1,86 @@
+"""Capacity arithmetic against hand computations; `kvevict envelope --config-only` on a Llama-3-8B-shaped config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoConfig
+
+from kvevict import KvevictError
+from kvevict.report.capacity import concurrent, parse_size, read_config, shape_of
+
+from helpers import cli, cli_error
+
+LLAMA3_8B = str(Path(__file__).parent / "fixtures" / "llama3-8b-config.json")
+
+
+def test_llama3_8b_by_hand():
+    """32 layers x 8 KV heads x 128 head_dim x 2 (K, V) x 2 bytes (bf16) = 128 KiB a token; 32768 tokens: 4 GiB."""
+    shape = read_config(LLAMA3_8B)
+    assert (shape.full_layers, shape.sliding_layers, shape.kv_heads, shape.head_dim, shape.element_bytes) == (
+        32, 0, 8, 128, 2)
+    assert shape.sequence_bytes(32768) == 4 * 2**30
+    assert shape.sequence_bytes(32768, 4096) == 2**29  # 4096 entries: an eighth
+    assert shape.sequence_bytes(1000, 4096) == 1000 * 128 * 2**10  # a budget above the context bounds nothing
+    # 80 GB less 16 GB of weights: 64e9 / 4 GiB = 14.9 -> 14 sequences; 64e9 / 512 MiB = 119.2 -> 119
+    assert concurrent(80 * 10**9, 16 * 10**9, shape.sequence_bytes(32768)) == 14
+    assert concurrent(80 * 10**9, 16 * 10**9, shape.sequence_bytes(32768, 4096)) == 119
+    assert concurrent(10 * 10**9, 16 * 10**9, 1) == 0
+    assert read_config(LLAMA3_8B, "float32").sequence_bytes(32768) == 8 * 2**30
+
+
+def test_sliding_layers_are_bounded_by_their_window():
+    """Gemma 3's pattern (5 sliding, 1 full), window 512: one KV head of 256 dims in bf16 is 1024 bytes a token;
+    at 32768 tokens the full layer holds 32768, each sliding one 511 (window - 1): 35323 tokens x 1024 bytes."""
+    config = AutoConfig.for_model(
+        "gemma3_text", num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+        hidden_size=640, sliding_window=512, layer_types=["sliding_attention"] * 5 + ["full_attention"])
+    shape = shape_of(config, 2)
+    assert (shape.full_layers, shape.sliding_layers, shape.window) == (1, 5, 512)
+    assert shape.sequence_bytes(32768) == (32768 + 5 * 511) * 1024
+    assert shape.sequence_bytes(32768, 1024) == (1024 + 5 * 511) * 1024
+    assert shape.sequence_bytes(300) == 6 * 300 * 1024  # a context inside the window: every layer holds it all
+
+
+def test_sizes():
+    assert parse_size("80GB", "--x") == 80 * 10**9
+    assert parse_size("1.5GiB", "--x") == 3 * 2**29
+    assert parse_size("123", "--x") == 123
+    with pytest.raises(KvevictError, match="takes a size"):
+        parse_size("eighty", "--x")
+
+
+def test_config_only_prints_the_arithmetic():
+    result = cli("envelope", "--config-only", LLAMA3_8B, "--deploy-context", "32768", "--accelerator-memory", "80GB",
+                 "--weight-bytes", "16GB", "--configs", "full,window@4096,h2o@25%")
+    assert result.exit_code == 0, result.stderr
+    out = result.stdout
+    assert "8 KV heads x 128 head_dim x 2 (K, V) x 2 bytes = 4096 bytes" in out
+    rows = [[c.strip() for c in line.strip("│ ").split("│")] for line in out.splitlines() if line.startswith("│")]
+    sequences = {row[0]: row[-1] for row in rows}
+    assert sequences == {"full cache": "14", "window@4096": "119",
+                         "h2o@25%": str((64 * 10**9) // 2**30)}  # 25% of 32768 = 8192 entries: 1 GiB a sequence
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["--tokens", "128", "--floor", "128"], ["--floor 128 is not below", "lower --floor"]),
+    (["--max-ppl-ratio", "0.9"], ["must be above 1"]),
+    (["--max-ppl-ratio", ""], ["give --max-ppl-ratio"]),
+    (["--max-kl", "-1"], ["--max-kl", "above 0"]),
+    (["--resolution", "1"], ["--resolution must be a ratio above 1"]),
+    (["--policies", "full"], ["never evicts"]),
+    (["--policies", "snapkv:window=32", "--floor", "16"], ["[1, 15]"]),
+    (["--deploy-context", "32768"], ["needs both"]),
+    (["--deploy-context", "32768", "--accelerator-memory", "eighty"], ["takes a size"]),
+    (["--config-only", LLAMA3_8B, "--deploy-context", "32768", "--accelerator-memory", "80GB", "--configs",
+      "lru@4096"], ["unknown policy 'lru'"]),
+    (["--config-only", LLAMA3_8B, "--deploy-context", "32768", "--accelerator-memory", "80GB", "--configs",
+      "window"], ["bounds nothing", "POLICY@BUDGET"]),
+    (["--config-only", LLAMA3_8B], ["needs --deploy-context"]),
+    (["--config-only", "missing.json", "--deploy-context", "8", "--accelerator-memory", "1GB"], ["cannot read"]),
+    (["--config-only", LLAMA3_8B, "--deploy-context", "8", "--accelerator-memory", "1GB", "--kv-dtype", "int3"],
+     ["--kv-dtype must be one of"]),
+])
+def test_bad_input_is_one_line(args, needles):
+    cli_error("envelope", *args, needles=tuple(needles))
