@@ -13,12 +13,12 @@ from kvevict.report.html import render
 from kvevict.report.records import PplRecord, TaskRecord
 from kvevict.report.sections import SECTIONS
 from kvevict.report.store import ResultStore
+from kvevict.report.tolerance import Tolerance
 from kvevict.report.uncertainty import blocks, mean_interval, paired_difference, wilson
 from kvevict.report.verdict import HOW, markdown, verdict
 
 from helpers import cli
 
-FULL = PplRecord("full|full|None", "full", "full", None, 20.0, label="full")
 WINDOWS = 20  # blocks of 10 predictions each
 
 
@@ -32,6 +32,12 @@ def curve(ppl: float, wobble: float = 0.0, key: str = "ppl") -> list[dict]:
         out.append({"start": 1 + 10 * i, "end": 10 * (i + 1), "n": 10,
                     key: math.exp(value) if key == "ppl" else value})
     return out
+
+
+#: the full cache at PPL 20, its blocks flat: a row flat at PPL p has the paired PPL ratio p / 20 exactly
+FULL = PplRecord("full|full|None", "full", "full", None, 20.0, label="full", curve=curve(20.0))
+#: a tolerance wide enough for the hand-made rows at PPL 24-26 to be inside
+WIDE = Tolerance(max_ppl_ratio=1.3)
 
 
 def row(name: str, budget: int, ppl: float, kl: float | None, lost: int = 0, kind: str = "policy",
@@ -50,8 +56,8 @@ def needle(policy: str, budget: str, hits: list[int]) -> list[TaskRecord]:
             for i, h in enumerate(hits)]
 
 
-def by_budget(records) -> dict:
-    return {v.budget: v for v in verdict(records)}
+def by_budget(records, tolerance: Tolerance | None = None) -> dict:
+    return {v.budget: v for v in verdict(records, tolerance)}
 
 
 def test_wilson_matches_the_published_values():
@@ -90,113 +96,147 @@ def test_block_bootstrap_of_flat_and_paired_curves():
 
 
 def test_closest_is_lowest_kl_not_lowest_ppl():
-    # snapkv has the lower PPL but the higher KL: the verdict ranks by KL and shows PPL beside it
-    v = by_budget([FULL, row("h2o", 8, 25.0, 0.10), row("snapkv", 8, 24.0, 0.30)])[8]
+    # snapkv has the lower PPL but the higher KL: the verdict ranks by KL; both inside a 30% tolerance (flat curves:
+    # the paired PPL ratios are exactly 25/20 = 1.25 and 24/20 = 1.2), same cost, so the closest ships
+    v = by_budget([FULL, row("h2o", 8, 25.0, 0.10), row("snapkv", 8, 24.0, 0.30)], WIDE)[8]
     assert v.closest.name == "h2o" and v.recommended.name == "h2o"
-    assert v.tied == [v.closest]
+    assert [c.name for c in v.inside] == ["h2o", "snapkv"]
+    assert [c.name for c in v.tied] == ["snapkv"]  # 25/24 and 24/25 both within 1.3
     assert v.collapsed == [] and v.lost_sink == []
-    assert v.sentence == ("At budget 8 ship h2o (KL 0.100 [0.100, 0.100], PPL 25.00 [25.00, 25.00] vs 20.00 full).")
+    assert v.sentence == ("At budget 8 ship h2o (KL 0.100 [0.100, 0.100], PPL 25.00 [25.00, 25.00] vs 20.00 full; "
+                          "PPL: PPL ratio 1.250 [1.250, 1.250] ≤ 1.300): inside the tolerance; also inside: snapkv, "
+                          "and it is the cheapest (no pinned slots, attention statistics).")
+
+
+def test_not_told_apart_is_not_inside_the_default_tolerance():
+    # the same rows at the default 5%: nothing is shown inside, the closest is named with its interval
+    v = by_budget([FULL, row("h2o", 8, 25.0, 0.10), row("snapkv", 8, 24.0, 0.30)])[8]
+    assert v.recommended is None and not v.inside
+    assert v.sentence == ("At budget 8 nothing is shown inside the tolerance; closest is h2o (PPL: PPL ratio 1.250 "
+                          "[1.250, 1.250] > 1.050): raise the budget; avoid snapkv (outside the tolerance).")
 
 
 def test_without_kl_the_closest_is_the_lowest_ppl():
-    v = by_budget([FULL, row("h2o", 8, 25.0, None), row("snapkv", 8, 24.0, None)])[8]
-    assert v.closest.name == "snapkv"
-    assert v.sentence == "At budget 8 ship snapkv (PPL 24.00 [24.00, 24.00] vs 20.00 full)."
+    v = by_budget([FULL, row("h2o", 8, 25.0, None), row("snapkv", 8, 24.0, None)], WIDE)[8]
+    assert v.closest.name == "snapkv" and v.recommended.name == "snapkv"
+    assert v.sentence.startswith("At budget 8 ship snapkv (PPL 24.00 [24.00, 24.00] vs 20.00 full; PPL: PPL ratio "
+                                 "1.200 [1.200, 1.200] ≤ 1.300)")
 
 
-def test_inside_the_noise_the_cheapest_tied_policy_is_recommended():
-    # h2o is closest on the point estimates, but its difference from the window rows is noise (opposite wobbles):
-    # the cheapest of the three is recommended: no attention statistics first, then the fewest pinned slots
+def test_the_cheapest_policy_inside_the_tolerance_is_recommended():
+    # h2o is closest on the point estimates; all three lie inside 20%: the cheapest ships (no attention statistics
+    # first, then the fewest pinned slots)
     records = [FULL, row("h2o", 8, 21.10, 0.050, wobble=0.04), row("sink8+window", 8, 21.16, 0.051, wobble=-0.04),
                row("sink1+window", 8, 21.20, 0.052, wobble=-0.04)]
-    v = by_budget(records)[8]
+    v = by_budget(records, Tolerance(max_ppl_ratio=1.2))[8]
     assert v.closest.name == "h2o"
-    assert [c.name for c in v.tied] == ["h2o", "sink8+window", "sink1+window"]
+    assert [c.name for c in v.inside] == ["h2o", "sink8+window", "sink1+window"]
     assert v.recommended.name == "sink1+window"
     assert v.sentence.startswith("At budget 8 ship sink1+window (KL 0.052")
-    assert "not told apart from it by the data: h2o, sink8+window" in v.sentence
-    assert "it is the cheapest (1 pinned slot, no attention statistics)" in v.sentence
+    assert ("also inside: h2o, sink8+window, and it is the cheapest (1 pinned slot, no attention statistics)"
+            in v.sentence)
 
 
-def test_a_difference_beyond_the_noise_names_the_better_policy_whatever_it_costs():
-    records = [FULL, row("h2o", 8, 21.0, 0.040), row("sink1+window", 8, 23.0, 0.090)]
-    v = by_budget(records)[8]
-    assert v.tied == [v.closest] and v.recommended.name == "h2o"
-    assert "not told apart" not in v.sentence
+def test_an_interval_that_straddles_the_limit_is_undecided_with_the_samples_that_would_decide_it():
+    # PPL ratio 1.04 on the point estimate, but blocks alternating ±0.3 in NLL: the interval reaches past 1.05
+    v = by_budget([FULL, row("h2o", 8, 20.8, 0.05, wobble=0.3)])[8]
+    [h2o] = v.undecided
+    [(label, j)] = h2o.judgements
+    assert label == "PPL" and j.outcome == "undecided" and j.low < 1.05 < j.high and j.more_samples > 0
+    assert v.recommended is None
+    assert v.sentence.startswith("At budget 8 nothing is shown inside the tolerance yet; undecided: h2o (PPL: PPL "
+                                 "ratio 1.040")
+    assert f"about {j.more_samples} more blocks of tokens ({j.more_samples * 10:,} tokens) would decide its PPL" \
+        in v.sentence
+    assert "ship" not in v.sentence
+
+
+def test_a_row_without_per_block_data_cannot_be_judged_inside():
+    old = PplRecord("policy|h2o|8", "policy", "h2o", 8, 20.0, label="h2o", kl_to_full=0.0)  # no curve recorded
+    v = by_budget([FULL, old])[8]
+    assert v.recommended is None and v.undecided[0].missing == ("PPL",)
+    assert "it has no paired PPL data to judge" in v.sentence
 
 
 def test_a_full_cache_worse_than_the_policies_is_no_reference_to_be_close_to():
     # SmolLM2 at 20,000 tokens: the full cache runs past its trained positions (PPL 79), the sinkless window
-    # (36.8) and the sink-keeping one (21.5) are both far better, and their KL to that full cache is noise
-    # apart: ranked by KL the cheaper window would be "tied" and shipped; ranked by PPL it is separated
+    # (36.8) and the sink-keeping one (21.5) are both far better: both inside, but only the best and those within the
+    # tolerance of it are shipped (36.8 / 21.5 = 1.71)
     def full(ppl: float) -> PplRecord:
         return PplRecord("full|full|None", "full", "full", None, ppl, label="full", curve=curve(ppl))
 
     rows = [row("window", 8, 36.8, 1.672, kl_wobble=0.5), row("sink4+window", 8, 21.5, 1.572, kl_wobble=-0.5)]
     v = by_budget([full(79.1), *rows])[8]
     assert v.closest.name == "sink4+window" and v.recommended.name == "sink4+window"
-    assert v.tied == [v.closest]
+    assert {c.name for c in v.inside} == {"window", "sink4+window"} and v.tied == []
     assert v.unsound_reference == ("ranked by PPL, not by closeness to the full cache, which is worse than every "
                                    "policy here (PPL 79.10 [79.10, 79.10]: a stream past the positions the model "
                                    "was trained on degrades the full cache itself)")
-    assert v.unsound_reference in v.sentence and "not told apart" not in v.sentence
+    assert v.unsound_reference in v.sentence
     assert "lowest PPL (the full cache is worse)" in markdown([v])
     # only the policy whose PPL is below the full cache's beyond the noise is named
     v = by_budget([full(30.0), row("window", 8, 36.8, 1.672, kl_wobble=0.5), rows[1]])[8]
     assert "which is worse than sink4+window here (PPL 30.00" in v.unsound_reference
-    # the same rows beside a full cache better than both: closeness to it ranks them, and KL cannot part them
+    # the same rows beside a full cache better than both: both outside 5%
     v = by_budget([full(20.0), *rows])[8]
-    assert v.unsound_reference is None
-    assert [c.name for c in v.tied] == ["sink4+window", "window"] and v.recommended.name == "window"
+    assert v.unsound_reference is None and v.recommended is None
 
 
-def test_collapse_by_ppl_needs_the_whole_interval_at_twice_the_full_cache():
+def test_collapse_needs_the_whole_paired_interval_at_twice_the_full_cache():
     records = [FULL, row("h2o", 8, 39.9, 0.2), row("window", 8, 40.0, 0.3), row("random", 8, 90.0, 0.9),
-               # point estimate 2.05x, but the interval reaches below 2x: not called collapsed
+               # point estimate 2.05x, but the interval reaches below 2x: outside, not collapsed
                row("knorm", 8, 41.0, 0.35, wobble=0.3, kl_wobble=0.0)]
     v = by_budget(records)[8]
-    assert [(c.name, why) for c, why in v.collapsed] == [("window", "PPL 2.0× full"), ("random", "PPL 4.5× full")]
-    assert v.sentence.startswith("At budget 8 ship h2o (KL 0.200")
-    assert v.sentence.endswith("; avoid random, window (collapsed).")
+    assert [(c.name, why) for c, why in v.collapsed] == [("window", "PPL ratio [2.00, 2.00] ≥ 2"),
+                                                         ("random", "PPL ratio [4.50, 4.50] ≥ 2")]
+    assert [c.name for c in v.outside] == ["h2o", "window", "knorm", "random"]
+    assert v.sentence.startswith("At budget 8 nothing is shown inside the tolerance; closest is h2o (PPL: PPL ratio "
+                                 "1.995 [1.995, 1.995] > 1.050)")
+    assert v.sentence.endswith("; avoid window (collapsed), knorm, random (collapsed) (outside the tolerance).")
 
 
-def test_collapse_by_needle_needs_the_whole_wilson_interval_below_half_of_full():
-    # "h2o" is nearest by KL but finds the pass key in 0 of 20 trials where full finds 20 of 20
+def test_pass_key_trials_are_judged_paired_with_the_full_cache():
+    # "h2o" is nearest by KL but finds the pass key in 0 of 20 trials where full finds 20 of 20: discordant 20 of 20,
+    # Clopper-Pearson of 20/20 [0.8316, 1], so the drop is [0.66, 1.00]: outside, and wholly past half of 100%
     records = [FULL, row("h2o", 8, 21.0, 0.01), row("snapkv", 8, 22.0, 0.05),
                *needle("full", "full", [1] * 20), *needle("h2o", "8", [0] * 20),
-               *needle("snapkv", "8", [1] * 5 + [0] * 15)]  # 25%, but its interval reaches above 50%? no: [11%, 47%]
-    v = by_budget(records)[8]
-    assert [(c.name, why) for c, why in v.collapsed] == [("h2o", "pass-key 0% vs full 100%"),
-                                                         ("snapkv", "pass-key 25% vs full 100%")]
-    # 1 of 4 has an interval reaching above half: not enough trials to call it collapsed
+               *needle("snapkv", "8", [1] * 5 + [0] * 15)]
+    v = by_budget(records, Tolerance(max_ppl_ratio=1.2))[8]
+    assert [(c.name, why) for c, why in v.collapsed] == [
+        ("h2o", "pass-key below half of the full cache's 100% (drop [0.66, 1.00])")]
+    # snapkv lost 15 of 20: 15/15 gives [0.7816, 1], a drop of [0.42, 0.75]: outside, not past half
+    assert [c.name for c in v.outside] == ["h2o", "snapkv"]
+    # 1 of 4 against 4 of 4: 3 discordant, [0.2924, 1] -> drop [-0.31, 0.75]: undecided
     records = [FULL, row("h2o", 8, 21.0, 0.01), *needle("full", "full", [1] * 4), *needle("h2o", "8", [1, 0, 0, 0])]
-    v = by_budget(records)[8]
-    assert v.collapsed == []
+    v = by_budget(records, Tolerance(max_ppl_ratio=1.2))[8]
+    assert v.collapsed == [] and [c.name for c in v.undecided] == ["h2o"]
     assert "pass-key hits (95% Wilson interval): h2o 1/4 [0.05, 0.70]" in markdown([v])
 
 
 def test_lost_sink_lists_every_policy_and_how_many_heads():
     v = by_budget([FULL, row("h2o", 8, 22.0, 0.05, lost=1), row("window", 8, 30.0, 0.4, lost=4),
-                   row("sink4+window", 8, 23.0, 0.08)])[8]
+                   row("snapkv", 8, 23.0, 0.08)], Tolerance(max_ppl_ratio=1.2))[8]
     assert [(c.name, c.heads_lost, c.heads) for c in v.lost_sink] == [("h2o", 1, 4), ("window", 4, 4)]
     assert v.sentence.startswith("At budget 8 ship h2o (KL 0.050")
-    assert v.sentence.endswith("but it lost token 0 on 1 of 4 heads; the closest policy that kept it on every head "
-                               "is sink4+window (KL 0.080 [0.080, 0.080], PPL 23.00 [23.00, 23.00]).")
-    # with no policy that kept token 0 everywhere (a collapsed one does not count), the advice is to pin sinks
+    assert v.sentence.endswith("but it lost token 0 on 1 of 4 heads; the closest policy inside the tolerance that "
+                               "kept it on every head is snapkv; avoid window (outside the tolerance).")
+    # with no policy inside that kept token 0 everywhere, the advice is to pin sinks
     v = by_budget([FULL, row("h2o", 8, 22.0, 0.05, lost=1), row("window", 8, 30.0, 0.4, lost=4),
-                   row("sink4+random", 8, 45.0, 0.9)])[8]
+                   row("sink4+random", 8, 45.0, 0.9)], Tolerance(max_ppl_ratio=1.2))[8]
     assert v.sentence.endswith("but it lost token 0 on 1 of 4 heads: pin sinks (sinkN+h2o); "
-                               "avoid sink4+random (collapsed).")
+                               "avoid window, sink4+random (collapsed) (outside the tolerance).")
     # a serving engine's preset refuses sink wrappers: the advice names the engine's own option instead
-    v = by_budget([FULL, row("trtllm:sink=0", 8, 22.0, 0.05, lost=4), row("vllm-swa", 8, 22.0, 0.05, lost=4)])[8]
+    v = by_budget([FULL, row("trtllm:sink=0", 8, 22.0, 0.05, lost=4), row("vllm-swa", 8, 22.0, 0.05, lost=4)],
+                  Tolerance(max_ppl_ratio=1.2))[8]
     assert v.sentence.endswith("but it lost token 0 on 4 of 4 heads: keep sinks with the engine's own option "
                                "(the preset's keep or sink count, e.g. 4).")
 
 
-def test_every_policy_collapsed_says_raise_the_budget():
+def test_every_policy_outside_says_raise_the_budget():
     v = by_budget([FULL, row("window", 4, 80.0, 1.0, lost=4), row("random", 4, 95.0, 1.2, lost=4)])[4]
-    assert v.sentence == ("At budget 4 every policy collapsed (window, random): raise the budget before shipping "
-                          "any of them.")
+    assert v.sentence == ("At budget 4 nothing is shown inside the tolerance; closest is window (PPL: PPL ratio 4.000 "
+                          "[4.000, 4.000] > 1.050): raise the budget; avoid random (collapsed) (outside the "
+                          "tolerance).")
 
 
 def test_budget_with_only_the_oracle_has_no_verdict():
@@ -221,18 +261,22 @@ def test_one_verdict_per_budget_smallest_first_and_sink_rows_counted_once():
 def test_verdict_tops_the_html_report_and_the_markdown(tmp_path):
     records = [FULL, row("window", 8, 50.0, 0.9, lost=4), row("sink4+window", 8, 22.0, 0.04)]
     assert SECTIONS[0].__name__ == "decision"
-    page = render(records, {"name": "v"}, tmp_path / "report.html").read_text()
+    page = render(records, {"name": "v", "tolerance": {"max_ppl_ratio": 1.2}},
+                  tmp_path / "report.html").read_text()
     assert page.index("<h2>Verdict</h2>") < page.index("<h2>Streaming perplexity")
+    assert page.count("<h2>Verdict</h2>") == 1
+    assert "tolerance: perplexity within 20% of the full cache; task accuracy within 5 points" in page
     assert "At budget 8 ship sink4+window" in page and "How the verdict decides" in page
-    text = markdown(verdict(records))
-    assert text.splitlines()[:3] == [
-        "## Verdict", "",
+    text = markdown(verdict(records, Tolerance(max_ppl_ratio=1.2)))
+    assert text.splitlines()[:5] == [
+        "## Verdict", "", "Tolerance: perplexity within 20% of the full cache; task accuracy within 5 points.", "",
         "**Budget 8.** At budget 8 ship sink4+window (KL 0.040 [0.040, 0.040], PPL 22.00 [22.00, 22.00] vs 20.00 "
-        "full); avoid window (collapsed).",
+        "full; PPL: PPL ratio 1.100 [1.100, 1.100] ≤ 1.200): inside the tolerance; avoid window (collapsed) (outside "
+        "the tolerance).",
     ]
     assert "- lost token 0: window on 4 of 4 heads" in text
     assert text.endswith(HOW)
-    # `kvevict report --markdown` prints the verdict before the tables
+    # `kvevict report --markdown` prints the verdict before the tables, judged by the options given
     folder = tmp_path / "run"
     folder.mkdir()
     ResultStore(folder / "results.jsonl").append([r.to_dict() for r in records])
@@ -240,3 +284,18 @@ def test_verdict_tops_the_html_report_and_the_markdown(tmp_path):
     assert result.exit_code == 0, result.stderr
     assert result.stdout.startswith("## Verdict\n")
     assert result.stdout.index("## Verdict") < result.stdout.index("| policy |")
+    assert "At budget 8 nothing is shown inside the tolerance" in result.stdout  # the default 5%
+    result = cli("report", str(folder), "--markdown", "--max-ppl-ratio", "1.2")
+    assert result.exit_code == 0 and "At budget 8 ship sink4+window" in result.stdout
+
+
+@pytest.mark.parametrize("option, value", [("--max-ppl-ratio", "1"), ("--max-ppl-ratio", "0.9"),
+                                           ("--max-accuracy-drop", "1"), ("--max-accuracy-drop", "-0.1"),
+                                           ("--max-kl", "0")])
+def test_an_impossible_tolerance_is_one_line_and_exit_2(tmp_path, option, value):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    ResultStore(folder / "results.jsonl").append([FULL.to_dict()])
+    result = cli("report", str(folder), option, value)
+    assert result.exit_code == 2 and result.stderr.startswith(f"error: {option} ")
+    assert len(result.stderr.strip().splitlines()) == 1

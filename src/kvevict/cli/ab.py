@@ -20,11 +20,15 @@ from .common import (
     check_device,
     check_positions,
     err,
+    max_accuracy_drop_option,
+    max_kl_option,
+    max_ppl_ratio_option,
     one_line_errors,
     parse_chunk,
     parse_floats,
     parse_ints,
     split_specs,
+    tolerance_from,
 )
 from .tables import show
 
@@ -38,31 +42,36 @@ DEMO = dict(tokens=2000, budgets=[64, 128, 256], policies=["window", "streamingl
             ruler=["niah_single_1"], ruler_length=500, ruler_samples=2)
 
 
-def run_ab(config, allow_download: bool = False, executor=None, device: str = "cpu") -> None:
+def run_ab(config, allow_download: bool = False, executor=None, device: str = "cpu", tolerance=None) -> None:
     """Plan, validate, run and report one sweep (a `SweepConfig`); prints the summary and the report path.
 
     Batches an `executor` gave up on are named on stderr after the summary, and the
     command exits with code 1 (after writing the report): a rerun finishes them. `device`: where the
-    model runs (checked before anything loads)."""
+    model runs (checked before anything loads); `tolerance`: what the verdict judges by (default `Tolerance()`),
+    recorded in `run.json`."""
     from ..ab import run_sweep
     from ..ab.executors import LocalExecutor
     from ..report.records import ppl_records
-    from ..report.runs import load_run
+    from ..report.runs import load_run, record_tolerance
     from ..report.tables import summary_table
+    from ..report.tolerance import Tolerance
     from ..report.verdict import verdict
 
     check_device(device)
     check_positions(config.positions)
+    tolerance = tolerance or Tolerance()
     executor = executor or LocalExecutor()
     # run_sweep checks every spec, budget and the run name (plan) before any model is loaded
     run_sweep(config, allow_download=allow_download, executor=executor, device=device)
     # the report, the table and the sentences are drawn from the run folder, exactly as `kvevict report` draws them
+    record_tolerance(config.folder, tolerance.as_dict())
     run = load_run(config.folder)
     records = run.records
     report = _render_run(run, config.folder / "report.html")
     title = f"kvevict A/B: {config.model} on {config.text}, {config.tokens} tokens, {config.positions}"
     show(summary_table(ppl_records(records)), title)
-    for found in verdict(records):
+    print(f"tolerance: {tolerance.describe()}")
+    for found in verdict(records, tolerance):
         print(found.sentence)
     for batch, reason in executor.failed:
         cells = ", ".join(c.label for c in batch.cells)
@@ -124,10 +133,15 @@ def ab(
     workers: int = typer.Option(2, help="--executor ray: Ray workers, each loads the model once"),
     retries: int = typer.Option(2, help="--executor ray: times a batch whose worker died is run again"),
     device: str = typer.Option("cpu", help=DEVICE_HELP),
+    max_ppl_ratio: float | None = max_ppl_ratio_option(),
+    max_accuracy_drop: float | None = max_accuracy_drop_option(),
+    max_kl: float | None = max_kl_option(),
 ) -> None:
     """A/B test policies side by side: resumable results.jsonl, a summary table and an HTML report."""
     from ..ab import SweepConfig
     from ..integrations.executor_choice import make_executor
+
+    tolerance = tolerance_from(max_ppl_ratio, max_accuracy_drop, max_kl)
 
     config = SweepConfig(
         model=model, text=text, tokens=tokens, budgets=parse_ints(budgets, "--budgets"),
@@ -139,7 +153,7 @@ def ab(
         ruler=_ruler_tasks(ruler), ruler_length=ruler_length, ruler_samples=ruler_samples,
         ruler_protocol=ruler_protocol,
     )
-    run_ab(config, allow_download, make_executor(executor, address or None, workers, retries), device)
+    run_ab(config, allow_download, make_executor(executor, address or None, workers, retries), device, tolerance)
 
 
 @one_line_errors
@@ -148,6 +162,9 @@ def report(
     out: str = typer.Option("", "--out", help="where the HTML goes (default: RUN/report.html for one run, "
                             f"./{COMPARE_REPORT} for several)"),
     markdown: bool = typer.Option(False, "--markdown", help="print the tables as Markdown"),
+    max_ppl_ratio: float | None = max_ppl_ratio_option(),
+    max_accuracy_drop: float | None = max_accuracy_drop_option(),
+    max_kl: float | None = max_kl_option(),
 ) -> None:
     """Redraw a run's HTML report from its results.jsonl (no model needed); several runs go in one report."""
     from ..report.html import render_compare
@@ -164,10 +181,15 @@ def report(
     if target is not None and target.is_dir():
         raise KvevictError(f"--out '{out}' is a folder: give a file path, e.g. {target / COMPARE_REPORT}")
     loaded = [load_run(r) for r in runs]
+    given = (max_ppl_ratio, max_accuracy_drop, max_kl)
+    tolerance_from(*given)  # an impossible tolerance is refused before anything is drawn
+    if any(x is not None for x in given):  # the options override what each run recorded, for this drawing only
+        for run in loaded:
+            run.config = {**run.config, "tolerance": tolerance_from(*given, run.config.get("tolerance")).as_dict()}
     if len(loaded) == 1:
         run = loaded[0]
         path = _render_run(run, target or run.folder / "report.html")
-        text = run_markdown(run.records)
+        text = run_markdown(run.records, tolerance=tolerance_from(*given, run.config.get("tolerance")))
     else:
         for run in loaded:
             _note_skipped(run)
@@ -182,8 +204,12 @@ def report(
 def demo(
     out_dir: str = typer.Option("runs", "--out", help="where results go"),
     device: str = typer.Option("cpu", help=DEVICE_HELP),
+    max_ppl_ratio: float | None = max_ppl_ratio_option(),
+    max_accuracy_drop: float | None = max_accuracy_drop_option(),
+    max_kl: float | None = max_kl_option(),
 ) -> None:
     """The main job: a default A/B on the embedded model and text."""
     from ..ab import SweepConfig
 
-    run_ab(SweepConfig(out=out_dir, **DEMO), device=device)
+    tolerance = tolerance_from(max_ppl_ratio, max_accuracy_drop, max_kl)
+    run_ab(SweepConfig(out=out_dir, **DEMO), device=device, tolerance=tolerance)

@@ -130,3 +130,30 @@ def save_json(path: str | None, data: dict) -> None:
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(json.dumps(data, indent=1))
+
+
+def max_ppl_ratio_option():
+    return typer.Option(None, "--max-ppl-ratio", help="verdict tolerance: policy PPL / full PPL a policy may reach "
+                        "and ship (default 1.05: within 5%)")
+
+
+def max_accuracy_drop_option():
+    return typer.Option(None, "--max-accuracy-drop", help="verdict tolerance: task accuracy a policy may lose "
+                        "against the full cache, absolute (default 0.05: 5 points)")
+
+
+def max_kl_option():
+    return typer.Option(None, "--max-kl", help="verdict tolerance: mean KL(full ‖ policy) in nats per token "
+                        "(default: KL not judged)")
+
+
+def tolerance_from(max_ppl_ratio: float | None, max_accuracy_drop: float | None, max_kl: float | None,
+                   recorded: dict | None = None):
+    """The verdict's `Tolerance`: the options given, else what the run recorded (`run.json`), else the default.
+    An impossible one (a ratio at or below 1, a drop outside [0, 1)) is one line naming the option."""
+    from ..report.tolerance import Tolerance
+
+    base = Tolerance.from_dict(recorded)
+    return Tolerance(base.max_ppl_ratio if max_ppl_ratio is None else max_ppl_ratio,
+                     base.max_accuracy_drop if max_accuracy_drop is None else max_accuracy_drop,
+                     base.max_kl if max_kl is None else max_kl, base.confidence)

@@ -20,9 +20,13 @@ from .common import (
     check_device,
     check_positions,
     err,
+    max_accuracy_drop_option,
+    max_kl_option,
+    max_ppl_ratio_option,
     one_line_errors,
     parse_numbers,
     split_specs,
+    tolerance_from,
 )
 from .tables import show
 
@@ -49,6 +53,9 @@ def ruler(
     as_json: bool = typer.Option(False, "--json", help="print {'cells': [...]} as the last line"),
     allow_download: bool = typer.Option(False, "--allow-download", help=DOWNLOAD_HELP),
     device: str = typer.Option("cpu", help=DEVICE_HELP),
+    max_ppl_ratio: float | None = max_ppl_ratio_option(),
+    max_accuracy_drop: float | None = max_accuracy_drop_option(),
+    max_kl: float | None = max_kl_option(),
 ) -> None:
     """RULER's tasks, offline: accuracy per task, policy, budget and protocol, with 95% intervals."""
     from ..ab.ruler import RulerRun, run_ruler
@@ -59,10 +66,12 @@ def ruler(
     from ..report import ruler as ruler_report
     from ..report.html import render
     from ..report.records import ruler_records
+    from ..report.runs import record_tolerance
     from ..report.verdict import verdict
 
     check_device(device)
     check_positions(positions)
+    tolerance = tolerance_from(max_ppl_ratio, max_accuracy_drop, max_kl)
     specs = split_specs(policies)
     if not specs:
         raise KvevictError("--policies is empty: give comma-separated specs such as window,h2o,snapkv")
@@ -84,11 +93,13 @@ def ruler(
     if not getattr(tokenizer, "chat_template", None):
         err.print(f"note: '{model}' has no chat template; RULER's plain template is used")
     records = run_ruler(run, lm, tokenizer)
-    path = render(records, run.config(), run.folder / "report.html")
+    config = {**run.config(), **record_tolerance(run.folder, tolerance.as_dict())}
+    path = render(records, config, run.folder / "report.html")
     cells = ruler_report.cells(ruler_records(records))
     if as_json:
         print(json.dumps({"cells": [vars(c) for c in cells], "report": str(path)}))
         return
     show(ruler_report.ruler_table(cells), f"RULER, {model} ({path})")
-    for found in verdict(records):  # the report's verdict, drawn from the same records
+    print(f"tolerance: {tolerance.describe()}")
+    for found in verdict(records, tolerance):  # the report's verdict, drawn from the same records
         print(found.sentence)

@@ -19,6 +19,7 @@ from .markup import table_html
 from .records import Record
 from .runs import Run, run_names, stream_start_label
 from .sections import SECTIONS
+from .tolerance import Tolerance
 from .verdict import section_html, verdict
 
 COMPARE_INTRO = (
@@ -69,8 +70,11 @@ def _write(parts: list[str], path: Path) -> Path:
 def render(records: Sequence[Record], config: dict, path: Path) -> Path:
     """Write the report for `records` (typed, see `report.records`) to `path` and return it.
 
-    `config` is the run's settings as recorded in `run.json` (any missing key shows as None).
+    `config` is the run's settings as recorded in `run.json` (any missing key shows as None); its `tolerance`
+    is what the verdict judges against (the default where none is recorded).
     """
+    tolerance = Tolerance.from_dict(config.get("tolerance"))
+    found = verdict(records, tolerance)
     parts = [
         f"<h1>kvevict A/B report: {html.escape(str(config.get('name', '')))}</h1>",
         _meta(
@@ -78,8 +82,11 @@ def render(records: Sequence[Record], config: dict, path: Path) -> Path:
             f"positions {config.get('positions')} · seed {config.get('seed')} · {stream_start_label(config)} · "
             f"generated {datetime.now(UTC):%Y-%m-%d %H:%M} UTC"
         ),
+        _meta(f"tolerance: {tolerance.describe()}"),
     ]
-    return _write(parts + _sections(records), path)
+    if found:  # the verdict first, judged against the run's tolerance (the `decision` section with the default)
+        parts += ["<h2>Verdict</h2>", section_html(found)]
+    return _write(parts + _sections(records, skip=("decision",)), path)
 
 
 def render_compare(runs: Sequence[Run], path: Path) -> Path:
@@ -99,7 +106,7 @@ def render_compare(runs: Sequence[Run], path: Path) -> Path:
     parts.append(_meta(f"generated {datetime.now(UTC):%Y-%m-%d %H:%M} UTC"))
     parts += ["<h2>Side by side</h2>", COMPARE_INTRO, table_html(compare_table(runs, names), "compare")]
     for name, run in zip(names, runs):
-        found = verdict(run.records)
+        found = verdict(run.records, Tolerance.from_dict(run.config.get("tolerance")))
         body = section_html(found) if found else "<p>no budgets in this run</p>"
         parts += [f"<h2>Verdict: {html.escape(name)}</h2>", body]
     for name, run in zip(names, runs):

@@ -89,11 +89,13 @@ class TaskScore:
     """One policy's RULER answers at one budget within the model's reach, and the full cache's on the same ones.
 
     `hits` and `full_hits` are sums of scores in [0, 1] over the same `n` answers (a fractional score counts as
-    that many successes of one trial, as in every cell)."""
+    that many successes of one trial, as in every cell). `pairs`: per answer (its unit, the policy's score, the
+    full cache's), sorted by unit: what the paired judgements (`report.tolerance`) read."""
 
     hits: float
     full_hits: float
     n: int
+    pairs: tuple[tuple[tuple, float, float], ...] = ()
 
     @property
     def rate(self) -> float:
@@ -112,11 +114,15 @@ class TaskScore:
         return wilson(self.full_hits, self.n)
 
     @property
-    def below_full(self) -> bool:
-        """The data tell it from the full cache, and it is worse: its whole 95% interval lies below the full
-        cache's on the same answers (disjoint Wilson intervals: conservative, it never names a loss inside
-        the noise)."""
-        return self.interval.high < self.full_interval.low
+    def scores(self) -> list[float]:
+        return [p for _, p, _ in self.pairs]
+
+    @property
+    def full_scores(self) -> list[float]:
+        return [f for _, _, f in self.pairs]
+
+    def by_unit(self) -> dict[tuple, float]:
+        return {unit: p for unit, p, _ in self.pairs}
 
     def text(self) -> str:
         return f"{hits_text(self.hits)}/{self.n} {self.interval.text()}"
@@ -152,13 +158,12 @@ def _counted(records: list[RulerRecord], floor: float) -> list[tuple[RulerRecord
 
 def _sums(counted: Iterable[tuple[RulerRecord, tuple, float]]) -> dict[tuple[str, str], TaskScore]:
     """Per (policy, budget) the `TaskScore` of the answers `counted` holds."""
-    sums: dict[tuple[str, str], list[float]] = {}
-    for r, _, full_score in counted:
-        found = sums.setdefault((r.policy, r.budget), [0.0, 0.0, 0])
-        found[0] += float(r.score)
-        found[1] += full_score
-        found[2] += 1
-    return {key: TaskScore(hits, full_hits, int(n)) for key, (hits, full_hits, n) in sums.items()}
+    found: dict[tuple[str, str], list[tuple[tuple, float, float]]] = {}
+    for r, unit, full_score in counted:
+        found.setdefault((r.policy, r.budget), []).append((unit, float(r.score), full_score))
+    return {key: TaskScore(sum(p for _, p, _ in pairs), sum(f for _, _, f in pairs), len(pairs),
+                           tuple(sorted(pairs, key=lambda x: tuple(map(str, x[0])))))
+            for key, pairs in found.items()}
 
 
 def task_scores(records: Iterable[RulerRecord], floor: float = FLOOR) -> dict[tuple[str, str], TaskScore]:

@@ -64,3 +64,18 @@ def run_names(runs: Sequence[Run]) -> list[str]:
     """What the comparison calls each run: its model, with the folder beside it when two runs share a model."""
     models = [r.model for r in runs]
     return [m if models.count(m) == 1 else f"{m} ({r.folder})" for m, r in zip(models, runs)]
+
+
+def record_tolerance(folder: str | Path, tolerance: dict) -> dict:
+    """Write the tolerance the verdict judges by into the run's `run.json` (`config.tolerance`) and return the
+    config: a report redrawn later judges by the same rule unless told otherwise. A folder without `run.json`
+    gets none written."""
+    meta = Path(folder) / "run.json"
+    if not meta.exists():
+        return {"tolerance": tolerance}
+    data = json.loads(meta.read_text())
+    data["config"]["tolerance"] = tolerance
+    tmp = meta.with_name(meta.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(meta)
+    return data["config"]

@@ -1,43 +1,30 @@
-"""The verdict at the top of an A/B report: per budget, which policy to ship and which to avoid.
+"""The verdict at the top of an A/B report: per budget, which policy the data show safe to ship, and which to avoid.
 
-A person should not have to read every table to reach the decision, and the decision
-must not rest on a difference the data cannot carry. For each budget the verdict names,
-from the records alone:
+A person should not have to read every table to reach the decision, and the decision must
+not rest on a difference the data cannot carry. Safe means *shown* inside a tolerance the
+user states (`tolerance.Tolerance`: by default PPL within 5% of the full cache's, task
+accuracy within 5 points), never "not told apart from the full cache": with a few samples
+almost nothing can be told apart. Every policy is judged against the full cache on the same
+data (`tolerance.judge_ppl`, `judge_kl`, `judge_accuracy`: paired intervals) on every metric
+the run holds: PPL, KL where `max_kl` is stated, RULER task answers, pass-key trials. Per
+budget the verdict names, from the records alone:
 
-* the *closest* policy: lowest KL(full ‖ policy) (lowest PPL for a run without KL);
-* the policies *tied* with it: those whose paired difference from it (a bootstrap over
-  blocks of tokens, `uncertainty.paired_difference`) has a 95% interval that holds 0.
-  A row without per-window data cannot be separated from anything, so it is tied;
-* the *recommendation*: the cheapest of the tied policies that did not collapse:
-  no attention statistics, then fewest pinned slots, then closest. A policy is named
-  better than another only where the intervals separate;
-* every policy that collapsed: the lower end of its PPL interval at least `COLLAPSE_PPL`
-  times the full cache's PPL, or the upper end of its pass-key hit rate's Wilson interval
-  below `COLLAPSE_NEEDLE` of the full cache's rate;
-* every policy that lost token 0 (the attention sink) on some bounded (layer, KV head),
-  and on how many (`eval.sink_loss`, the one definition of sink loss);
-* with RULER answers in the run (`kvevict ab --ruler`, `kvevict ruler`): each policy's
-  `ruler.task_scores` (its answers within the model's reach, beside the full cache's on
-  the same answers), which policies the tasks cannot tell from the full cache (their
-  Wilson intervals overlap) and which score below it, the tasks' collapse (the whole
-  interval below `COLLAPSE_NEEDLE` of the full cache's rate), the Spearman rank
-  correlation of PPL and tasks (`ruler.rank_agreement`) and the pairs the two rank in
-  opposite orders, each separated by its own data. The tasks are judged on one protocol,
-  `agnostic` where the run has it, and on the same answers for every policy
-  (`ruler.judged`): a policy that answered fewer is named with its count, not ranked.
-  The recommendation is then the cheapest policy tied on *both*; where that is not the PPL's pick, the sentence says so
-  and why. A run of tasks alone (`kvevict ruler`, no PPL) gets a verdict per budget from
-  the tasks alone. Tasks beyond the model (full cache below `ruler.FLOOR`) are named and
-  left out.
+* *ship*: the cheapest policy inside the tolerance on every metric (no attention statistics,
+  then fewest pinned slots, then closest to the full cache);
+* *undecided*, where none is inside and some straddle a limit: the closest of those, and
+  about how many more samples would decide it;
+* *nothing shown inside*, where every policy is outside: the closest one, with its interval;
+* *avoid*: every policy outside the tolerance, *collapsed* where its whole interval lies
+  beyond 2× the full cache's PPL or below half of its accuracy (the same intervals);
+* *tied*: policies whose paired intervals against each other lie inside the tolerance both ways;
+* the policies that lost token 0 (`eval.sink_loss`), the PPL vs task rank correlation
+  (`ruler.rank_agreement`) and the pairs the two measures order oppositely (each beyond the
+  tolerance), tasks beyond the model (`ruler.beyond`) and policies answered on fewer prompts.
 
-The oracle is left out: it re-computes every token and is a reference, not a policy
-one can serve with.
-
-Closeness to the full cache is the goal only while the full cache is the better model. A
-stream past the positions a model was trained on degrades the full cache itself (SmolLM2
-at 20,000 tokens: full 79.1 against 21.5 for a sink-keeping window), and then the policy
-nearest to it in KL is the one that degrades most alike. Where a policy's paired PPL
-difference from the full cache lies wholly below 0, the verdict ranks by PPL instead and
+The oracle is left out: it re-computes every token and is a reference, not a policy one
+can serve with. Closeness to the full cache is the ranking's goal only while the full cache
+is the better model: where a policy's paired PPL lies wholly below the full cache's (a
+stream past the model's trained positions), the policies are ranked by PPL and the sentence
 says why (`BudgetVerdict.unsound_reference`).
 """
 
@@ -54,43 +41,36 @@ from .columns import number
 from .records import PplRecord, Record, ppl_records, ruler_records, task_records
 from .ruler import FLOOR, TaskScore, beyond, judged, rank_agreement
 from .tables import budget_order
+from .tolerance import Judgement, Tolerance, judge_accuracy, judge_kl, judge_pair, judge_ppl
 from .traits import is_preset, needs_attention, pinned
 from .uncertainty import Blocks, Interval, blocks, mean_interval, paired_difference, wilson
 
-#: a policy whose PPL is at least this multiple of the full cache's (its whole interval) has collapsed
+#: outside and collapsed: the whole paired PPL ratio interval at or above this
 COLLAPSE_PPL = 2.0
-#: ... as has one whose pass-key accuracy is below this share of the full cache's (its whole interval)
+#: ... or the whole accuracy interval below this share of the full cache's rate
 COLLAPSE_NEEDLE = 0.5
 
 #: how the verdict decides, said in the report under the verdict
 HOW = (
-    "How the verdict decides: policies are ranked by KL(full ‖ policy) (by PPL when the run has no KL). "
-    "Every figure carries a 95% interval: a bootstrap over blocks of consecutive tokens for PPL and KL (two "
-    "policies are compared paired, on the same resampled blocks), Wilson's interval for pass-key hit rates. "
-    "A policy is named better than another only where the interval of their difference excludes 0; among the "
-    "policies tied with the closest one, the cheapest is recommended (no attention statistics, then the fewest "
-    "pinned slots). A policy collapsed when its whole PPL interval lies at or above 2× the full cache's PPL, or "
-    "its whole pass-key interval below half of the full cache's rate. With RULER answers, each policy's task rate "
-    "is pooled over the answers of one protocol (agnostic where the run has it: aware flatters the policies told "
-    "the question; the other protocols stay in the tables) and of every task and length within the model's reach (a "
-    f"task on which the full cache scores below {FLOOR:.0%} is beyond this model at that length: named, left out), "
-    "on the same answers for every policy and the full cache (a policy that answered fewer is named with its count, "
-    "not ranked); a policy scores below the full cache only where their Wilson intervals are disjoint, and "
-    "collapsed on the tasks when its whole interval lies below half of the full cache's rate. The recommendation is "
-    "the cheapest policy tied with the closest on PPL and not below the full cache on the tasks; where the tasks "
-    "overturn the perplexity's pick, the sentence says so. A run of tasks alone is judged on the tasks alone. "
-    "Where a policy's PPL is lower than the full cache's beyond the noise (a stream past the model's trained "
-    "positions degrades the full cache itself), closeness to the full cache is no virtue: the policies are then "
-    "ranked by PPL, and the sentence says so."
+    "How the verdict decides: each policy is compared with the full cache on the same data, with a paired 95% "
+    "interval per metric: the PPL ratio by a bootstrap over blocks of tokens (scipy.stats.bootstrap), task and "
+    "pass-key accuracy by the exact interval on the answers only one side got right (McNemar's exact test). "
+    "Inside: the whole interval within the stated tolerance; outside: the whole interval past it (collapsed: "
+    "past 2× the full cache's PPL or below half its accuracy); undecided otherwise, with the samples that would "
+    "decide it. Ship: the cheapest policy inside on every metric (no attention statistics, then fewest pinned "
+    "slots); tied: inside the tolerance of each other both ways. Tasks are judged on one protocol (agnostic "
+    f"first), on the answers every policy gave, within the model's reach (full cache ≥ {FLOOR:.0%}). Where the full "
+    "cache itself is worse beyond the noise, policies are ranked by PPL."
 )
 
 
 @dataclass(frozen=True)
 class Needle:
-    """Pass-key trials of one policy at one budget."""
+    """Pass-key trials of one policy at one budget; `pairs`: (its hit, the full cache's) on the same trials."""
 
     hits: float
     trials: int
+    pairs: tuple[tuple[float, float], ...] = ()
 
     @property
     def rate(self) -> float:
@@ -103,7 +83,7 @@ class Needle:
 
 @dataclass(frozen=True)
 class Candidate:
-    """One policy at one budget, with the facts the verdict uses."""
+    """One policy at one budget, with the facts the verdict uses and its `judgements` (metric label, Judgement)."""
 
     name: str
     ppl: float
@@ -119,6 +99,8 @@ class Candidate:
     task: TaskScore | None = None  # RULER answers within reach at this budget (None: no tasks)
     by_ppl: bool = False  # ranked by PPL, not KL: the full cache is no sound reference (module docstring)
     preset: bool = False  # a serving engine's rule: its sinks are its engine's option, not a sinkN+ wrapper
+    judgements: tuple[tuple[str, Judgement], ...] = ()
+    missing: tuple[str, ...] = ()  # metrics the run states but this row cannot be judged on (no per-block data)
 
     @property
     def rank(self) -> tuple[float, float]:
@@ -130,7 +112,7 @@ class Candidate:
             return (self.ppl, self.ppl)
         return (math.inf if self.kl is None else self.kl, self.ppl)
 
-    @cached_property  # a bootstrap: drawn once, read by the collapse test and every sentence
+    @cached_property  # a bootstrap: drawn once, read by every sentence
     def ppl_interval(self) -> Interval | None:
         return None if self.nll_blocks is None else mean_interval(self.nll_blocks, exp=True)
 
@@ -144,28 +126,38 @@ class Candidate:
         kernel and cost a pass per step), then pinned slots (a few entries of memory)."""
         return (self.reads_attention, self.pins)
 
+    @property
+    def outcome(self) -> str:
+        """Outside if any metric is; inside if every stated metric is judged and inside; else undecided."""
+        found = [j.outcome for _, j in self.judgements]
+        if "outside" in found:
+            return "outside"
+        return "inside" if found and not self.missing and set(found) == {"inside"} else "undecided"
+
+    def judged_text(self) -> str:
+        return "; ".join(f"{label}: {j.text()}" for label, j in self.judgements) or "no paired data"
+
 
 @dataclass
 class BudgetVerdict:
-    """The verdict at one budget: every `candidate` (closest first), the ones `tied` with the closest,
-    the `recommended` one, `collapsed` as (candidate, reason), `lost_sink`, and the sentence.
-
-    With tasks: `task_tied` (not told from the full cache on the tasks), `task_below` (below it), `ppl_pick`
-    (what PPL alone recommends), `agreement` (`ruler.rank_agreement` rows of this budget), `opposed` ((a, b):
-    PPL separates a ahead of b, the tasks b ahead of a) and `beyond` (task@length the model fails itself).
-    A budget of tasks alone is its label (`50%`), with `full_ppl` None and no PPL."""
+    """The verdict at one budget: every `candidate` (closest first), split by outcome into `inside`, `undecided`
+    and `outside` (each closest first), `collapsed` as (candidate, reason), the `recommended` one, `tied` with it,
+    `lost_sink`, and the sentence. With tasks: `agreement` (`ruler.rank_agreement` rows of this budget),
+    `opposed` ((a, b): PPL shows a ahead of b beyond the tolerance, the tasks b ahead of a) and `beyond`
+    (task@length the model fails itself). A budget of tasks alone is its label (`50%`), with no PPL."""
 
     budget: int | str
     full_ppl: float | None
     candidates: list[Candidate]
+    tolerance: Tolerance = field(default_factory=Tolerance)
+    inside: list[Candidate] = field(default_factory=list)
+    undecided: list[Candidate] = field(default_factory=list)
+    outside: list[Candidate] = field(default_factory=list)
     collapsed: list[tuple[Candidate, str]] = field(default_factory=list)
     lost_sink: list[Candidate] = field(default_factory=list)
     tied: list[Candidate] = field(default_factory=list)
     recommended: Candidate | None = None
     sentence: str = ""
-    task_tied: list[Candidate] = field(default_factory=list)
-    task_below: list[Candidate] = field(default_factory=list)
-    ppl_pick: Candidate | None = None
     agreement: list[dict] = field(default_factory=list)
     opposed: list[tuple[Candidate, Candidate]] = field(default_factory=list)
     beyond: list[str] = field(default_factory=list)
@@ -187,12 +179,17 @@ class BudgetVerdict:
 
 
 def needle_trials(records: Sequence[Record]) -> dict[tuple[str, str], Needle]:
-    """Pass-key trials per (policy as written, budget as written: `64` or `full`)."""
-    hits: dict[tuple[str, str], list[float]] = {}
+    """Pass-key trials per (policy as written, budget as written: `64` or `full`), each paired with the full
+    cache's trial of the same length, depth and seed where the run holds it."""
+    hits: dict[tuple[str, str], dict[tuple, float]] = {}
     for trial in task_records(records, "needle"):
         f = trial.fields
-        hits.setdefault((str(f["policy"]), str(f["budget"])), []).append(float(f["hit"]))
-    return {key: Needle(sum(values), len(values)) for key, values in hits.items()}
+        where = (f.get("length"), f.get("depth"), f.get("trial"), trial.key if f.get("trial") is None else None)
+        hits.setdefault((str(f["policy"]), str(f["budget"])), {})[where] = float(f["hit"])
+    full = hits.get(("full", "full"), {})
+    return {key: Needle(sum(found.values()), len(found),
+                        tuple((h, full[w]) for w, h in sorted(found.items(), key=lambda x: str(x[0])) if w in full))
+            for key, found in hits.items()}
 
 
 def needle_means(records: Sequence[Record]) -> dict[tuple[str, str], float]:
@@ -223,41 +220,122 @@ def _task_candidates(budget: str, tasks: dict[tuple[str, str], TaskScore]) -> li
             for (policy, label), score in tasks.items() if label == budget]
 
 
-def _collapse(c: Candidate, full_ppl: float | None, full_needle: Needle | None) -> str | None:
-    """Why `c` collapsed (its whole interval beyond the line), or None."""
-    if full_ppl:
-        low = c.ppl_interval.low if c.ppl_interval else c.ppl
-        if low >= COLLAPSE_PPL * full_ppl * (1 - 1e-9):  # exp(log(x)) may round x down in its last bit
-            return f"PPL {c.ppl / full_ppl:.1f}× full"
-    if c.needle is not None and full_needle is not None and full_needle.rate:
-        high = c.needle.interval.high if c.needle.interval else c.needle.rate
-        if high < COLLAPSE_NEEDLE * full_needle.rate:
-            return f"pass-key {c.needle.rate:.0%} vs full {full_needle.rate:.0%}"
-    if c.task is not None and c.task.full_rate and c.task.interval.high < COLLAPSE_NEEDLE * c.task.full_rate:
-        return f"tasks {c.task.rate:.0%} vs full {c.task.full_rate:.0%}"
+def _judged(c: Candidate, full: Blocks | None, tasks_stated: bool, tol: Tolerance) -> Candidate:
+    """`c` with its judgements against the full cache on every metric the run states, and the ones it lacks."""
+    found: list[tuple[str, Judgement]] = []
+    missing: list[str] = []
+    if not math.isnan(c.ppl):
+        j = judge_ppl(c.nll_blocks, full, tol)
+        found.append(("PPL", j)) if j else missing.append("PPL")
+        if tol.max_kl is not None:
+            j = judge_kl(c.kl_blocks, tol)
+            found.append(("KL", j)) if j else missing.append("KL")
+    if c.task is not None:
+        found.append(("tasks", judge_accuracy(c.task.scores, c.task.full_scores, tol)))
+    elif tasks_stated:
+        missing.append("tasks")
+    if c.needle is not None and c.needle.pairs:
+        found.append(("pass-key", judge_accuracy([p for p, _ in c.needle.pairs], [f for _, f in c.needle.pairs],
+                                                 tol)))
+    return replace(c, judgements=tuple(found), missing=tuple(missing))
+
+
+def _collapse(c: Candidate) -> str | None:
+    """Why `c` collapsed (a judgement's whole interval past the collapse line), or None."""
+    for label, j in c.judgements:
+        if j.metric == "ppl-ratio" and j.low >= COLLAPSE_PPL * (1 - 1e-9):
+            return f"PPL ratio [{j.low:.2f}, {j.high:.2f}] ≥ {COLLAPSE_PPL:g}"
+        full_rate = (c.task.full_rate if label == "tasks" else
+                     sum(f for _, f in c.needle.pairs) / len(c.needle.pairs) if label == "pass-key" else 0)
+        if j.metric == "accuracy-drop" and full_rate and j.low > (1 - COLLAPSE_NEEDLE) * full_rate:
+            return f"{label} below half of the full cache's {full_rate:.0%} (drop [{j.low:.2f}, {j.high:.2f}])"
     return None
 
 
-def _task_ahead(a: Candidate, b: Candidate) -> bool:
-    """The tasks separate a ahead of b: a's whole Wilson interval above b's (the rule `below_full` applies)."""
-    return a.task is not None and b.task is not None and a.task.interval.low > b.task.interval.high
+def _pair_outcome(a: Candidate, b: Candidate, tol: Tolerance) -> list[tuple[str, Judgement]]:
+    """a against b (how much a loses to b) on every metric both hold paired: PPL ratio a / b, task answers."""
+    out = []
+    j = judge_ppl(a.nll_blocks, b.nll_blocks, tol)
+    if j:
+        out.append(("PPL", j))
+    if a.task is not None and b.task is not None:
+        ua, ub = a.task.by_unit(), b.task.by_unit()
+        both = sorted(set(ua) & set(ub), key=lambda u: tuple(map(str, u)))
+        if both:
+            out.append(("tasks", judge_pair([ua[u] for u in both], [ub[u] for u in both], tol)))
+    return out
 
 
-def _ppl_ahead(a: Candidate, b: Candidate, by_kl: bool) -> bool:
-    """PPL (KL) separates a ahead of b: a ranks closer, and their paired difference excludes 0."""
-    return a.rank < b.rank and not _tied(a, b, by_kl)
+def _tied(a: Candidate, b: Candidate, tol: Tolerance) -> bool:
+    """Inside the tolerance of each other both ways on every metric both hold."""
+    found = _pair_outcome(a, b, tol) + _pair_outcome(b, a, tol)
+    return bool(found) and all(j.outcome == "inside" for _, j in found)
 
 
-def _tied(best: Candidate, other: Candidate, by_kl: bool) -> bool:
-    """True unless the paired interval of (other - best) excludes 0, on KL's blocks when both rows have them
-    (ranked by KL), else on NLL's (older records carry no per-window KL); no blocks at all: cannot be separated."""
-    a, b = (other.kl_blocks, best.kl_blocks) if by_kl else (None, None)
-    if a is None or b is None:
-        a, b = other.nll_blocks, best.nll_blocks
-    if a is None or b is None:
-        return True
-    found = paired_difference(a, b)
-    return found is None or found.contains(0.0)
+def _opposed(a: Candidate, b: Candidate, tol: Tolerance) -> bool:
+    """PPL shows b worse than a beyond the tolerance, the tasks show a worse than b beyond it."""
+    ppl = dict(_pair_outcome(b, a, tol)).get("PPL")
+    tasks = dict(_pair_outcome(a, b, tol)).get("tasks")
+    return ppl is not None and tasks is not None and ppl.outcome == tasks.outcome == "outside"
+
+
+def _judge(v: BudgetVerdict, full: Blocks | None) -> None:
+    """Fill `v` from its candidates: judgements, outcome lists, collapse, the recommendation, ties, opposed pairs."""
+    tol = v.tolerance
+    v.candidates = [_judged(c, full, v.has_tasks, tol) for c in v.candidates]
+    for c in v.candidates:
+        {"inside": v.inside, "undecided": v.undecided, "outside": v.outside}[c.outcome].append(c)
+        reason = _collapse(c) if c.outcome == "outside" else None
+        if reason:
+            v.collapsed.append((c, reason))
+        if c.heads_lost:
+            v.lost_sink.append(c)
+    if v.inside:
+        # past a degraded full cache every policy may be inside: then only those within the tolerance of the best
+        pool = [c for c in v.inside if c is v.inside[0] or not v.unsound_reference or _tied(c, v.inside[0], tol)]
+        v.recommended = min(pool, key=lambda c: (c.cost, c.rank))
+        v.tied = [c for c in v.candidates if c is not v.recommended and _tied(c, v.recommended, tol)]
+    if v.has_ppl and v.has_tasks:
+        v.opposed = [(a, b) for a in v.candidates for b in v.candidates if a is not b and _opposed(a, b, tol)]
+
+
+def verdict(records: Sequence[Record], tolerance: Tolerance | None = None) -> list[BudgetVerdict]:
+    """One `BudgetVerdict` per budget of the run, smallest budget first (budgets of tasks alone after those of
+    PPL, by their label: shares, then entries, largest first), judged against `tolerance` (default: `Tolerance()`)."""
+    tol = tolerance or Tolerance()
+    rows = ppl_records(records)
+    full = next((r for r in rows if r.kind == "full"), None)
+    full_ppl = full.ppl if full else None
+    full_blocks = blocks(full.curve, "ppl") if full else None
+    needle = needle_trials(records)
+    answers = ruler_records(records)
+    found = judged(answers)
+    tasks = found.scores
+    agreement = rank_agreement(rows, answers)
+    out_of_reach = sorted(f"{task}@{length} ({shape})" for shape, task, length in beyond(answers))
+    out = []
+    ppl_budgets = sorted({r.budget for r in rows if r.budget is not None and r.kind != "oracle"})
+    task_only = sorted({r.budget for r in answers if r.budget != "full" and r.shape == found.protocol}
+                       - {str(b) for b in ppl_budgets},
+                       key=budget_order)
+    for budget in [*ppl_budgets, *task_only]:
+        candidates = (_candidates(rows, budget, needle, tasks) if isinstance(budget, int)
+                      else _task_candidates(budget, tasks))
+        reason = _unsound_reference(full, candidates) if isinstance(budget, int) else None
+        if reason:
+            candidates = [replace(c, by_ppl=True) for c in candidates]
+        v = BudgetVerdict(budget, full_ppl if isinstance(budget, int) else None,
+                          sorted(candidates, key=lambda c: c.rank), tol, unsound_reference=reason)
+        if answers:
+            v.agreement = [a for a in agreement if a["budget"] == str(budget)]
+            v.beyond = out_of_reach
+            v.protocol = found.protocol
+            v.partial = [(policy, *counts) for (policy, label), counts in found.partial.items()
+                         if label == str(budget)]
+        _judge(v, full_blocks)
+        v.sentence = _sentence(v)
+        out.append(v)
+    return out
 
 
 def _unsound_reference(full: PplRecord | None, candidates: Sequence[Candidate]) -> str | None:
@@ -298,26 +376,33 @@ def _task_scores(c: Candidate) -> str:
     return f"tasks {c.task.text()} vs full {c.task.full_text()}"
 
 
-def _task_clause(v: BudgetVerdict) -> str:
-    """What the tasks say of the recommendation beside PPL's pick: agreement, or the disagreement, named."""
-    best, pick = v.recommended, v.ppl_pick
-    if not v.has_tasks or not v.has_ppl:
-        return ""
-    if best is pick:
-        if best.task is None:
-            return "; the run holds no task answers for it"
-        # "not told apart" is all the data can say: on few answers a large gap is still inside the noise
-        return f"; the tasks do not tell it apart from the full cache ({_task_scores(best)})"
-    why = ("it scores below the full cache on the tasks" if pick.task is not None and pick.task.below_full
-           else "it collapsed on the tasks")
-    return (f"; PPL and the tasks point at different policies: PPL alone would pick {pick.name}, but {why} "
-            f"({_task_scores(pick)}), while {best.name} is tied on both ({_task_scores(best)})")
+def _more_text(c: Candidate) -> str:
+    """What would decide an undecided policy: per straddling metric, the samples an estimate asks for."""
+    parts = []
+    for label, j in c.judgements:
+        if j.outcome != "undecided":
+            continue
+        if j.more_samples is None:
+            parts.append(f"no number of samples decides its {label} (the estimate sits on the limit)")
+        elif j.metric == "ppl-ratio" and c.nll_blocks is not None:
+            tokens = j.more_samples * float(c.nll_blocks.weights.mean())
+            parts.append(f"about {j.more_samples} more blocks of tokens ({tokens:,.0f} tokens) would decide its PPL")
+        else:
+            unit = {"tasks": "task answers", "pass-key": "pass-key trials"}.get(label, "blocks of tokens")
+            parts.append(f"about {j.more_samples} more {unit} would decide its {label}")
+    parts += [f"it has no paired {m} data to judge" for m in c.missing]
+    return "; ".join(parts)
+
+
+def _avoid_text(v: BudgetVerdict, skip: Candidate | None = None) -> str:
+    bad = dict((c.name, why) for c, why in v.collapsed)
+    named = [f"{c.name} (collapsed)" if c.name in bad else c.name for c in v.outside if c is not skip]
+    return f"; avoid {', '.join(named)} (outside the tolerance)" if named else ""
 
 
 def _sentence(v: BudgetVerdict) -> str:
-    """The recommendation: the cheapest policy tied with the closest that did not collapse (and, with tasks, not
-    below the full cache on them); if it lost token 0 somewhere, the closest one that kept it everywhere beside
-    it (or the advice to pin sinks)."""
+    """Ship the recommendation; else the closest undecided policy and what would decide it; else the closest
+    policy, shown outside. Then what to avoid, and token 0's fate for the one shipped."""
     if v.closest is None:
         if v.partial:
             return (f"At budget {v.budget} no policy answered every {v.protocol} answer the budget asks "
@@ -326,125 +411,38 @@ def _sentence(v: BudgetVerdict) -> str:
             return (f"At budget {v.budget} every task the run holds is beyond this model at its length (the full "
                     f"cache scores below {FLOOR:.0%}: {', '.join(v.beyond)}): the tasks cannot judge the policies.")
         return f"At budget {v.budget} the run holds no policy rows: nothing to recommend."
-    bad = {c.name for c, _ in v.collapsed}
-    if v.recommended is None and v.ppl_pick is not None:  # PPL names a policy, the tasks refuse every such one
-        pick = v.ppl_pick
-        tasks = _names(v.task_tied)
-        text = (f"At budget {v.budget} PPL and the tasks point at different policies: PPL alone would ship "
-                f"{pick.name} ({_scores(pick)}), but it scores below the full cache on the tasks "
-                f"({_task_scores(pick)}), and so does every policy PPL cannot tell from it; "
-                + (f"the tasks cannot tell {tasks} from the full cache, though PPL separates them from "
-                   f"{pick.name}" if tasks else "no policy holds the full cache's task accuracy: raise the budget"))
-        return text + (f"; avoid {', '.join(sorted(bad))} (collapsed)." if bad else ".")
-    below = [c for c in v.task_below if c.name not in bad]
-    if v.recommended is None:
-        if not v.has_ppl and below:
-            return (f"At budget {v.budget} every policy scored below the full cache on the tasks "
-                    f"({_names(below)}): raise the budget before shipping any of them"
-                    + (f"; avoid {', '.join(sorted(bad))} (collapsed)." if bad else "."))
-        return (f"At budget {v.budget} every policy collapsed ({_names([c for c, _ in v.collapsed])}): "
-                "raise the budget before shipping any of them.")
     best = v.recommended
-    if not v.has_ppl:  # tasks alone
-        text = f"At budget {v.budget} ship {best.name} ({_task_scores(best)})"
-        others = [c for c in v.tied if c is not best]
-        if others:
-            text += (f"; the tasks cannot tell it or {_names(others)} from the full cache, "
-                     f"and it is the cheapest ({_cost_text(best)})")
+    if best is None:
+        if v.undecided:
+            c = v.undecided[0]
+            text = (f"At budget {v.budget} nothing is shown inside the tolerance yet; undecided: {c.name} "
+                    f"({c.judged_text()}): {_more_text(c)}")
+            others = v.undecided[1:]
+            if others:
+                text += f"; also undecided: {_names(others)}"
         else:
-            text += f"; the only policy the tasks cannot tell from the full cache ({_cost_text(best)})"
-        if below:
-            text += f"; below the full cache on the tasks: {_names(below)}"
-        return text + (f"; avoid {', '.join(sorted(bad))} (collapsed)." if bad else ".")
-    full = f" vs {v.full_ppl:.2f} full" if v.full_ppl else ""
-    text = f"At budget {v.budget} ship {best.name} ({_scores(best)}{full})"
+            c = v.closest
+            text = (f"At budget {v.budget} nothing is shown inside the tolerance; closest is {c.name} "
+                    f"({c.judged_text()}): raise the budget")
+        return text + _avoid_text(v, skip=v.closest if not v.undecided else None) + "."
+    full = f" vs {v.full_ppl:.2f} full" if v.full_ppl and not math.isnan(best.ppl) else ""
+    scores = _scores(best) + full + "; " if not math.isnan(best.ppl) else ""
+    text = f"At budget {v.budget} ship {best.name} ({scores}{best.judged_text()}): inside the tolerance"
     if v.unsound_reference:
         text += f"; {v.unsound_reference}"
-    others = [c for c in v.tied if c is not best and c.name not in {b.name for b in below}]
+    others = [c for c in v.inside if c is not best]
     if others:
-        text += (f"; not told apart from it by the data: {_names(others)}, "
-                 f"and it is the cheapest ({_cost_text(best)})")
-    text += _task_clause(v)
+        text += f"; also inside: {_names(others)}, and it is the cheapest ({_cost_text(best)})"
     if best.heads_lost:
         text += f", but it lost token 0 on {best.heads_lost} of {best.heads} heads"
-        safe = [c for c in v.candidates if c.name not in bad]
-        keeper = next((c for c in safe if not c.heads_lost), None)
+        keeper = next((c for c in v.inside if not c.heads_lost), None)
         if keeper is None and best.preset:
             text += ": keep sinks with the engine's own option (the preset's keep or sink count, e.g. 4)"
         elif keeper is None:
             text += f": pin sinks (sinkN+{best.name})"
         else:
-            text += f"; the closest policy that kept it on every head is {keeper.name} ({_scores(keeper)})"
-    if bad:
-        text += f"; avoid {', '.join(sorted(bad))} (collapsed)"
-    return text + "."
-
-
-def _judge(v: BudgetVerdict, full_needle: Needle | None) -> None:
-    """Fill `v` from its candidates: collapse, ties (PPL's and the tasks'), the recommendation, the sentence."""
-    for c in v.candidates:
-        reason = _collapse(c, v.full_ppl, full_needle)
-        if reason:
-            v.collapsed.append((c, reason))
-        if c.heads_lost:
-            v.lost_sink.append(c)
-    bad = {c.name for c, _ in v.collapsed}
-    safe = [c for c in v.candidates if c.name not in bad]
-    v.task_below = [c for c in v.candidates if c.task is not None and c.task.below_full]
-    v.task_tied = [c for c in safe if c.task is not None and not c.task.below_full]
-    if not safe:
-        return
-    if not v.has_ppl:  # tasks alone: tied means not told from the full cache
-        v.tied = list(v.task_tied)
-        v.recommended = min(v.tied, key=lambda c: (c.cost, c.rank)) if v.tied else None
-        return
-    by_kl = all(c.kl is not None for c in safe) and v.unsound_reference is None
-    v.tied = [c for c in safe if c is safe[0] or _tied(safe[0], c, by_kl)]
-    v.ppl_pick = min(v.tied, key=lambda c: (c.cost, c.rank))
-    below = {c.name for c in v.task_below}
-    both = [c for c in v.tied if c.name not in below]
-    v.recommended = min(both, key=lambda c: (c.cost, c.rank)) if both else None
-    # the tasks' test first: it is a comparison of two intervals, PPL's a paired bootstrap
-    v.opposed = [(a, b) for a in v.candidates for b in v.candidates
-                 if _task_ahead(b, a) and _ppl_ahead(a, b, by_kl)]
-
-
-def verdict(records: Sequence[Record]) -> list[BudgetVerdict]:
-    """One `BudgetVerdict` per budget of the run, smallest budget first (budgets of tasks alone after those of
-    PPL, by their label: shares, then entries, largest first)."""
-    rows = ppl_records(records)
-    full = next((r for r in rows if r.kind == "full"), None)
-    full_ppl = full.ppl if full else None
-    needle = needle_trials(records)
-    full_needle = needle.get(("full", "full"))
-    answers = ruler_records(records)
-    found = judged(answers)
-    tasks = found.scores
-    agreement = rank_agreement(rows, answers)
-    out_of_reach = sorted(f"{task}@{length} ({shape})" for shape, task, length in beyond(answers))
-    out = []
-    ppl_budgets = sorted({r.budget for r in rows if r.budget is not None and r.kind != "oracle"})
-    task_only = sorted({r.budget for r in answers if r.budget != "full" and r.shape == found.protocol}
-                       - {str(b) for b in ppl_budgets},
-                       key=budget_order)
-    for budget in [*ppl_budgets, *task_only]:
-        candidates = (_candidates(rows, budget, needle, tasks) if isinstance(budget, int)
-                      else _task_candidates(budget, tasks))
-        reason = _unsound_reference(full, candidates) if isinstance(budget, int) else None
-        if reason:
-            candidates = [replace(c, by_ppl=True) for c in candidates]
-        v = BudgetVerdict(budget, full_ppl if isinstance(budget, int) else None,
-                          sorted(candidates, key=lambda c: c.rank), unsound_reference=reason)
-        if answers:
-            v.agreement = [a for a in agreement if a["budget"] == str(budget)]
-            v.beyond = out_of_reach
-            v.protocol = found.protocol
-            v.partial = [(policy, *counts) for (policy, label), counts in found.partial.items()
-                         if label == str(budget)]
-        _judge(v, full_needle)
-        v.sentence = _sentence(v)
-        out.append(v)
-    return out
+            text += f"; the closest policy inside the tolerance that kept it on every head is {keeper.name}"
+    return text + _avoid_text(v) + "."
 
 
 def _closest_text(v: BudgetVerdict) -> str:
@@ -467,21 +465,33 @@ def _needle_text(v: BudgetVerdict) -> str | None:
         parts.append(f"{c.name} {c.needle.hits:g}/{c.needle.trials}" + (f" {interval.text()}" if interval else ""))
     return "; ".join(parts)
 
-
 def _facts(v: BudgetVerdict) -> list[tuple[str, str]]:
-    """The budget's facts under its sentence: the rankings', then the policies left out of the tasks' ranking."""
+    """The budget's facts under its sentence: the judgements, the rankings', then the policies left out."""
     return _ranking_facts(v) + ([_partial_fact(v)] if v.partial else [])
+
+
+def _judgement_facts(v: BudgetVerdict) -> list[tuple[str, str]]:
+    facts = []
+    for outcome, found in (("inside", v.inside), ("undecided", v.undecided), ("outside", v.outside)):
+        if found:
+            facts.append((f"{outcome} the tolerance (paired 95% intervals)" if outcome != "undecided"
+                          else "undecided (paired 95% intervals straddle a limit)",
+                          "; ".join(f"{c.name}: {c.judged_text()}" for c in found)))
+    return facts
 
 
 def _ranking_facts(v: BudgetVerdict) -> list[tuple[str, str]]:
     collapsed = "; ".join(f"{c.name} ({why})" for c, why in v.collapsed) or "none"
     lost = "; ".join(f"{c.name} on {c.heads_lost} of {c.heads} heads" for c in v.lost_sink) or "none"
-    if not v.has_ppl:  # tasks alone: the closest by task rate, the collapsed, then the tasks' facts
-        return [("closest to full", _closest_text(v)), ("collapsed", collapsed)] + _task_facts(v)
+    tied = _names(v.tied) or "none"
+    if not v.has_ppl:  # tasks alone: the closest by task rate, the judgements, then the tasks' facts
+        return ([("closest to full", _closest_text(v))] + _judgement_facts(v)
+                + [("tied with the one shipped (inside the tolerance both ways)", tied),
+                   ("collapsed", collapsed)] + _task_facts(v))
     first = "lowest PPL (the full cache is worse)" if v.unsound_reference else "closest to full"
-    facts = [(first, _closest_text(v)),
-             ("tied with it (paired 95% block bootstrap)", _names(v.tied[1:]) or "none"),
-             ("collapsed", collapsed), ("lost token 0", lost)]
+    facts = [(first, _closest_text(v))] + _judgement_facts(v)
+    facts += [("tied with the one shipped (inside the tolerance both ways)", tied),
+              ("collapsed", collapsed), ("lost token 0", lost)]
     note = next((c.layers_note for c in v.candidates if c.layers_note), None)
     if note:
         facts.append(("not counted", note))
@@ -504,17 +514,15 @@ def _task_facts(v: BudgetVerdict) -> list[tuple[str, str]]:
     found = [c for c in v.candidates if c.task is not None]
     full = found[0].task.full_text() if found else "-"
     facts = [(f"RULER answers within reach ({v.protocol}; hits/answers, 95% Wilson interval)",
-              "; ".join(f"{c.name} {c.task.text()}" for c in found) + f"; full {full} (on the same answers)"),
-             ("not told apart from the full cache on the tasks", _names(v.task_tied) or "none"),
-             ("below the full cache on the tasks", _names(v.task_below) or "none")]
+              "; ".join(f"{c.name} {c.task.text()}" for c in found) + f"; full {full} (on the same answers)")]
     if v.agreement:
         rho = "; ".join(f"{a['protocol']}: " + ("n/a (no spread)" if a["rho"] is None else f"{a['rho']:+.2f}")
                         + f" over {len(a['policies'])} policies" for a in v.agreement)
         opposed = "; ".join(f"PPL ranks {a.name} ahead of {b.name}, the tasks {b.name} ahead of {a.name}"
                             for a, b in v.opposed)
         facts.append(("PPL vs task ranking (Spearman ρ)", rho + (f"; they disagree: {opposed}" if opposed else
-                                                                   "; no pair is ranked in opposite orders "
-                                                                   "by both measures' data")))
+                                                                   "; no pair is shown in opposite orders "
+                                                                   "beyond the tolerance by both measures")))
     if v.beyond:
         facts.append((f"beyond this model at this length (full cache below {FLOOR:.0%}; left out)",
                       ", ".join(v.beyond)))
@@ -522,8 +530,10 @@ def _task_facts(v: BudgetVerdict) -> list[tuple[str, str]]:
 
 
 def markdown(verdicts: Sequence[BudgetVerdict], title: str = "Verdict") -> str:
-    """The verdict as Markdown under `## title`: one bullet list per budget, the sentence first."""
+    """The verdict as Markdown under `## title`: the tolerance, then one bullet list per budget, the sentence first."""
     lines = [f"## {title}", ""]
+    if verdicts:
+        lines += [f"Tolerance: {verdicts[0].tolerance.describe()}.", ""]
     for v in verdicts:
         lines.append(f"**Budget {v.budget}.** {v.sentence}")
         lines.append("")
@@ -536,8 +546,11 @@ def markdown(verdicts: Sequence[BudgetVerdict], title: str = "Verdict") -> str:
 
 
 def section_html(verdicts: Sequence[BudgetVerdict]) -> str:
-    """The verdict as HTML: per budget the sentence in bold, then the facts; how it decides at the end."""
+    """The verdict as HTML: the tolerance, per budget the sentence in bold, then the facts; how it decides at the
+    end."""
     parts = []
+    if verdicts:
+        parts.append(f'<p class="tolerance">Tolerance: {html.escape(verdicts[0].tolerance.describe())}.</p>')
     for v in verdicts:
         items = "".join(f"<li>{html.escape(label)}: {html.escape(text)}</li>" for label, text in _facts(v))
         parts.append(f'<div class="verdict" data-budget="{v.budget}"><p><strong>{html.escape(v.sentence)}'
