@@ -18,10 +18,11 @@ from .verdict import markdown as verdict_markdown
 from .verdict import verdict
 
 
-def run_markdown(records: Sequence[Record], title: str = "Verdict") -> str:
-    """One run: its verdict under `## title`, the summary table, then the sink and per-layer tables it holds."""
+def run_markdown(records: Sequence[Record], title: str = "Verdict", notes: Sequence[str] = ()) -> str:
+    """One run: its verdict under `## title`, what it left out (`notes`, `runs.run_notes`), the summary
+    table, then the sink and per-layer tables it holds."""
     rows = ppl_records(records)
-    parts = [verdict_markdown(verdict(records), title)]
+    parts = [verdict_markdown(verdict(records), title)] + [f"Note: {note}." for note in notes]
     if rows:  # a run of tasks alone has no perplexity table (as in the HTML report)
         parts.append(summary_table(rows).markdown())
     parts += [extra.markdown() for extra in (sinks_table(rows), layer_budget_table(rows)) if extra]
@@ -37,5 +38,5 @@ def compare_markdown(runs: Sequence[Run]) -> str:
     measured = [f"- {name}: `{run.folder}`, {run.measured_on()} · {run.tokenization()}"
                 for name, run in zip(names, runs)]
     parts = ["## Side by side", "\n".join(measured), compare_table(runs, names).markdown()]
-    parts += [run_markdown(run.records, f"Verdict: {name}") for name, run in zip(names, runs)]
+    parts += [run_markdown(run.records, f"Verdict: {name}", run.notes()) for name, run in zip(names, runs)]
     return "\n\n".join(parts)
