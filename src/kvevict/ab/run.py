@@ -16,16 +16,16 @@ import json
 from dataclasses import asdict
 
 from ..data import load_tokens, stream_start
-from ..errors import KvevictError
-from ..eval.oracle import oracle_refusal
-from ..loading import load_model, load_tokenizer
+from ..eval.oracle import oracle_undefined
+from ..files import atomic_write
+from ..loading import load_config, load_model, load_tokenizer
 from ..progress import bars
 from ..report.records import Record, load
 from ..report.store import ResultStore
 from . import tasks
 from .executors import Executor, LocalExecutor, WorkerSpec
 from .folder import open_run_folder
-from .plan import SweepConfig, plan
+from .plan import SweepConfig, plan, settle
 from .worker import batches
 
 
@@ -42,7 +42,16 @@ def record_stream_start(config: SweepConfig, tokenizer) -> None:
     ids = stream_start(tokenizer)
     data["config"]["stream_start"] = tokenizer.decode(ids) if ids else ""
     data["config"]["stream_start_ids"] = ids
-    meta.write_text(json.dumps(data, indent=2))
+    atomic_write(meta, json.dumps(data, indent=2))
+
+
+def settle_for(config: SweepConfig, model, tokenizer, allow_download: bool = False) -> SweepConfig:
+    """`config` settled (`plan.settle`) for its model: whether the tokenizer adds BOS, and whether the
+    recompute oracle is defined there, read off the loaded model or else its config (no weights)."""
+    undefined = None
+    if config.oracle_stride != 0:
+        undefined = oracle_undefined(model if model is not None else load_config(config.model, allow_download))
+    return settle(config, bool(stream_start(tokenizer)), undefined)
 
 
 def run_sweep(
@@ -58,6 +67,9 @@ def run_sweep(
     `device`: where a model this run loads goes (`cpu`, `cuda`); a given `model` stays where it is.
     """
     executor = executor or LocalExecutor()
+    plan(config)  # every spec, budget and the run name, before anything is read
+    tokenizer = tokenizer or load_tokenizer(config.model, allow_download)
+    config = settle_for(config, model, tokenizer, allow_download)
     cells = plan(config)
     store = prepare_folder(config)
     done = store.done()
@@ -65,12 +77,7 @@ def run_sweep(
     task_kinds = tasks.pending(config, done)
     if model is None and todo and executor.in_process:  # one model for the cells and the tasks
         model, tokenizer = load_model(config.model, device=device, allow_download=allow_download)
-    if model is not None and any(c.kind == "oracle" for b in todo for c in b.cells):
-        refusal = oracle_refusal(model)  # before any batch runs (a Ray worker refuses it in its batch)
-        if refusal:
-            raise KvevictError(refusal)
-    # the loaded model's tokenizer when there is one (GGUF tokenizers take seconds to read twice)
-    record_stream_start(config, tokenizer or load_tokenizer(config.model, allow_download))
+    record_stream_start(config, tokenizer)
     if todo:
         with executor.session(), bars(progress) as bar:
             sweep_task = bar.add_task(f"sweep {config.name}: cells", total=len(cells),

@@ -10,13 +10,14 @@ from pathlib import Path
 
 import typer
 
-from ..defaults import DEFAULT_CHUNK
+from ..defaults import DEFAULT_CHUNK, DEFAULT_ORACLE_STRIDE
 from ..errors import KvevictError
 from .common import (
     CHUNK_HELP,
     DEVICE_HELP,
     DOWNLOAD_HELP,
     MODEL_HELP,
+    POSITIONS_HELP,
     check_device,
     check_positions,
     err,
@@ -58,7 +59,8 @@ def run_ab(config, allow_download: bool = False, executor=None, device: str = "c
     from ..report.verdict import verdict
 
     check_device(device)
-    check_positions(config.positions)
+    if config.positions is not None:
+        check_positions(config.positions)
     tolerance = tolerance or Tolerance()
     executor = executor or LocalExecutor()
     # run_sweep checks every spec, budget and the run name (plan) before any model is loaded
@@ -68,11 +70,13 @@ def run_ab(config, allow_download: bool = False, executor=None, device: str = "c
     run = load_run(config.folder)
     records = run.records
     report = _render_run(run, config.folder / "report.html")
-    title = f"kvevict A/B: {config.model} on {config.text}, {config.tokens} tokens, {config.positions}"
+    title = f"kvevict A/B: {config.model} on {config.text}, {config.tokens} tokens, {run.config.get('positions')}"
     show(summary_table(ppl_records(records)), title)
     print(f"tolerance: {tolerance.describe()}")
     for found in verdict(records, tolerance):
         print(found.sentence)
+    for note in run.notes():
+        print(f"Note: {note}.")
     for batch, reason in executor.failed:
         cells = ", ".join(c.label for c in batch.cells)
         err.print(f"failed: {batch.name} ({cells}): {reason}; rerun the same command to finish it",
@@ -110,9 +114,12 @@ def ab(
     budgets: str = typer.Option("64,128,256", help="comma-separated budgets"),
     policies: str = typer.Option("window,streamingllm,h2o,snapkv", help="comma-separated policy specs"),
     sinks: str = typer.Option("", help="sink counts K: adds sinkK+window at each budget, e.g. 0,1,2,4,8"),
-    oracle_stride: int = typer.Option(8, help="the recompute oracle scores every K-th token (0: no oracle; "
-                                      "hybrid models such as gemma3-270m need 0)"),
-    positions: str = typer.Option("original", help="original | cache"),
+    oracle_stride: int | None = typer.Option(
+        None, show_default=False,
+        help=f"the recompute oracle scores every K-th token (default {DEFAULT_ORACLE_STRIDE}; 0: no oracle). "
+        "Where it is not defined (hybrid models such as gemma3-270m) the default leaves it out "
+        "and the report says why; a stride given there is refused"),
+    positions: str | None = typer.Option(None, show_default=False, help=POSITIONS_HELP),
     chunk: str = typer.Option(str(DEFAULT_CHUNK), help=CHUNK_HELP),
     seed: int = typer.Option(0, help="seed of random policies (recorded in every result)"),
     name: str = typer.Option("ab", help="run name, one folder name: results go to OUT/NAME"),
@@ -189,7 +196,8 @@ def report(
     if len(loaded) == 1:
         run = loaded[0]
         path = _render_run(run, target or run.folder / "report.html")
-        text = run_markdown(run.records, tolerance=tolerance_from(*given, run.config.get("tolerance")))
+        text = run_markdown(run.records, tolerance=tolerance_from(*given, run.config.get("tolerance")),
+                            notes=run.notes())
     else:
         for run in loaded:
             _note_skipped(run)

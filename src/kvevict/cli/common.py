@@ -17,6 +17,7 @@ import typer
 from rich.console import Console
 
 from ..errors import KvevictError
+from ..files import atomic_write
 
 err = Console(stderr=True)
 
@@ -26,6 +27,7 @@ R = TypeVar("R")
 MODEL_HELP = "embedded name, local directory or HF id (resolved offline unless --allow-download)"
 DOWNLOAD_HELP = "let an HF id that is not in the local cache be downloaded (off: fail at once, no network)"
 DEVICE_HELP = "where the model runs: cpu, or cuda (cuda:N) where torch sees a CUDA device"
+POSITIONS_HELP = "original | cache (StreamingLLM's position shift); default: an engine preset's own, else original"
 
 
 def fail(message: str) -> NoReturn:
@@ -129,7 +131,7 @@ def save_json(path: str | None, data: dict) -> None:
     if path:
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(json.dumps(data, indent=1))
+        atomic_write(target, json.dumps(data, indent=1))
 
 
 def max_ppl_ratio_option():
@@ -157,3 +159,21 @@ def tolerance_from(max_ppl_ratio: float | None, max_accuracy_drop: float | None,
     return Tolerance(base.max_ppl_ratio if max_ppl_ratio is None else max_ppl_ratio,
                      base.max_accuracy_drop if max_accuracy_drop is None else max_accuracy_drop,
                      base.max_kl if max_kl is None else max_kl, base.confidence)
+
+
+def settle_specs(specs: list[str], budget: int | None, positions: str | None,
+                 tokenizer=None) -> tuple[list[str], str]:
+    """`specs` and the position mode they run in, each checked at `budget`: `positions` when the user gave
+    it, else the engine presets' own (`policies.engine_defaults`); with the model's `tokenizer`, a preset
+    option that reads the model (llama.cpp's add-BOS) written out. Called once before anything loads
+    (no tokenizer: refuse early) and again once the tokenizer is read."""
+    from ..data import stream_start
+    from ..policies.engine_defaults import run_positions, with_stream_start
+
+    if positions:
+        check_positions(positions)
+    if tokenizer is not None:
+        specs = with_stream_start(list(specs), bool(stream_start(tokenizer)))
+    mode = run_positions(list(specs), positions or None)
+    check_policies(list(specs), budget, mode)
+    return list(specs), mode

@@ -17,18 +17,22 @@ from .common import (
     DEVICE_HELP,
     DOWNLOAD_HELP,
     MODEL_HELP,
+    POSITIONS_HELP,
     check_device,
-    check_positions,
     err,
     max_accuracy_drop_option,
     max_kl_option,
     max_ppl_ratio_option,
     one_line_errors,
     parse_numbers,
+    settle_specs,
     split_specs,
     tolerance_from,
 )
 from .tables import show
+
+#: seeded samples per RULER task and length unless --samples says otherwise (a --qa file: every line)
+RULER_SAMPLES = 10
 
 
 @one_line_errors
@@ -36,7 +40,8 @@ def ruler(
     tasks: str = typer.Option("niah_single_1,niah_single_2,niah_multikey_1",
                               help="RULER tasks (comma-separated), 'niah' for the 8 needle tasks, or 'all'"),
     lengths: str = typer.Option("1000", help="prompt lengths in the model's tokens, answer included"),
-    samples: int = typer.Option(10, help="seeded samples per task and length (QA: the file's first N lines)"),
+    samples: int | None = typer.Option(None, show_default=False, help=f"seeded samples per task and length (default "
+                                       f"{RULER_SAMPLES}); with --qa the file's first N lines (default: every line)"),
     policies: str = typer.Option("window,streamingllm,h2o,snapkv", help="comma-separated specs; full runs first"),
     budgets: str = typer.Option("50%,25%", help="entries or shares of the compressed context"),
     protocol: str = typer.Option("agnostic", help="agnostic | aware | stream | multi"),
@@ -48,7 +53,7 @@ def ruler(
     model: str = typer.Option("smollm2-135m", help=MODEL_HELP),
     text: str = typer.Option("pg-essays", help="essay haystack: embedded name, .txt file, folder or .jsonl"),
     seed: int = typer.Option(0, help="seed of every sample"),
-    positions: str = typer.Option("original", help="original | cache"),
+    positions: str | None = typer.Option(None, show_default=False, help=POSITIONS_HELP),
     max_new_tokens: int = typer.Option(0, help="cap on answer tokens (0: RULER's answer length per task)"),
     as_json: bool = typer.Option(False, "--json", help="print {'cells': [...]} as the last line"),
     allow_download: bool = typer.Option(False, "--allow-download", help=DOWNLOAD_HELP),
@@ -70,19 +75,21 @@ def ruler(
     from ..report.verdict import verdict
 
     check_device(device)
-    check_positions(positions)
     tolerance = tolerance_from(max_ppl_ratio, max_accuracy_drop, max_kl)
     specs = split_specs(policies)
     if not specs:
         raise KvevictError("--policies is empty: give comma-separated specs such as window,h2o,snapkv")
+    specs, positions = settle_specs(specs, None, positions)
     if max_new_tokens < 0:
         raise KvevictError(f"--max-new-tokens must be 0 (RULER's) or positive, got {max_new_tokens}")
+    rows = tuple(load_qa(qa)) if qa else ()
     grid = RulerGrid(
         tasks=parse_tasks(tasks) if not qa else ["qa"],
         lengths=parse_numbers(lengths, "--lengths", int, "ints") if not qa else [0],
-        samples=samples, policies=specs, budgets=[parse_budget(b) for b in split_specs(budgets)],
+        samples=samples if samples is not None else (len(rows) if qa else RULER_SAMPLES), policies=specs,
+        budgets=[parse_budget(b) for b in split_specs(budgets)],
         protocol=protocol, form=form, seed=seed, positions=positions, text=text,
-        qa=QaFile(tuple(load_qa(qa))) if qa else None, max_new_tokens=max_new_tokens or None,
+        qa=QaFile(rows) if qa else None, max_new_tokens=max_new_tokens or None,
     )
     grid.check()
     run = RulerRun(name, out_dir, model, grid, qa or None)
@@ -90,6 +97,7 @@ def ruler(
     from ..loading import load_model
 
     lm, tokenizer = load_model(model, device=device, allow_download=allow_download)
+    grid.policies, _ = settle_specs(specs, None, positions, tokenizer)
     if not getattr(tokenizer, "chat_template", None):
         err.print(f"note: '{model}' has no chat template; RULER's plain template is used")
     records = run_ruler(run, lm, tokenizer)

@@ -14,12 +14,12 @@ from .common import (
     DEVICE_HELP,
     DOWNLOAD_HELP,
     MODEL_HELP,
+    POSITIONS_HELP,
     check_device,
-    check_policies,
-    check_positions,
     err,
     one_line_errors,
     parse_chunk,
+    settle_specs,
     split_specs,
 )
 from .tables import show
@@ -54,7 +54,7 @@ def ppl(
     tokens: int = typer.Option(2000, help="stream length N: tokens 2..N are scored"),
     policy: str = typer.Option("streamingllm", help="policy spec, e.g. sink4+h2o:recent=0.5"),
     budget: int = typer.Option(256, help="entries kept per layer and KV head"),
-    positions: str = typer.Option("original", help="original | cache (StreamingLLM position shift)"),
+    positions: str | None = typer.Option(None, show_default=False, help=POSITIONS_HELP),
     repeat: bool = typer.Option(False, help="cycle the text if it is shorter than --tokens"),
     window: int = typer.Option(0, help="also report PPL per window of this many predictions"),
     chunk: str = typer.Option(str(DEFAULT_CHUNK), help=CHUNK_HELP),
@@ -68,12 +68,13 @@ def ppl(
     from ..loading import load_model, load_tokenizer
 
     check_device(device)
-    check_positions(positions)
-    check_policies([policy], budget, positions)
+    settle_specs([policy], budget, positions)
     chunk_size = parse_chunk(chunk)
     if tokens < 2:
         raise KvevictError(f"need at least 2 tokens to score a prediction, got --tokens {tokens}")
-    ids, repeated = load_tokens(text, load_tokenizer(model, allow_download), tokens, repeat=repeat)
+    tokenizer = load_tokenizer(model, allow_download)
+    (policy,), positions = settle_specs([policy], budget, positions, tokenizer)
+    ids, repeated = load_tokens(text, tokenizer, tokens, repeat=repeat)
     lm, _ = load_model(model, device=device, allow_download=allow_download)
     if repeated:
         err.print(f"note: '{text}' is shorter than {tokens} tokens; it was repeated to fill the stream")
@@ -98,7 +99,7 @@ def compare(
     tokens: int = typer.Option(2000),
     policies: str = typer.Option("window,streamingllm", help="comma-separated specs, run as rows of one batch"),
     budget: int = typer.Option(256),
-    positions: str = typer.Option("original"),
+    positions: str | None = typer.Option(None, show_default=False, help=POSITIONS_HELP),
     chunk: str = typer.Option(str(DEFAULT_CHUNK), help=CHUNK_HELP),
     as_json: bool = typer.Option(False, "--json"),
     allow_download: bool = typer.Option(False, "--allow-download", help=DOWNLOAD_HELP),
@@ -110,12 +111,13 @@ def compare(
 
     check_device(device)
     specs = split_specs(policies)
-    check_positions(positions)
     if not specs:
         raise KvevictError("--policies is empty: give comma-separated specs such as window,streamingllm")
-    check_policies(specs, budget, positions)
+    settle_specs(specs, budget, positions)
     chunk_size = parse_chunk(chunk)
-    ids, _ = load_tokens(text, load_tokenizer(model, allow_download), tokens)
+    tokenizer = load_tokenizer(model, allow_download)
+    specs, positions = settle_specs(specs, budget, positions, tokenizer)
+    ids, _ = load_tokens(text, tokenizer, tokens)
     lm, _ = load_model(model, device=device, allow_download=allow_download)
     rows, full = _compare_in_batches(lm, ids, specs, budget, positions, chunk_size)
     note_unreached(budget, ids.numel())

@@ -17,13 +17,13 @@ from .common import (
     DEVICE_HELP,
     DOWNLOAD_HELP,
     MODEL_HELP,
+    POSITIONS_HELP,
     check_device,
-    check_policies,
-    check_positions,
     err,
     one_line_errors,
     parse_numbers,
     save_json,
+    settle_specs,
     split_specs,
 )
 from .tables import show
@@ -39,13 +39,13 @@ def _budgets(text: str) -> list:
     return [parse_budget(part) for part in split_specs(text)]
 
 
-def _specs(text: str, positions: str = "original") -> list[str]:
-    """The `--policies` of a task: parsed now; their budgets are checked against each prompt later."""
+def _specs(text: str, positions: str | None = None, tokenizer=None) -> tuple[list[str], str]:
+    """The `--policies` of a task and their position mode (`settle_specs`): parsed now; their budgets are
+    checked against each prompt later."""
     specs = split_specs(text)
     if not specs:
         raise KvevictError("--policies is empty: give comma-separated specs such as full,streamingllm,h2o")
-    check_policies(specs, None, positions)
-    return specs
+    return settle_specs(specs, None, positions, tokenizer)
 
 
 def _note_plain_prompt(chat: bool, model: str) -> None:
@@ -63,7 +63,7 @@ def needle(
     policies: str = typer.Option("full,streamingllm,h2o,snapkv", help="comma-separated specs; full runs once"),
     budgets: str = typer.Option("50%,25%,10%", help="entries or percentages of the compressed context"),
     seed: int = typer.Option(0, help="seed of keys and haystack offsets"),
-    positions: str = typer.Option("original", help="original | cache"),
+    positions: str | None = typer.Option(None, show_default=False, help=POSITIONS_HELP),
     question_after: bool = typer.Option(False, help="compress only the haystack; read the question after (kvpress)"),
     save: str = typer.Option("", help="also write every trial's record to this JSON file"),
     as_json: bool = typer.Option(False, "--json", help="print {'cells': [...]} as the last line"),
@@ -76,13 +76,13 @@ def needle(
     from ..report.tables import needle_grid
 
     check_device(device)
-    check_positions(positions)
     length_list = _numbers(lengths, "--lengths", int)
     depth_list = _numbers(depths, "--depths", float)
     check_grid(length_list, depth_list, trials)
-    specs = _specs(policies, positions)
+    _specs(policies, positions)
     budget_list = _budgets(budgets)
     lm, tokenizer = load_model(model, device=device, allow_download=allow_download)
+    specs, positions = _specs(policies, positions, tokenizer)
     result = run_needle(
         lm, tokenizer, length_list, depth_list, trials, specs, budget_list, seed, text, positions, question_after
     )
@@ -105,7 +105,7 @@ def generation(
     budgets: str = typer.Option("25%", help="entries or percentages of the prompt"),
     max_new_tokens: int = typer.Option(48, help="tokens generated per answer"),
     seed: int = typer.Option(0),
-    positions: str = typer.Option("original", help="original | cache"),
+    positions: str | None = typer.Option(None, show_default=False, help=POSITIONS_HELP),
     chat: bool = typer.Option(True, help="ask through the chat template, stop at the end of the turn"),
     save: str = typer.Option("", help="also write every output's record to this JSON file"),
     as_json: bool = typer.Option(False, "--json", help="print {'rows': [...]} as the last line"),
@@ -118,12 +118,12 @@ def generation(
     from ..report.tables import generation_table
 
     check_device(device)
-    check_positions(positions)
     if trials < 1:
         raise KvevictError(f"--trials must be at least 1, got {trials}")
-    specs = _specs(policies, positions)
+    _specs(policies, positions)
     budget_list = _budgets(budgets)
     lm, tokenizer = load_model(model, device=device, allow_download=allow_download)
+    specs, positions = _specs(policies, positions, tokenizer)
     result = run_generation(
         lm, tokenizer, specs, budget_list, length, trials, max_new_tokens, seed, text, positions, chat
     )

@@ -22,22 +22,28 @@ from .streaming import Reference, RowResult
 TOKENS_PER_BATCH = 4096
 
 
-def oracle_refusal(model) -> str | None:
-    """Why the oracle is not defined for `model`, or None.
+def oracle_undefined(model_or_config) -> str | None:
+    """Why the oracle is not defined for a model (or its config), or None.
 
     On a hybrid model (Gemma 3) eviction bounds only the full-attention layers and the
     sliding layers keep the model's own window; re-computing from the last `budget`
     tokens would bound every layer, so it would not be the oracle of the policies beside it.
+    Takes a config too, so a sweep decides before any weights load.
     """
-    config = model.config.get_text_config()
+    config = getattr(model_or_config, "config", model_or_config).get_text_config()
     kinds = getattr(config, "layer_types", None) or []
     if "sliding_attention" in kinds:
         window = getattr(config, "sliding_window", None)
-        return (f"the recompute oracle is not defined on this hybrid model: eviction bounds its "
-                f"{kinds.count('full_attention')} full-attention layers while its {kinds.count('sliding_attention')} "
-                f"sliding layers keep their own window of {window}, and re-computing from the last budget tokens "
-                "would bound them all; rerun with --oracle-stride 0")
+        return (f"not defined on this hybrid model: eviction bounds its {kinds.count('full_attention')} "
+                f"full-attention layers while its {kinds.count('sliding_attention')} sliding layers keep their own "
+                f"window of {window}, and re-computing from the last budget tokens would bound them all")
     return None
+
+
+def oracle_refusal(model) -> str | None:
+    """The one-line refusal of the oracle on `model` (see `oracle_undefined`), or None."""
+    why = oracle_undefined(model)
+    return f"the recompute oracle is {why}; rerun with --oracle-stride 0" if why else None
 
 
 def recompute_oracle(

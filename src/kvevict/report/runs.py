@@ -40,6 +40,16 @@ class Run:
         """What the stream starts with before the text (recorded by the sweep; older runs did not)."""
         return stream_start_label(self.config)
 
+    def notes(self) -> list[str]:
+        """What the run left out of its defaults, and why (see `run_notes`)."""
+        return run_notes(self.config)
+
+
+def run_notes(config: dict) -> list[str]:
+    """`run.json`'s sentences on default rows the run left out, and why (the recompute oracle on a
+    hybrid model): every view of the report shows them, so a missing row is never a silent one."""
+    return [config["oracle_left_out"]] if config.get("oracle_left_out") else []
+
 
 def stream_start_label(config: dict) -> str:
     """`run.json`'s record of the stream's start, in words: "stream starts with <bos>", "no BOS"."""

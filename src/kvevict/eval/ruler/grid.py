@@ -13,11 +13,13 @@ memory stays flat in the sample count.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from ...data import stream_start
 from ...errors import KvevictError
 from ...policies import check_policy, shared_batches
 from ...policies.budget import Budget, budget_label, parse_budget, resolve_budget
+from ...policies.engine_defaults import with_stream_start
 from .framing import framing
 from .protocols import answer_budgets, check_aware, check_protocol, full_shares_prefill, reads_question
 from .qa import QaFile
@@ -185,7 +187,9 @@ def _keys(grid: RulerGrid, prompt: Prompt, specs: list[str], budget: Budget, que
 def run_grid(model, tokenizer, grid: RulerGrid, done: set[str] = frozenset(),
              on_records: Callable[[list[dict]], None] | None = None, limit: int | None = None,
              on_skip: Callable[[], None] | None = None) -> list[dict]:
-    """Answer every prompt of the grid with every batch; returns the new records (also given to `on_records`)."""
+    """Answer every prompt of the grid with every batch; returns the new records (also given to `on_records`).
+    A preset option that reads the model (llama.cpp's add-BOS) is read from `tokenizer` here."""
+    grid = replace(grid, policies=with_stream_start(list(grid.policies), bool(stream_start(tokenizer))))
     preflight(grid, tokenizer, limit)
     plan = grid.batches()
     metric = grid.qa.metric if grid.qa is not None else None
