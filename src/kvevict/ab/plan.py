@@ -21,6 +21,7 @@ from ..report.records import cell_key
 @dataclass
 class SweepConfig:
     model: str = "smollm2-135m"
+    dtype: str = "float32"  # what the model and its KV cache are held in (`loading.dtypes`)
     text: str = "pg-essays"
     tokens: int = 2000
     budgets: list[int] = field(default_factory=lambda: [64, 128, 256])
@@ -50,7 +51,8 @@ class SweepConfig:
 
     def identity(self) -> dict:
         """What the results depend on: a rerun must match it to reuse finished cells."""
-        return {"model": self.model, "text": self.text, "tokens": self.tokens, "positions": self.positions}
+        return {"model": self.model, "dtype": self.dtype, "text": self.text, "tokens": self.tokens,
+                "positions": self.positions}
 
 
 def ruler_grid(config: SweepConfig) -> RulerGrid:

@@ -19,6 +19,7 @@ from ..data import load_tokens, stream_start
 from ..errors import KvevictError
 from ..eval.oracle import oracle_refusal
 from ..loading import load_model, load_tokenizer
+from ..loading.dtypes import dtype_name
 from ..progress import bars
 from ..report.records import Record, load
 from ..report.store import ResultStore
@@ -58,13 +59,16 @@ def run_sweep(
     `device`: where a model this run loads goes (`cpu`, `cuda`); a given `model` stays where it is.
     """
     executor = executor or LocalExecutor()
+    if model is not None and dtype_name(model.dtype) != config.dtype:
+        raise KvevictError(f"the model given is held in {model.dtype}, the sweep says dtype '{config.dtype}': "
+                           f"pass SweepConfig(dtype='{dtype_name(model.dtype)}') so its records name what ran")
     cells = plan(config)
     store = prepare_folder(config)
     done = store.done()
     todo = batches(config, [c for c in cells if c.key not in done])
     task_kinds = tasks.pending(config, done)
     if model is None and todo and executor.in_process:  # one model for the cells and the tasks
-        model, tokenizer = load_model(config.model, device=device, allow_download=allow_download)
+        model, tokenizer = load_model(config.model, device=device, allow_download=allow_download, dtype=config.dtype)
     if model is not None and any(c.kind == "oracle" for b in todo for c in b.cells):
         refusal = oracle_refusal(model)  # before any batch runs (a Ray worker refuses it in its batch)
         if refusal:
@@ -83,7 +87,8 @@ def run_sweep(
             executor.run(WorkerSpec(config, allow_download, model, tokenizer, device), todo, finished, bar)
     if task_kinds:  # the protocols beyond perplexity run in this process, whatever the executor
         if model is None:
-            model, tokenizer = load_model(config.model, device=device, allow_download=allow_download)
+            model, tokenizer = load_model(config.model, device=device, allow_download=allow_download,
+                                          dtype=config.dtype)
         tokens, _ = load_tokens(config.text, tokenizer, config.tokens)
         with bars(progress) as bar:
             tasks.run(config, model, tokenizer, tokens, store, task_kinds, bar)

@@ -16,8 +16,10 @@ from .common import (
     CHUNK_HELP,
     DEVICE_HELP,
     DOWNLOAD_HELP,
+    DTYPE_HELP,
     MODEL_HELP,
     check_device,
+    check_dtype,
     check_positions,
     err,
     one_line_errors,
@@ -60,7 +62,7 @@ def run_ab(config, allow_download: bool = False, executor=None, device: str = "c
     run = load_run(config.folder)
     records = run.records
     report = _render_run(run, config.folder / "report.html")
-    title = f"kvevict A/B: {config.model} on {config.text}, {config.tokens} tokens, {config.positions}"
+    title = f"kvevict A/B: {config.model} ({config.dtype}) on {config.text}, {config.tokens} tokens, {config.positions}"
     show(summary_table(ppl_records(records)), title)
     for found in verdict(records):
         print(found.sentence)
@@ -124,13 +126,17 @@ def ab(
     workers: int = typer.Option(2, help="--executor ray: Ray workers, each loads the model once"),
     retries: int = typer.Option(2, help="--executor ray: times a batch whose worker died is run again"),
     device: str = typer.Option("cpu", help=DEVICE_HELP),
+    dtype: str | None = typer.Option(None, help=DTYPE_HELP),
 ) -> None:
     """A/B test policies side by side: resumable results.jsonl, a summary table and an HTML report."""
     from ..ab import SweepConfig
     from ..integrations.executor_choice import make_executor
+    from ..loading.models import model_dtype
 
+    check_device(device)  # before the dtype: on cuda the default is read from the checkpoint
     config = SweepConfig(
-        model=model, text=text, tokens=tokens, budgets=parse_ints(budgets, "--budgets"),
+        model=model, dtype=model_dtype(model, check_dtype(dtype), device, allow_download), text=text,
+        tokens=tokens, budgets=parse_ints(budgets, "--budgets"),
         policies=split_specs(policies), sinks=parse_ints(sinks, "--sinks"),
         oracle_stride=oracle_stride, positions=positions, chunk=parse_chunk(chunk), seed=seed, name=name,
         out=out_dir,
@@ -182,8 +188,12 @@ def report(
 def demo(
     out_dir: str = typer.Option("runs", "--out", help="where results go"),
     device: str = typer.Option("cpu", help=DEVICE_HELP),
+    dtype: str | None = typer.Option(None, help=DTYPE_HELP),
 ) -> None:
     """The main job: a default A/B on the embedded model and text."""
     from ..ab import SweepConfig
+    from ..loading.models import model_dtype
 
-    run_ab(SweepConfig(out=out_dir, **DEMO), device=device)
+    check_device(device)
+    run_ab(SweepConfig(out=out_dir, dtype=model_dtype(SweepConfig.model, check_dtype(dtype), device), **DEMO),
+           device=device)

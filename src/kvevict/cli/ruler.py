@@ -16,8 +16,10 @@ from ..errors import KvevictError
 from .common import (
     DEVICE_HELP,
     DOWNLOAD_HELP,
+    DTYPE_HELP,
     MODEL_HELP,
     check_device,
+    check_dtype,
     check_positions,
     err,
     one_line_errors,
@@ -49,6 +51,7 @@ def ruler(
     as_json: bool = typer.Option(False, "--json", help="print {'cells': [...]} as the last line"),
     allow_download: bool = typer.Option(False, "--allow-download", help=DOWNLOAD_HELP),
     device: str = typer.Option("cpu", help=DEVICE_HELP),
+    dtype: str | None = typer.Option(None, help=DTYPE_HELP),
 ) -> None:
     """RULER's tasks, offline: accuracy per task, policy, budget and protocol, with 95% intervals."""
     from ..ab.ruler import RulerRun, run_ruler
@@ -62,6 +65,7 @@ def ruler(
     from ..report.verdict import verdict
 
     check_device(device)
+    check_dtype(dtype)
     check_positions(positions)
     specs = split_specs(policies)
     if not specs:
@@ -76,11 +80,12 @@ def ruler(
         qa=QaFile(tuple(load_qa(qa))) if qa else None, max_new_tokens=max_new_tokens or None,
     )
     grid.check()
-    run = RulerRun(name, out_dir, model, grid, qa or None)
-    _ = run.folder  # a bad --name is refused before the model loads
     from ..loading import load_model
+    from ..loading.models import model_dtype
 
-    lm, tokenizer = load_model(model, device=device, allow_download=allow_download)
+    run = RulerRun(name, out_dir, model, grid, qa or None, model_dtype(model, dtype, device, allow_download))
+    _ = run.folder  # a bad --name is refused before the model loads
+    lm, tokenizer = load_model(model, device=device, allow_download=allow_download, dtype=run.dtype)
     if not getattr(tokenizer, "chat_template", None):
         err.print(f"note: '{model}' has no chat template; RULER's plain template is used")
     records = run_ruler(run, lm, tokenizer)
@@ -89,6 +94,6 @@ def ruler(
     if as_json:
         print(json.dumps({"cells": [vars(c) for c in cells], "report": str(path)}))
         return
-    show(ruler_report.ruler_table(cells), f"RULER, {model} ({path})")
+    show(ruler_report.ruler_table(cells), f"RULER, {model} ({run.dtype}; {path})")
     for found in verdict(records):  # the report's verdict, drawn from the same records
         print(found.sentence)

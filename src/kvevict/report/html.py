@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .compare import compare_table
 from .markup import table_html
-from .records import Record
+from .records import UNRECORDED_DTYPE, Record
 from .runs import Run, run_names, stream_start_label
 from .sections import SECTIONS
 from .verdict import section_html, verdict
@@ -74,7 +74,8 @@ def render(records: Sequence[Record], config: dict, path: Path) -> Path:
     parts = [
         f"<h1>kvevict A/B report: {html.escape(str(config.get('name', '')))}</h1>",
         _meta(
-            f"model {config.get('model')} · text {config.get('text')} · {config.get('tokens')} tokens · "
+            f"model {config.get('model')} · dtype {config.get('dtype') or UNRECORDED_DTYPE} · "
+            f"text {config.get('text')} · {config.get('tokens')} tokens · "
             f"positions {config.get('positions')} · seed {config.get('seed')} · {stream_start_label(config)} · "
             f"generated {datetime.now(UTC):%Y-%m-%d %H:%M} UTC"
         ),
@@ -91,7 +92,7 @@ def render_compare(runs: Sequence[Run], path: Path) -> Path:
     """
     names = run_names(runs)
     parts = [f"<h1>kvevict A/B report: {html.escape(' vs '.join(names))}</h1>"]
-    parts += [_meta(f"{name}: {run.folder} · {run.measured_on()} · {run.tokenization()}")
+    parts += [_meta(f"{name}: {run.folder} · {run.dtype} · {run.measured_on()} · {run.tokenization()}")
               for name, run in zip(names, runs)]
     if len({run.measured_on() for run in runs}) > 1:
         parts.append(_meta("The runs were measured on different text, stream lengths, positions or seeds: "
