@@ -25,9 +25,14 @@ class Arch:
     name: str
     positions: tuple[str, ...]
 
-    def build(self, seed: int = 0):
+    def build(self, seed: int = 0, dtype: torch.dtype = torch.float32):
+        """The model with weights drawn in float32 and then rounded to `dtype`; buffers (RoPE's
+        `inv_freq`) stay float32, as `from_pretrained(..., dtype=dtype)` leaves them."""
         torch.manual_seed(seed)
-        return BUILDERS[self.name]().eval()
+        model = BUILDERS[self.name]().eval()
+        for param in model.parameters():
+            param.data = param.data.to(dtype)
+        return model
 
 
 def _llama():

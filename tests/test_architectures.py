@@ -49,16 +49,20 @@ class Reference:
     recent tokens and the highest accumulated attention among the rest.
     """
 
-    def __init__(self, model, rule: tuple[str, float], cache_mode: bool) -> None:
+    def __init__(self, model, rule: tuple[str, float], cache_mode: bool, budget: int = BUDGET,
+                 acc_dtype: torch.dtype = torch.float32) -> None:
         self.model, self.rule, self.cache_mode = model, rule, cache_mode
+        self.budget, self.acc_dtype = budget, acc_dtype  # acc_dtype: H2O's running sums (float32 unless a test
+        # shows what a narrower accumulator would do)
         text = model.config.get_text_config(decoder=True)
         self.kinds = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+        self.window = getattr(text, "sliding_window", None) or GEMMA_WINDOW  # sliding layers' own window
         self.rotary = getattr(model.base_model, "rotary_emb", None)
         self.acc: dict[int, torch.Tensor] = {}
         self.evicted: dict[int, torch.Tensor] = {}
 
     def cos_sin(self, kind: str, positions: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-        probe = torch.zeros(1, 1, dim)
+        probe = torch.zeros(1, 1, dim, dtype=self.model.dtype)  # cos/sin in the model's dtype, as its own forward
         if hasattr(self.rotary, "layer_types"):
             return self.rotary(probe, positions[None], kind)
         return self.rotary(probe, positions[None])
@@ -74,10 +78,10 @@ class Reference:
         j = torch.arange(total)[None, :]
         causal = j <= i
         if self.kinds[layer] == "sliding_attention":
-            return (causal & (i - j < GEMMA_WINDOW)).expand(b, h, q, total)
+            return (causal & (i - j < self.window)).expand(b, h, q, total)
         if self.rule[0] == "band":
             sinks = int(self.rule[1])
-            return (causal & ((j < sinks) | (i - j <= BUDGET - sinks))).expand(b, h, q, total)
+            return (causal & ((j < sinks) | (i - j <= self.budget - sinks))).expand(b, h, q, total)
         evicted = self.evicted.setdefault(layer, torch.zeros(b, h, 0, dtype=torch.bool))
         evicted = torch.cat([evicted, torch.zeros(b, h, total - evicted.shape[2], dtype=torch.bool)], dim=2)
         self.evicted[layer] = evicted
@@ -116,36 +120,39 @@ class Reference:
         return out.transpose(1, 2).contiguous(), probs
 
     def h2o_evict(self, layer: int, mass: torch.Tensor, total: int) -> None:
-        acc = self.acc.get(layer, torch.zeros(*mass.shape[:2], 0))
-        acc = torch.cat([acc, torch.zeros(*mass.shape[:2], total - acc.shape[2])], dim=2) + mass
+        acc = self.acc.get(layer, torch.zeros(*mass.shape[:2], 0, dtype=self.acc_dtype))
+        acc = torch.cat([acc, torch.zeros(*mass.shape[:2], total - acc.shape[2], dtype=self.acc_dtype)], dim=2)
+        acc = (acc + mass).to(self.acc_dtype)
         self.acc[layer] = acc
         evicted = self.evicted[layer]
-        recent = int(round(self.rule[1] * BUDGET))
+        budget = self.budget
+        recent = int(round(self.rule[1] * budget))
         for row in range(acc.shape[0]):
             for head in range(acc.shape[1]):
                 alive = [p for p in range(total) if not evicted[row, head, p]]
-                if len(alive) <= BUDGET:
+                if len(alive) <= budget:
                     continue
                 newest = [p for p in alive if p >= total - recent]
                 ranked = sorted((p for p in alive if p < total - recent), key=lambda p: float(acc[row, head, p]),
                                 reverse=True)
-                keep = set(newest) | set(ranked[: BUDGET - len(newest)])
+                keep = set(newest) | set(ranked[: budget - len(newest)])
                 for p in alive:
                     evicted[row, head, p] = p not in keep
 
 
-def reference_nll(model, rule, cache_mode: bool) -> torch.Tensor:
+def reference_nll(model, rule, cache_mode: bool, tokens: torch.Tensor = TOKENS, budget: int = BUDGET,
+                  acc_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Prefill the budget, then one token per forward (H2O's kept set moves at every step)."""
-    ref = Reference(model, rule, cache_mode)
+    ref = Reference(model, rule, cache_mode, budget, acc_dtype)
     AttentionInterface.register("matrix_reference", ref)
     logits = []
     with attn(model, "matrix_reference"), torch.inference_mode():
         cache = DynamicCache()
-        pieces = [TOKENS[:BUDGET]] + [TOKENS[t : t + 1] for t in range(BUDGET, TOKENS.numel())]
+        pieces = [tokens[:budget]] + [tokens[t : t + 1] for t in range(budget, tokens.numel())]
         for piece in pieces:
             logits.append(model(piece[None], use_cache=True, **{CACHE_KWARG(model): cache}).logits[0])
     lp = torch.log_softmax(torch.cat(logits)[:-1].float(), -1)
-    return -lp.gather(-1, TOKENS[1:, None])[:, 0]
+    return -lp.gather(-1, tokens[1:, None])[:, 0]
 
 
 RULES = {"window": ("band", 0), f"sink{SINKS}+window": ("band", SINKS), "h2o:recent=0.5": ("h2o", 0.5)}

@@ -58,7 +58,7 @@ def test_the_device_reaches_load_model(command, tmp_path, monkeypatch):
 
     asked = []
 
-    def record(name, device=None, allow_download=False):  # None: the command did not say
+    def record(name, device=None, allow_download=False, dtype=None):  # None: the command did not say
         asked.append(device)
         raise KvevictError("stop here")
 

@@ -11,12 +11,16 @@ from pathlib import Path
 
 from ..errors import KvevictError
 from ..files import atomic_write
+from ..report.records import UNRECORDED_DTYPE
 from ..report.store import ResultStore
 
 
 def open_run_folder(folder: Path, identity: dict, config: dict, what: str = "results") -> ResultStore:
     """Create a run folder, check it is writable and holds the same experiment (`identity`) or none yet,
-    and pin `identity` and `config` in its `run.json`. `what` names what it holds in the refusal."""
+    and pin `identity` and `config` in its `run.json`. `what` names what it holds in the refusal.
+
+    The dtype is part of the identity: a rerun in another dtype is refused (its cells would mix
+    with the first dtype's), and names the fix, another `--name`."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
         probe = folder / ".write-probe"
@@ -27,6 +31,8 @@ def open_run_folder(folder: Path, identity: dict, config: dict, what: str = "res
     meta = folder / "run.json"
     if meta.exists():
         before = json.loads(meta.read_text()).get("identity", {})
+        if before and "dtype" in identity:  # a folder written before the dtype was pinned measured float32
+            before.setdefault("dtype", UNRECORDED_DTYPE)
         if before and before != identity:
             raise KvevictError(
                 f"'{folder}' holds {what} for {before}, not {identity}: use another --name to start fresh"

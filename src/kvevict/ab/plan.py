@@ -22,6 +22,7 @@ from ..report.records import cell_key
 @dataclass
 class SweepConfig:
     model: str = "smollm2-135m"
+    dtype: str = "float32"  # what the model and its KV cache are held in (`loading.dtypes`)
     text: str = "pg-essays"
     tokens: int = 2000
     budgets: list[int] = field(default_factory=lambda: [64, 128, 256])
@@ -56,7 +57,8 @@ class SweepConfig:
 
     def identity(self) -> dict:
         """What the results depend on: a rerun must match it to reuse finished cells."""
-        return {"model": self.model, "text": self.text, "tokens": self.tokens, "positions": self.positions}
+        return {"model": self.model, "dtype": self.dtype, "text": self.text, "tokens": self.tokens,
+                "positions": self.positions}
 
 
 def settle(config: SweepConfig, adds_bos: bool | None = None, oracle_undefined: str | None = None) -> SweepConfig:

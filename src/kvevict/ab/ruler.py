@@ -2,7 +2,7 @@
 
 The folder is OUT/NAME, like a sweep's: `results.jsonl` holds one `RulerRecord` per
 answer (appended atomically by `report.store`, so a killed run loses at most the batch
-in flight), `run.json` pins what the answers depend on (model, seed, positions, text,
+in flight), `run.json` pins what the answers depend on (model, dtype, seed, positions, text,
 QA file), and `report.html` is redrawn at the end. A rerun of the same command skips
 every answer already stored; a rerun with more tasks, lengths, samples, budgets or
 another protocol adds to the same folder.
@@ -30,6 +30,7 @@ class RulerRun:
     model: str = "smollm2-135m"
     grid: RulerGrid = field(default_factory=RulerGrid)
     qa_path: str | None = None
+    dtype: str = "float32"  # what the model and its KV cache are held in (`loading.dtypes`)
 
     @property
     def folder(self) -> Path:
@@ -37,13 +38,15 @@ class RulerRun:
 
     def identity(self) -> dict:
         g = self.grid
-        return {"model": self.model, "seed": g.seed, "positions": g.positions, "text": g.text, "qa": self.qa_path}
+        return {"model": self.model, "dtype": self.dtype, "seed": g.seed, "positions": g.positions, "text": g.text,
+                "qa": self.qa_path}
 
     def config(self) -> dict:
         g = asdict(self.grid)
         g.pop("qa", None)
-        return {"name": self.name, "model": self.model, "text": self.grid.text, "positions": self.grid.positions,
-                "seed": self.grid.seed, "tokens": None, "ruler": g, "qa": self.qa_path}
+        return {"name": self.name, "model": self.model, "dtype": self.dtype, "text": self.grid.text,
+                "positions": self.grid.positions, "seed": self.grid.seed, "tokens": None, "ruler": g,
+                "qa": self.qa_path}
 
 
 def prepare(run: RulerRun) -> ResultStore:
@@ -68,7 +71,8 @@ def run_ruler(run: RulerRun, model, tokenizer, progress: bool = True) -> list[Re
 
         def keep(lines: list[dict]) -> None:
             # a batch cut short by a kill is answered again whole; only its missing answers are added
-            store.append([RulerRecord.from_dict(line).to_dict() for line in lines if line["key"] not in done])
+            store.append([RulerRecord.from_dict({**line, "dtype": run.dtype}).to_dict()
+                          for line in lines if line["key"] not in done])
             bar.advance(task)
 
         run_grid(model, tokenizer, run.grid, done, keep, limit, on_skip=lambda: bar.advance(task))

@@ -16,9 +16,11 @@ import json
 from dataclasses import asdict
 
 from ..data import load_tokens, stream_start
+from ..errors import KvevictError
 from ..eval.oracle import oracle_undefined
 from ..files import atomic_write
 from ..loading import load_config, load_model, load_tokenizer
+from ..loading.dtypes import dtype_name
 from ..progress import bars
 from ..report.records import Record, load
 from ..report.store import ResultStore
@@ -67,6 +69,9 @@ def run_sweep(
     `device`: where a model this run loads goes (`cpu`, `cuda`); a given `model` stays where it is.
     """
     executor = executor or LocalExecutor()
+    if model is not None and dtype_name(model.dtype) != config.dtype:
+        raise KvevictError(f"the model given is held in {model.dtype}, the sweep says dtype '{config.dtype}': "
+                           f"pass SweepConfig(dtype='{dtype_name(model.dtype)}') so its records name what ran")
     plan(config)  # every spec, budget and the run name, before anything is read
     tokenizer = tokenizer or load_tokenizer(config.model, allow_download)
     config = settle_for(config, model, tokenizer, allow_download)
@@ -76,7 +81,7 @@ def run_sweep(
     todo = batches(config, [c for c in cells if c.key not in done])
     task_kinds = tasks.pending(config, done)
     if model is None and todo and executor.in_process:  # one model for the cells and the tasks
-        model, tokenizer = load_model(config.model, device=device, allow_download=allow_download)
+        model, tokenizer = load_model(config.model, device=device, allow_download=allow_download, dtype=config.dtype)
     record_stream_start(config, tokenizer)
     if todo:
         with executor.session(), bars(progress) as bar:
@@ -90,7 +95,8 @@ def run_sweep(
             executor.run(WorkerSpec(config, allow_download, model, tokenizer, device), todo, finished, bar)
     if task_kinds:  # the protocols beyond perplexity run in this process, whatever the executor
         if model is None:
-            model, tokenizer = load_model(config.model, device=device, allow_download=allow_download)
+            model, tokenizer = load_model(config.model, device=device, allow_download=allow_download,
+                                          dtype=config.dtype)
         tokens, _ = load_tokens(config.text, tokenizer, config.tokens)
         with bars(progress) as bar:
             tasks.run(config, model, tokenizer, tokens, store, task_kinds, bar)

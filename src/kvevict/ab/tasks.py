@@ -53,7 +53,7 @@ def _keeper(kind: str, config: SweepConfig, store: ResultStore, done: set[str]) 
         key = f"{kind}|{trial['policy']}|{trial['budget']}|{trial.get('length')}|{trial.get('depth')}|{trial['trial']}"
         if key in done:
             return
-        fields = {k: v for k, v in trial.items() if k != "key"}
+        fields = {k: v for k, v in trial.items() if k != "key"} | {"dtype": config.dtype}
         if kind == "needle":
             fields["passkey"] = trial["key"]  # the needle's own "key" is the pass key; "key" names the trial
         store.append([TaskRecord(key, kind, config.seed, fields).to_dict()])
@@ -77,7 +77,8 @@ def run(config: SweepConfig, model, tokenizer, tokens, store: ResultStore, kinds
         store.append([DoneMarker(_signature("generation", config), "generation-done").to_dict()])
     if "ruler" in kinds:
         def keep_answers(lines: list[dict]) -> None:
-            store.append([RulerRecord.from_dict(line).to_dict() for line in lines if line["key"] not in done])
+            store.append([RulerRecord.from_dict({**line, "dtype": config.dtype}).to_dict()
+                          for line in lines if line["key"] not in done])
 
         run_grid(model, tokenizer, ruler_grid(config), done, keep_answers, max_positions(model))
         store.append([DoneMarker(_signature("ruler", config), "ruler-done").to_dict()])

@@ -69,7 +69,7 @@ def ppl_record(cell: Cell, result: RowResult, config: SweepConfig, cost: Cost, t
         sink_loss=result.sink_loss, seed=config.seed,
         curve=result.ppl_windows(width), kl_curve=result.kl_windows(width) or None,
         sink_lost_at=result.sink_lost_at, sliding_window=result.sliding_window,
-        model=identity["model"], text=identity["text"], tokens=identity["tokens"],
+        model=identity["model"], dtype=identity["dtype"], text=identity["text"], tokens=identity["tokens"],
         full_ppl_same_tokens=result.full_ppl_same_tokens, kl_to_full=result.kl_to_full,
         top1_agreement=result.top1_agreement, mean_kept=result.mean_kept,
         layer_budgets=result.layer_budgets, held_per_layer_kind=memory.get("held"),
@@ -98,7 +98,7 @@ class Worker:
     def _load(self) -> None:
         if self.model is None:
             self.model, self.tokenizer = load_model(
-                self.config.model, device=self.device, allow_download=self.allow_download
+                self.config.model, device=self.device, allow_download=self.allow_download, dtype=self.config.dtype
             )
         if self.tokens is None:
             self.tokens, _ = load_tokens(self.config.text, self.tokenizer, self.config.tokens)

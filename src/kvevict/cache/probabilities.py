@@ -4,6 +4,12 @@ SDPA gives the layer's output but never its probabilities. These functions compu
 them only where a policy asked: one decode query over every key (`decode_probs`), or
 many queries in blocks (`blockwise_probs`), so a long prefill never materialises an
 L x L matrix per head. Grouped-query throughout: keys are never repeated per query head.
+
+Dtypes: the logits are products of keys and queries in the model's dtype (what the
+model's own attention computes), then widened to float32 before the softmax, so every
+probability a statistic sums is float32 whatever the model is held in. Summed in bf16,
+a running total of 64 cannot take an increment below 0.25 (8 significant bits): H2O's
+heavy hitters would stop moving once their totals grew.
 """
 
 from __future__ import annotations

@@ -4,7 +4,12 @@ Per (row, KV head) there are `capacity` slots; slots `0..n-1` hold the kept entr
 a forward's new tokens go right after them. Keys and values share one buffer
 `kv` `[2, B, H, capacity, D]` so a decode step moves a slot of both with one copy.
 Beside them: original positions `pos` `[B, H, capacity]`, the policies' per-slot
-statistics (float32), and optionally the un-rotated keys `raw` (position-shift mode).
+statistics, and optionally the un-rotated keys `raw` (position-shift mode).
+
+Dtypes: `kv` and `raw` are held in the dtype of the keys the layer first receives (the
+model's: bf16 keys are stored in bf16, and `kv_bytes` counts 2 bytes per element); the
+statistics (H2O's and TOVA's cumulative attention, SnapKV's pooled window, k-norm's norms)
+are always float32 (`cache/probabilities.py` says why), whatever the model's dtype.
 The storage knows nothing of policies, positions modes or metrics: it moves slots.
 """
 

@@ -16,9 +16,11 @@ from .common import (
     CHUNK_HELP,
     DEVICE_HELP,
     DOWNLOAD_HELP,
+    DTYPE_HELP,
     MODEL_HELP,
     POSITIONS_HELP,
     check_device,
+    check_dtype,
     check_positions,
     err,
     max_accuracy_drop_option,
@@ -70,7 +72,8 @@ def run_ab(config, allow_download: bool = False, executor=None, device: str = "c
     run = load_run(config.folder)
     records = run.records
     report = _render_run(run, config.folder / "report.html")
-    title = f"kvevict A/B: {config.model} on {config.text}, {config.tokens} tokens, {run.config.get('positions')}"
+    title = (f"kvevict A/B: {config.model} ({config.dtype}) on {config.text}, {config.tokens} tokens, "
+             f"{run.config.get('positions')}")
     show(summary_table(ppl_records(records)), title)
     print(f"tolerance: {tolerance.describe()}")
     for found in verdict(records, tolerance):
@@ -143,15 +146,19 @@ def ab(
     max_ppl_ratio: float | None = max_ppl_ratio_option(),
     max_accuracy_drop: float | None = max_accuracy_drop_option(),
     max_kl: float | None = max_kl_option(),
+    dtype: str | None = typer.Option(None, help=DTYPE_HELP),
 ) -> None:
     """A/B test policies side by side: resumable results.jsonl, a summary table and an HTML report."""
     from ..ab import SweepConfig
     from ..integrations.executor_choice import make_executor
+    from ..loading.models import model_dtype
 
+    check_device(device)  # before the dtype: on cuda the default is read from the checkpoint
     tolerance = tolerance_from(max_ppl_ratio, max_accuracy_drop, max_kl)
 
     config = SweepConfig(
-        model=model, text=text, tokens=tokens, budgets=parse_ints(budgets, "--budgets"),
+        model=model, dtype=model_dtype(model, check_dtype(dtype), device, allow_download), text=text,
+        tokens=tokens, budgets=parse_ints(budgets, "--budgets"),
         policies=split_specs(policies), sinks=parse_ints(sinks, "--sinks"),
         oracle_stride=oracle_stride, positions=positions, chunk=parse_chunk(chunk), seed=seed, name=name,
         out=out_dir,
@@ -215,9 +222,13 @@ def demo(
     max_ppl_ratio: float | None = max_ppl_ratio_option(),
     max_accuracy_drop: float | None = max_accuracy_drop_option(),
     max_kl: float | None = max_kl_option(),
+    dtype: str | None = typer.Option(None, help=DTYPE_HELP),
 ) -> None:
     """The main job: a default A/B on the embedded model and text."""
     from ..ab import SweepConfig
+    from ..loading.models import model_dtype
 
+    check_device(device)
     tolerance = tolerance_from(max_ppl_ratio, max_accuracy_drop, max_kl)
-    run_ab(SweepConfig(out=out_dir, **DEMO), device=device, tolerance=tolerance)
+    run_ab(SweepConfig(out=out_dir, dtype=model_dtype(SweepConfig.model, check_dtype(dtype), device), **DEMO),
+           device=device, tolerance=tolerance)

@@ -28,6 +28,8 @@ MODEL_HELP = "embedded name, local directory or HF id (resolved offline unless -
 DOWNLOAD_HELP = "let an HF id that is not in the local cache be downloaded (off: fail at once, no network)"
 DEVICE_HELP = "where the model runs: cpu, or cuda (cuda:N) where torch sees a CUDA device"
 POSITIONS_HELP = "original | cache (StreamingLLM's position shift); default: an engine preset's own, else original"
+DTYPE_HELP = ("what the weights and the KV cache are held in: float32, bfloat16 or float16 "
+              "(left out: float32 on cpu, the checkpoint's own dtype on cuda)")
 
 
 def fail(message: str) -> NoReturn:
@@ -74,6 +76,13 @@ def check_device(device: str) -> str:
         if parsed.index is not None and parsed.index >= count:
             raise KvevictError(f"--device {device}: torch sees {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
     return device
+
+
+def check_dtype(dtype: str | None) -> str | None:
+    """`--dtype` as given (None: the device's default), once it names a dtype `load_model` takes."""
+    from ..loading.dtypes import check_dtype as check
+
+    return check(dtype)
 
 
 def split_specs(text: str) -> list[str]:

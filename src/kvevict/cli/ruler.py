@@ -16,9 +16,11 @@ from ..errors import KvevictError
 from .common import (
     DEVICE_HELP,
     DOWNLOAD_HELP,
+    DTYPE_HELP,
     MODEL_HELP,
     POSITIONS_HELP,
     check_device,
+    check_dtype,
     err,
     max_accuracy_drop_option,
     max_kl_option,
@@ -61,6 +63,7 @@ def ruler(
     max_ppl_ratio: float | None = max_ppl_ratio_option(),
     max_accuracy_drop: float | None = max_accuracy_drop_option(),
     max_kl: float | None = max_kl_option(),
+    dtype: str | None = typer.Option(None, help=DTYPE_HELP),
 ) -> None:
     """RULER's tasks, offline: accuracy per task, policy, budget and protocol, with 95% intervals."""
     from ..ab.ruler import RulerRun, run_ruler
@@ -76,6 +79,7 @@ def ruler(
 
     check_device(device)
     tolerance = tolerance_from(max_ppl_ratio, max_accuracy_drop, max_kl)
+    check_dtype(dtype)
     specs = split_specs(policies)
     if not specs:
         raise KvevictError("--policies is empty: give comma-separated specs such as window,h2o,snapkv")
@@ -92,11 +96,12 @@ def ruler(
         qa=QaFile(rows) if qa else None, max_new_tokens=max_new_tokens or None,
     )
     grid.check()
-    run = RulerRun(name, out_dir, model, grid, qa or None)
-    _ = run.folder  # a bad --name is refused before the model loads
     from ..loading import load_model
+    from ..loading.models import model_dtype
 
-    lm, tokenizer = load_model(model, device=device, allow_download=allow_download)
+    run = RulerRun(name, out_dir, model, grid, qa or None, model_dtype(model, dtype, device, allow_download))
+    _ = run.folder  # a bad --name is refused before the model loads
+    lm, tokenizer = load_model(model, device=device, allow_download=allow_download, dtype=run.dtype)
     grid.policies, _ = settle_specs(specs, None, positions, tokenizer)
     if not getattr(tokenizer, "chat_template", None):
         err.print(f"note: '{model}' has no chat template; RULER's plain template is used")
@@ -107,7 +112,7 @@ def ruler(
     if as_json:
         print(json.dumps({"cells": [vars(c) for c in cells], "report": str(path)}))
         return
-    show(ruler_report.ruler_table(cells), f"RULER, {model} ({path})")
+    show(ruler_report.ruler_table(cells), f"RULER, {model} ({run.dtype}; {path})")
     print(f"tolerance: {tolerance.describe()}")
     for found in verdict(records, tolerance):  # the report's verdict, drawn from the same records
         print(found.sentence)

@@ -13,9 +13,11 @@ from .common import (
     CHUNK_HELP,
     DEVICE_HELP,
     DOWNLOAD_HELP,
+    DTYPE_HELP,
     MODEL_HELP,
     POSITIONS_HELP,
     check_device,
+    check_dtype,
     err,
     one_line_errors,
     parse_chunk,
@@ -61,13 +63,16 @@ def ppl(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object as the last line"),
     allow_download: bool = typer.Option(False, "--allow-download", help=DOWNLOAD_HELP),
     device: str = typer.Option("cpu", help=DEVICE_HELP),
+    dtype: str | None = typer.Option(None, help=DTYPE_HELP),
 ) -> None:
     """Streaming perplexity of one policy at one budget."""
     from ..data import load_tokens
     from ..eval.streaming import streaming_ppl
     from ..loading import load_model, load_tokenizer
+    from ..loading.dtypes import dtype_name
 
     check_device(device)
+    check_dtype(dtype)
     settle_specs([policy], budget, positions)
     chunk_size = parse_chunk(chunk)
     if tokens < 2:
@@ -75,19 +80,21 @@ def ppl(
     tokenizer = load_tokenizer(model, allow_download)
     (policy,), positions = settle_specs([policy], budget, positions, tokenizer)
     ids, repeated = load_tokens(text, tokenizer, tokens, repeat=repeat)
-    lm, _ = load_model(model, device=device, allow_download=allow_download)
+    lm, _ = load_model(model, device=device, allow_download=allow_download, dtype=dtype)
     if repeated:
         err.print(f"note: '{text}' is shorter than {tokens} tokens; it was repeated to fill the stream")
     result = streaming_ppl(lm, ids, policy=policy, budget=budget, positions=positions, chunk=chunk_size)
     note_unreached(budget, ids.numel())
     summary = result.summary()
-    summary.update(model=model, text=text, tokens=tokens, text_repeated=repeated, sink_lost_at=result.sink_lost_at)
+    held = dtype_name(lm.dtype)
+    summary.update(model=model, dtype=held, text=text, tokens=tokens, text_repeated=repeated,
+                   sink_lost_at=result.sink_lost_at)
     if window:
         summary["ppl_windows"] = result.ppl_windows(window)
     if as_json:
         print(json.dumps(summary))
         return
-    show(Table.of(PPL, [summary]), f"streaming perplexity, {model} on {text}, {tokens} tokens")
+    show(Table.of(PPL, [summary]), f"streaming perplexity, {model} ({held}) on {text}, {tokens} tokens")
     for w in summary.get("ppl_windows", []):
         print(f"  predictions {w['start']}-{w['end']}: ppl {w['ppl']:.2f}")
 
@@ -104,12 +111,15 @@ def compare(
     as_json: bool = typer.Option(False, "--json"),
     allow_download: bool = typer.Option(False, "--allow-download", help=DOWNLOAD_HELP),
     device: str = typer.Option("cpu", help=DEVICE_HELP),
+    dtype: str | None = typer.Option(None, help=DTYPE_HELP),
 ) -> None:
     """Streaming perplexity of several policies side by side, with the full cache as reference."""
     from ..data import load_tokens
     from ..loading import load_model, load_tokenizer
+    from ..loading.dtypes import dtype_name
 
     check_device(device)
+    check_dtype(dtype)
     specs = split_specs(policies)
     if not specs:
         raise KvevictError("--policies is empty: give comma-separated specs such as window,streamingllm")
@@ -118,14 +128,16 @@ def compare(
     tokenizer = load_tokenizer(model, allow_download)
     specs, positions = settle_specs(specs, budget, positions, tokenizer)
     ids, _ = load_tokens(text, tokenizer, tokens)
-    lm, _ = load_model(model, device=device, allow_download=allow_download)
+    lm, _ = load_model(model, device=device, allow_download=allow_download, dtype=dtype)
     rows, full = _compare_in_batches(lm, ids, specs, budget, positions, chunk_size)
     note_unreached(budget, ids.numel())
     summaries = [full.summary()] + [r.summary() for r in rows]
+    held = dtype_name(lm.dtype)
     if as_json:
-        print(json.dumps({"rows": summaries}))
+        print(json.dumps({"model": model, "dtype": held, "rows": summaries}))
         return
-    show(Table.of(PPL, summaries), f"streaming perplexity, {model} on {text}, {tokens} tokens, budget {budget}")
+    show(Table.of(PPL, summaries),
+         f"streaming perplexity, {model} ({held}) on {text}, {tokens} tokens, budget {budget}")
 
 
 def _compare_in_batches(lm, ids, specs: list[str], budget: int, positions: str, chunk: int):

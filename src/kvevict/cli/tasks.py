@@ -16,9 +16,11 @@ from ..report.columns import Table
 from .common import (
     DEVICE_HELP,
     DOWNLOAD_HELP,
+    DTYPE_HELP,
     MODEL_HELP,
     POSITIONS_HELP,
     check_device,
+    check_dtype,
     err,
     one_line_errors,
     parse_numbers,
@@ -69,19 +71,22 @@ def needle(
     as_json: bool = typer.Option(False, "--json", help="print {'cells': [...]} as the last line"),
     allow_download: bool = typer.Option(False, "--allow-download", help=DOWNLOAD_HELP),
     device: str = typer.Option("cpu", help=DEVICE_HELP),
+    dtype: str | None = typer.Option(None, help=DTYPE_HELP),
 ) -> None:
     """Pass-key retrieval: a 5-digit key hidden at a depth of an essay haystack, per policy and budget."""
     from ..eval.needle import check_grid, run_needle
     from ..loading import load_model
+    from ..loading.dtypes import dtype_name
     from ..report.tables import needle_grid
 
     check_device(device)
+    check_dtype(dtype)
     length_list = _numbers(lengths, "--lengths", int)
     depth_list = _numbers(depths, "--depths", float)
     check_grid(length_list, depth_list, trials)
     _specs(policies, positions)
     budget_list = _budgets(budgets)
-    lm, tokenizer = load_model(model, device=device, allow_download=allow_download)
+    lm, tokenizer = load_model(model, device=device, allow_download=allow_download, dtype=dtype)
     specs, positions = _specs(policies, positions, tokenizer)
     result = run_needle(
         lm, tokenizer, length_list, depth_list, trials, specs, budget_list, seed, text, positions, question_after
@@ -90,9 +95,9 @@ def needle(
     save_json(save, result.to_dict())
     cells = result.cells()
     if as_json:
-        print(json.dumps({"cells": cells}))
+        print(json.dumps({"model": model, "dtype": dtype_name(lm.dtype), "cells": cells}))
         return
-    show(needle_grid(cells), f"pass-key retrieval, {model}, {trials} trials per cell")
+    show(needle_grid(cells), f"pass-key retrieval, {model} ({dtype_name(lm.dtype)}), {trials} trials per cell")
 
 
 @one_line_errors
@@ -111,18 +116,21 @@ def generation(
     as_json: bool = typer.Option(False, "--json", help="print {'rows': [...]} as the last line"),
     allow_download: bool = typer.Option(False, "--allow-download", help=DOWNLOAD_HELP),
     device: str = typer.Option("cpu", help=DEVICE_HELP),
+    dtype: str | None = typer.Option(None, help=DTYPE_HELP),
 ) -> None:
     """Generation failure modes: repeated 4-grams and recall of a fact stated only at the start."""
     from ..eval.generation import run_generation
     from ..loading import load_model
+    from ..loading.dtypes import dtype_name
     from ..report.tables import generation_table
 
     check_device(device)
+    check_dtype(dtype)
     if trials < 1:
         raise KvevictError(f"--trials must be at least 1, got {trials}")
     _specs(policies, positions)
     budget_list = _budgets(budgets)
-    lm, tokenizer = load_model(model, device=device, allow_download=allow_download)
+    lm, tokenizer = load_model(model, device=device, allow_download=allow_download, dtype=dtype)
     specs, positions = _specs(policies, positions, tokenizer)
     result = run_generation(
         lm, tokenizer, specs, budget_list, length, trials, max_new_tokens, seed, text, positions, chat
@@ -132,9 +140,10 @@ def generation(
     save_json(save, result.to_dict())
     rows = result.summary()
     if as_json:
-        print(json.dumps({"rows": rows}))
+        print(json.dumps({"model": model, "dtype": dtype_name(lm.dtype), "rows": rows}))
         return
-    show(generation_table(rows), f"generation failure modes, {model}, {length}-token prompts, {trials} trials")
+    show(generation_table(rows),
+         f"generation failure modes, {model} ({dtype_name(lm.dtype)}), {length}-token prompts, {trials} trials")
 
 
 @one_line_errors
@@ -150,13 +159,16 @@ def sinks(
     as_json: bool = typer.Option(False, "--json", help="print the map as one JSON object on the last line"),
     allow_download: bool = typer.Option(False, "--allow-download", help=DOWNLOAD_HELP),
     device: str = typer.Option("cpu", help=DEVICE_HELP),
+    dtype: str | None = typer.Option(None, help=DTYPE_HELP),
 ) -> None:
     """The attention-sink map: per layer and head, the attention share of the first k positions, and the sinks."""
     from ..data import load_tokens
     from ..eval.sinkmap import sink_map
     from ..loading import load_model, load_tokenizer
+    from ..loading.dtypes import dtype_name
 
     check_device(device)
+    check_dtype(dtype)
     if tokens < 64:
         raise KvevictError(f"--tokens must be at least 64 for a sink map, got {tokens}")
     if not 1 <= k <= tokens // 4:
@@ -166,10 +178,10 @@ def sinks(
     if not 0.0 < min_heads <= 1.0:
         raise KvevictError(f"--min-heads is a share of (layer, head) pairs in (0, 1], got {min_heads}")
     ids, _ = load_tokens(text, load_tokenizer(model, allow_download), tokens)
-    lm, tokenizer = load_model(model, device=device, allow_download=allow_download)
+    lm, tokenizer = load_model(model, device=device, allow_download=allow_download, dtype=dtype)
     result = sink_map(lm, tokenizer, ids, k=k, threshold=threshold, min_heads=min_heads)
     data = result.to_dict()
-    data.update(model=model, text=text, text_tokens=tokens)
+    data.update(model=model, dtype=dtype_name(lm.dtype), text=text, text_tokens=tokens)
     save_json(save, data)
     if png:
         from ..report.plots import png as to_png
@@ -184,7 +196,7 @@ def sinks(
              f"{r['max_head_first_k']:.3f}"] for r in result.table()]
     headers = ["layer", "share on pos 0", f"share on first {k}", "least-sunk head", "most-sunk head"]
     show(Table(headers, rows, aligns=["right"] * len(headers)),
-         f"attention sinks, {model} on {text} ({tokens} tokens; probes: last half)")
+         f"attention sinks, {model} ({data['dtype']}) on {text} ({tokens} tokens; probes: last half)")
     listed = ", ".join(
         f"{s['position']} {s['token']!r} (mean {s['mean_share']:.3f}, {s['heads_over_threshold']} heads)"
         for s in result.sinks

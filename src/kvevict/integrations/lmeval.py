@@ -72,7 +72,8 @@ def _model_class():
 
             self.settings = Settings.parse(args)
             self.model, self.tokenizer = load_model(self.settings.pretrained,
-                                                    allow_download=self.settings.allow_download)
+                                                    allow_download=self.settings.allow_download,
+                                                    dtype=self.settings.dtype)
 
         @property
         def eot_token_id(self) -> int:

@@ -11,15 +11,16 @@ from dataclasses import dataclass
 
 from ..defaults import DEFAULT_CHUNK
 from ..errors import KvevictError
+from ..loading.dtypes import DTYPES
 from ..policies import check_policy
 from ..policies.budget import Budget, parse_budget, resolve_budget
 
 INSTALL = "pip install kvevict[lm-eval]"
 #: lm-eval `model_args` this model takes (anything else lm-eval passes is listed in `IGNORED`)
 ARGS = ("pretrained", "policy", "budget", "positions", "protocol", "batch_size", "max_gen_toks", "chunk",
-        "allow_download")
+        "allow_download", "dtype")
 #: arguments lm-eval hands every model that mean nothing on kvevict's CPU path
-IGNORED = ("device", "max_batch_size", "dtype", "trust_remote_code")
+IGNORED = ("device", "max_batch_size", "trust_remote_code")
 PROTOCOLS = ("compress", "stream")
 
 
@@ -36,6 +37,7 @@ class Settings:
     max_gen_toks: int = 256
     chunk: int = DEFAULT_CHUNK
     allow_download: bool = False
+    dtype: str | None = None  # float32, bfloat16, float16; None: load_model's default (float32 on the CPU)
 
     @classmethod
     def parse(cls, args: dict) -> Settings:
@@ -63,8 +65,12 @@ class Settings:
                     raise KvevictError(f"model_args {name} takes a whole number, got '{known[name]}'") from None
         if "allow_download" in known:
             known["allow_download"] = str(known["allow_download"]).lower() in ("1", "true", "yes")
-        settings = cls(**{k: (str(v) if k in ("pretrained", "policy", "positions", "protocol") else v)
+        settings = cls(**{k: (str(v) if k in ("pretrained", "policy", "positions", "protocol", "dtype") else v)
                           for k, v in known.items()})
+        if settings.dtype == "auto":  # lm-eval's spelling of "the default"
+            settings.dtype = None
+        if settings.dtype is not None and settings.dtype not in DTYPES:
+            raise KvevictError(f"model_args dtype must be one of {', '.join(DTYPES)}, got '{settings.dtype}'")
         if settings.positions not in POSITION_MODES:
             raise KvevictError(f"model_args positions must be one of {', '.join(POSITION_MODES)}, "
                                f"got '{settings.positions}'")

@@ -19,6 +19,7 @@ import torch
 
 from ..cache.model_info import check_model
 from ..errors import KvevictError
+from .dtypes import DTYPES, cast_weights, dtype_name, resolve_dtype
 from .gguf import EMBEDDED, embedded_gguf, load_gguf, load_gguf_config, load_gguf_tokenizer
 
 #: what a user can pass instead of a name that did not resolve (ends every loading error)
@@ -131,15 +132,46 @@ def load_config(name: str = "smollm2-135m", allow_download: bool = False):
         raise _load_error(name, exc, allow_download) from None
 
 
-def load_model(name: str = "smollm2-135m", device: str = "cpu", allow_download: bool = False):
+def checkpoint_dtype(name: str, allow_download: bool = False) -> str | None:
+    """The dtype the checkpoint `name` is stored in, as its config names it (None: it names none, or one
+    outside `DTYPES`); a GGUF file (an embedded model too) is dequantised to float32, so it is float32."""
+    from transformers import AutoConfig
+
+    if name in EMBEDDED or _gguf_path(name) is not None:
+        return "float32"
+    source, offline = _source(name, allow_download)
+    try:
+        with _offline(offline):
+            config = AutoConfig.from_pretrained(source, local_files_only=offline)
+    except (OSError, ValueError) as exc:
+        raise _load_error(name, exc, allow_download) from None
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return dtype_name(getattr(text, "dtype", None) or getattr(config, "dtype", None))
+
+
+def model_dtype(name: str, dtype: str | None = None, device: str = "cpu", allow_download: bool = False) -> str:
+    """The dtype `load_model(name, device, dtype=dtype)` loads in (see `dtypes.resolve_dtype`): known before
+    the weights load, so a run folder can pin it. Reads the checkpoint's config only when it decides."""
+    if dtype is None and torch.device(device).type != "cpu":
+        return resolve_dtype(None, device, checkpoint_dtype(name, allow_download))
+    return resolve_dtype(dtype, device, None)
+
+
+def load_model(
+    name: str = "smollm2-135m", device: str = "cpu", allow_download: bool = False, dtype: str | None = None
+):
     """(model, tokenizer) for the embedded name, a local directory or an HF model id.
 
     An HF id is read from the local cache only, unless `allow_download=True`: a name
     that is not there fails at once with a `KvevictError` instead of retrying the network.
+    `dtype` (`float32`, `bfloat16`, `float16`; None: `model_dtype`'s default, float32 on the CPU,
+    the checkpoint's own on a GPU) is what the weights, and so the KV cache, are held in. A GGUF
+    model is cast from its cached float32 copy (one cache for every dtype).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    chosen = DTYPES[model_dtype(name, dtype, device, allow_download)]
     local = _gguf_path(name)
     if name in EMBEDDED or local is not None:
         gguf = local or embedded_gguf(name)
@@ -152,9 +184,9 @@ def load_model(name: str = "smollm2-135m", device: str = "cpu", allow_download: 
         try:
             with _offline(offline):
                 tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=offline)
-                model = AutoModelForCausalLM.from_pretrained(source, local_files_only=offline, dtype=torch.float32)
+                model = AutoModelForCausalLM.from_pretrained(source, local_files_only=offline, dtype=chosen)
         except (OSError, ValueError) as exc:
             raise _load_error(name, exc, allow_download) from None
-    model.to(device).eval()
+    cast_weights(model, chosen).to(device).eval()
     check_model(model)
     return model, tokenizer

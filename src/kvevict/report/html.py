@@ -17,7 +17,7 @@ from pathlib import Path
 from ..files import atomic_write
 from .compare import compare_table
 from .markup import table_html
-from .records import Record
+from .records import UNRECORDED_DTYPE, Record
 from .runs import Run, run_names, run_notes, stream_start_label
 from .sections import SECTIONS
 from .tolerance import Tolerance
@@ -75,7 +75,8 @@ def render(records: Sequence[Record], config: dict, path: Path) -> Path:
     parts = [
         f"<h1>kvevict A/B report: {html.escape(str(config.get('name', '')))}</h1>",
         _meta(
-            f"model {config.get('model')} · text {config.get('text')} · {config.get('tokens')} tokens · "
+            f"model {config.get('model')} · dtype {config.get('dtype') or UNRECORDED_DTYPE} · "
+            f"text {config.get('text')} · {config.get('tokens')} tokens · "
             f"positions {config.get('positions')} · seed {config.get('seed')} · {stream_start_label(config)} · "
             f"generated {datetime.now(UTC):%Y-%m-%d %H:%M} UTC"
         ),
@@ -96,7 +97,7 @@ def render_compare(runs: Sequence[Run], path: Path) -> Path:
     """
     names = run_names(runs)
     parts = [f"<h1>kvevict A/B report: {html.escape(' vs '.join(names))}</h1>"]
-    parts += [_meta(f"{name}: {run.folder} · {run.measured_on()} · {run.tokenization()}")
+    parts += [_meta(f"{name}: {run.folder} · {run.dtype} · {run.measured_on()} · {run.tokenization()}")
               for name, run in zip(names, runs)]
     parts += [_meta(f"{name}: {note}") for name, run in zip(names, runs) for note in run.notes()]
     if len({run.measured_on() for run in runs}) > 1:

@@ -23,6 +23,8 @@ PPL_KINDS = ("full", "oracle", "policy", "sinks")
 MIN_ORACLE_PREDICTIONS = 30
 #: kinds of per-trial records of the protocols beyond perplexity
 TASK_KINDS = ("needle", "generation")
+#: what a line without a dtype was measured in: every run before the dtype was recorded loaded float32
+UNRECORDED_DTYPE = "float32"
 
 
 def cell_key(kind: str, spec: str, budget: int | None) -> str:
@@ -90,6 +92,9 @@ class PplRecord:
     #: the model's own window when it has sliding-window layers (their rows of `sink_lost_at` are null)
     sliding_window: int | None = None
     model: str | None = None
+    #: what the model and its KV cache were held in (`float32`, `bfloat16`, `float16`); absent from lines
+    #: written before the dtype was recorded, which were all float32 (`measured_dtype`)
+    dtype: str | None = None
     text: str | None = None
     tokens: int | None = None
     #: the full cache's PPL on exactly the tokens this row scored (the oracle scores a sample)
@@ -110,7 +115,7 @@ class PplRecord:
     OPTIONAL: ClassVar[tuple[str, ...]] = (
         "label", "nll_mean", "max_kept", "mean_kept", "sink_evicted", "first_token_evicted", "sink_loss",
         "batch_seconds", "tokens_per_s", "peak_mb", "peak_mb_scope", "device_peak_mb", "seed",
-        "kl_curve", "sink_lost_at", "sliding_window", "model", "text", "tokens", "full_ppl_same_tokens",
+        "kl_curve", "sink_lost_at", "sliding_window", "model", "dtype", "text", "tokens", "full_ppl_same_tokens",
         "kl_to_full", "top1_agreement",
         "layer_budgets", "held_per_layer_kind", "kv_bytes", "full_kv_bytes", "held_per_head",
     )
@@ -142,6 +147,11 @@ class PplRecord:
     def name(self) -> str:
         """What a table or a legend calls this row: the user's spelling when there is one."""
         return self.label or self.policy
+
+    @property
+    def measured_dtype(self) -> str:
+        """The dtype the row was measured in: float32 for a line written before dtypes were recorded."""
+        return self.dtype or UNRECORDED_DTYPE
 
     def sink(self) -> SinkLoss | None:
         """The row's sink loss counted from its grid (`eval.sink_loss`); None for a row recorded without one."""
@@ -209,10 +219,12 @@ class RulerRecord:
     seconds: float | None = None
     seed: int | None = None
     kind: str = "ruler"
+    #: what the model and its KV cache were held in; absent from older lines, which were float32
+    dtype: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     OPTIONAL: ClassVar[tuple[str, ...]] = (
-        "form", "budget_tokens", "prompt_tokens", "context_tokens", "kept", "seconds", "seed",
+        "form", "budget_tokens", "prompt_tokens", "context_tokens", "kept", "seconds", "seed", "dtype",
     )
 
     @classmethod

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import KvevictError
-from .records import Record, load
+from .records import UNRECORDED_DTYPE, Record, load
 from .store import ResultStore
 
 
@@ -35,6 +35,11 @@ class Run:
         c = self.config
         return (f"text {c.get('text')} · {c.get('tokens')} tokens · positions {c.get('positions')} · "
                 f"seed {c.get('seed')}")
+
+    @property
+    def dtype(self) -> str:
+        """What the model and its KV cache were held in, as `run.json` pins it (float32 where it does not)."""
+        return self.config.get("dtype") or UNRECORDED_DTYPE
 
     def tokenization(self) -> str:
         """What the stream starts with before the text (recorded by the sweep; older runs did not)."""

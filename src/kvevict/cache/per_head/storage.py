@@ -53,7 +53,8 @@ class RaggedStorage:
         self.capacity = capacity
         self.kv = torch.zeros(2, self.batch, capacity, self.head_dim, dtype=self.dtype, device=self.device)
         self.pos = torch.full((self.batch, capacity), -1, dtype=torch.long, device=self.device)
-        self.stats = {name: torch.zeros(self.batch, capacity, device=self.device) for name in self.stat_names}
+        self.stats = {name: torch.zeros(self.batch, capacity, dtype=torch.float32, device=self.device)
+                      for name in self.stat_names}
 
     def _lay_out(self, start: torch.Tensor, limit: torch.Tensor) -> None:
         """Segments `start .. limit` `[B, H]` (ascending by head); `owner` and `own` follow them."""
