@@ -160,3 +160,97 @@ def test_group_must_divide_head_dim(tiny):
     with pytest.raises(KvevictError, match="does not divide this model's head_dim 16") as info:
         EvictingCache(tiny, "q4:group=32+window", budget=16)
     assert "group=16" in str(info.value)
+
+
+# --- every policy: the quantized cache is the unquantized engine fed the images ------------------------------
+
+def _stream(model, cache, tokens: torch.Tensor, chunk: int) -> torch.Tensor:
+    out = []
+    with torch.inference_mode():
+        out.append(model(tokens[None, :BUDGET], cache=cache, use_cache=True).logits[0])
+        for start in range(BUDGET, tokens.numel(), chunk):
+            out.append(model(tokens[None, start:start + chunk], cache=cache, use_cache=True).logits[0])
+    return torch.cat(out)
+
+
+def _fed_images(cache: EvictingCache, bits: int) -> EvictingCache:
+    """An unquantized cache whose `update` receives the images of the keys and values instead (residual 0:
+    an entry's image is fixed on arrival, so this is the quantized cache's whole schedule)."""
+    update = cache.update
+    cache.update = lambda k, v, layer, *a, **kw: update(image(k, bits), image(v, bits), layer, *a, **kw)
+    return cache
+
+
+def _composable() -> list[str]:
+    from policy_matrix import base_specs
+
+    specs = [s for s in base_specs() if not parse_policy(s).varies_by_head and parse_policy(s).position_mode is None]
+    bounded = [s for s in specs if not parse_policy(s).unbounded]
+    return specs + [f"sink2+{s}" for s in bounded if not parse_policy(s).preset]
+
+
+@pytest.mark.parametrize("spec", _composable())
+def test_every_policy_quantized_is_the_engine_fed_images(tiny, spec):
+    """Logits and the kept entries of `q4+P` equal P's on the images (a chunk replayed token by token
+    included): policies score what attention sees, the dequantized keys."""
+    tokens = TOKENS[:40]
+    for chunk in (1, 5):
+        ours = EvictingCache(tiny, f"q4:group={GROUP}+{spec}", budget=BUDGET, per_token=True)
+        ref = _fed_images(EvictingCache(tiny, spec, budget=BUDGET, per_token=True), 4)
+        torch.testing.assert_close(_stream(tiny, ours, tokens, chunk), _stream(tiny, ref, tokens, chunk),
+                                   rtol=1e-4, atol=1e-4)
+        for a, b in zip(ours.kept_positions(), ref.kept_positions()):
+            assert torch.equal(a, b), spec
+
+
+# --- transformers' own QuantizedCache, same backend, bits, group and residual ---------------------------------
+
+def test_matches_transformers_quantized_cache_token_by_token(tiny):
+    """transformers' `QuantizedCache` (HQQ, axis 1: groups of one entry's channels) with residual_length=1
+    re-quantizes everything at every step and attends the newest token at full precision: `residual=1`
+    here is that schedule. HQQ's optimiser is left off on both sides (kvevict's quantizer never runs it:
+    it would make an entry's codes depend on the entries quantized beside it)."""
+    from transformers import QuantizedCache
+
+    class PlainHQQ(Quantizer):
+        @classmethod
+        def quantize(cls, tensor, **options):
+            return Quantizer.quantize(tensor, **{**options, "optimize": False})
+
+    tokens = TOKENS[:30]
+    for bits in (4, 2):
+        theirs = QuantizedCache("hqq", tiny.config, nbits=bits, axis_key=1, axis_value=1, q_group_size=GROUP,
+                                residual_length=1)
+        for layer in theirs.layers:
+            layer.quantizer = PlainHQQ
+        ours = EvictingCache(tiny, f"q{bits}:group={GROUP},residual=1+full", budget=None)
+        with torch.inference_mode():
+            a = torch.cat([tiny(t[None, None], cache=ours, use_cache=True).logits[0] for t in tokens])
+            b = torch.cat([tiny(t[None, None], cache=theirs, use_cache=True).logits[0] for t in tokens])
+        plain = EvictingCache(tiny, "full", budget=None)
+        with torch.inference_mode():
+            c = torch.cat([tiny(t[None, None], cache=plain, use_cache=True).logits[0] for t in tokens])
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        assert (a - c).abs().max() > 1e-2  # quantization changed the logits: the match is not two full caches
+
+
+@pytest.mark.model
+def test_embedded_model_matches_a_dynamic_cache_fed_images():
+    """SmolLM2-135M (head_dim 64, default group 32): `qB+full` against transformers' own `DynamicCache` whose
+    `update` receives the images, prompt then chunks."""
+    from transformers import DynamicCache
+
+    from kvevict import load_model, load_tokens
+
+    model, tokenizer = load_model("smollm2-135m")
+    tokens, _ = load_tokens("pg-essays", tokenizer, 72)
+    for bits in (8, 4):
+        ours = EvictingCache(model, f"q{bits}+full", budget=None)
+        ref = DynamicCache(config=model.config)
+        update = ref.update
+        ref.update = lambda k, v, layer, *a, **kw: update(image(k, bits, 32), image(v, bits, 32), layer, *a, **kw)
+        with torch.inference_mode():
+            a = torch.cat([model(tokens[None, s:s + 24], cache=ours, use_cache=True).logits[0] for s in (0, 24, 48)])
+            b = torch.cat([model(tokens[None, s:s + 24], cache=ref, use_cache=True).logits[0] for s in (0, 24, 48)])
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-4)
+        assert ours.memory().kv_bytes < ours.memory().full_kv_bytes * (0.6 if bits == 8 else 0.35)
