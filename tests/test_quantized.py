@@ -176,9 +176,13 @@ def _stream(model, cache, tokens: torch.Tensor, chunk: int) -> torch.Tensor:
 def _fed_images(cache: EvictingCache, bits: int) -> EvictingCache:
     """An unquantized cache whose `update` receives the images of the keys and values instead (residual 0:
     an entry's image is fixed on arrival, so this is the quantized cache's whole schedule)."""
-    update = cache.update
-    cache.update = lambda k, v, layer, *a, **kw: update(image(k, bits), image(v, bits), layer, *a, **kw)
+    cache.update = _images_into(cache.update, bits)
     return cache
+
+
+def _images_into(update, bits: int, group: int = GROUP):
+    """`update` handed the images of the keys and values it is given."""
+    return lambda k, v, layer, *a, **kw: update(image(k, bits, group), image(v, bits, group), layer, *a, **kw)
 
 
 def _composable() -> list[str]:
@@ -247,8 +251,7 @@ def test_embedded_model_matches_a_dynamic_cache_fed_images():
     for bits in (8, 4):
         ours = EvictingCache(model, f"q{bits}+full", budget=None)
         ref = DynamicCache(config=model.config)
-        update = ref.update
-        ref.update = lambda k, v, layer, *a, **kw: update(image(k, bits, 32), image(v, bits, 32), layer, *a, **kw)
+        ref.update = _images_into(ref.update, bits, 32)
         with torch.inference_mode():
             a = torch.cat([model(tokens[None, s:s + 24], cache=ours, use_cache=True).logits[0] for s in (0, 24, 48)])
             b = torch.cat([model(tokens[None, s:s + 24], cache=ref, use_cache=True).logits[0] for s in (0, 24, 48)])
