@@ -129,13 +129,14 @@ class QuantizedStorage(SlotStorage):
         rebuilt from `raw` (position shift)."""
         f = self.form
         keys, values = self._key_form()[:, :, n:end], self._kv[1][:, :, n:end]  # [B, H, q, D]
-        full = torch.stack([keys, values]).clone() if f.residual else None
-        for part, x in (("k", keys), ("v", values)):
-            held = quant_backend.quantize(x, f.bits, f.group)
-            for name in _PARTS:
-                self.held[part + name][:, :, n:end] = getattr(held, name)
-            x.copy_(quant_backend.dequantize(held, f.bits, f.group, self.dtype))
-        if full is not None:
+        full = torch.stack([keys, values])  # [2, B, H, q, D]: one call quantizes both
+        held = quant_backend.quantize(full, f.bits, f.group)
+        for name in _PARTS:
+            self.held["k" + name][:, :, n:end], self.held["v" + name][:, :, n:end] = getattr(held, name)
+        images = quant_backend.dequantize(held, f.bits, f.group, self.dtype)
+        keys.copy_(images[0])
+        values.copy_(images[1])
+        if f.residual:
             fresh = min(end - n, f.residual)  # the latest tokens: positions seen_end - fresh .. seen_end - 1
             rows = torch.arange(self.seen_end - fresh, self.seen_end, device=self.device) % f.residual
             self.ring[:, :, :, rows] = full[:, :, :, -fresh:]
@@ -153,12 +154,16 @@ class QuantizedStorage(SlotStorage):
         `residual` most recent tokens at `seen_end` taken back from the ring."""
         f = self.form
         shape = (self.batch, self.heads, self.capacity, self.head_dim)
-        self._kv = torch.zeros(2, *shape, dtype=self.dtype, device=self.device)
+        # slots past `count` are written before anything reads them (a forward's new entries), or never read
+        self._kv = torch.empty(2, *shape, dtype=self.dtype, device=self.device)
         if self.raw_keys:
-            self._raw = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        for i, (part, x) in enumerate((("k", self._key_form()), ("v", self._kv[1]))):
-            held = quant_backend.Codes(*(self.held[part + name][:, :, :count] for name in _PARTS))
-            x[:, :, :count] = quant_backend.dequantize(held, f.bits, f.group, self.dtype)
+            self._raw = torch.empty(shape, dtype=self.dtype, device=self.device)
+        both = [torch.stack([self.held["k" + name][:, :, :count], self.held["v" + name][:, :, :count]])
+                for name in _PARTS]
+        held = quant_backend.Codes(*both)
+        images = quant_backend.dequantize(held, f.bits, f.group, self.dtype)  # [2, B, H, count, D]
+        for i, x in enumerate((self._key_form(), self._kv[1])):
+            x[:, :, :count] = images[i]
             if f.residual and count:
                 pos = self.pos[:, :, :count]
                 recent = (pos >= self.seen_end - f.residual)[..., None]  # [B, H, count, 1]
