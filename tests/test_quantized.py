@@ -257,3 +257,10 @@ def test_embedded_model_matches_a_dynamic_cache_fed_images():
             b = torch.cat([model(tokens[None, s:s + 24], cache=ref, use_cache=True).logits[0] for s in (0, 24, 48)])
         torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-4)
         assert ours.memory().kv_bytes < ours.memory().full_kv_bytes * (0.6 if bits == 8 else 0.35)
+
+
+def test_shared_batches_put_each_width_in_a_batch_of_its_own():
+    from kvevict.policies import shared_batches
+
+    specs = ["window", "q4+window", "h2o", "q4+h2o", "q8+window", "adakv:snapkv"]
+    assert shared_batches(specs) == [["window", "h2o"], ["q4+window", "q4+h2o"], ["q8+window"], ["adakv:snapkv"]]

@@ -187,8 +187,11 @@ def shared_batches(specs: list[str]) -> list[list[str]]:
     budget (`pyramidkv`) because a layer stores one budget for all its rows, per-head
     budgets (`adakv:P`) because its layers store ragged per-head segments and attend by
     hand, which would slow the uniform rows down."""
-    uniform = [s for s in specs if not parse_policy(s).own_batch]
-    return ([uniform] if uniform else []) + [[s] for s in specs if parse_policy(s).own_batch]
+    by_form: dict = {}  # one storage form per cache: each quantized width (`q4+...`) in a batch of its own
+    for s in specs:
+        if not parse_policy(s).own_batch:
+            by_form.setdefault(parse_policy(s).kv_storage, []).append(s)
+    return list(by_form.values()) + [[s] for s in specs if parse_policy(s).own_batch]
 
 
 def _parse_options(factory: Callable[..., Policy], name: str, options: str) -> dict:
