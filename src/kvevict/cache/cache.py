@@ -27,6 +27,7 @@ from .model_info import check_model, layer_kinds, text_config
 from .observers import KeptTracker, Observer, SinkTracker, held_pinned_lost, held_sink_loss
 from .per_head import PER_HEAD_KINDS
 from .positions import MODES, POSITION_MODES
+from .quantized import storage_form_of
 from .rotary import Rotary
 from .rows import RowLayout
 from .sliding import SlidingLayer
@@ -42,7 +43,8 @@ class CacheMemory:
 
     `held`: kind -> the most entries one layer of that kind holds (per row and KV head);
     `layers`: kind -> how many layers; bytes count keys and values of every layer, row
-    and KV head at the model's dtype (un-rotated key copies and statistics left out):
+    and KV head as their storage holds them (the model's dtype, or a quantized form's codes,
+    scales, zero points and residual; un-rotated key copies and statistics left out):
     `kv_bytes` the entries held, `allocated_kv_bytes` what the buffers take (held plus
     the slack a forward writes into). `per_head`: per layer, `[B][H_kv]` entries each
     head holds, when the heads hold different numbers (`adakv:P`), else None.
@@ -54,6 +56,7 @@ class CacheMemory:
     full_kv_bytes: int
     allocated_kv_bytes: int = 0
     per_head: list[list[list[int]]] | None = None
+    kv_bytes_bf16: int = 0  # `kv_bytes` with every floating-point number at 2 bytes (the deployment dtype)
 
 
 class EvictingCache(Cache):
@@ -120,6 +123,7 @@ class EvictingCache(Cache):
         modes = {kind: shared or MODES[positions](rotary(kind)) for kind in set(kinds)}
         slots = handoffs(model)
         window = getattr(text, "sliding_window", None)
+        storage_form = storage_form_of(self.policies, head_dim)  # quantized entries (`q4+...`) or as they are
         fifo = {p.fifo_after for p in self.policies}
         fifo_after = fifo.pop() if len(fifo) == 1 else None  # one ring for all rows, or none
 
@@ -137,6 +141,7 @@ class EvictingCache(Cache):
                 handoff=slots.get(index),
                 window=int(window) if kind == "sliding_attention" else None,
                 fifo_after=fifo_after,
+                storage_form=storage_form,
             )
 
         attach(model)
@@ -348,6 +353,7 @@ class EvictingCache(Cache):
             full_kv_bytes=sum(f.full_kv_bytes for f in figures),
             allocated_kv_bytes=sum(f.allocated_kv_bytes for f in figures),
             per_head=[f.per_head for f in figures] if any(layer.heads_differ for layer in self.layers) else None,
+            kv_bytes_bf16=sum(f.kv_bytes_bf16 for f in figures),
         )
 
     def _observer(self, kind: type) -> Observer:

@@ -48,7 +48,8 @@ class LayerMemory:
     """What one layer holds, as the layer itself counts it (`EvictingLayer.memory`).
 
     `per_head` `[B][H_kv]` entries each (row, KV head) holds; bytes count keys and values
-    at the layer's dtype: `kv_bytes` the entries held, `full_kv_bytes` a full cache of
+    as the storage holds them (a quantized form: codes, scales, zero points and its residual):
+    `kv_bytes` the entries held, `full_kv_bytes` a full cache of
     the tokens seen, `allocated_kv_bytes` the buffers. `heads_differ`: the heads may hold
     different numbers of entries (per-head budgets).
     """
@@ -58,6 +59,7 @@ class LayerMemory:
     full_kv_bytes: int
     allocated_kv_bytes: int
     heads_differ: bool
+    kv_bytes_bf16: int = 0  # `kv_bytes` with every floating-point number counted at 2 bytes (the deployment dtype)
 
 
 class EvictingLayer(CacheLayerMixin):
@@ -130,7 +132,7 @@ class EvictingLayer(CacheLayerMixin):
         if arrival:
             names = (*names, ARRIVAL)
         storage = s.mode.new_storage(
-            self.batch_size, self.heads, self.head_dim, self.dtype, self.device, names, capacity
+            self.batch_size, self.heads, self.head_dim, self.dtype, self.device, names, capacity, s.storage_form
         )
         if arrival:  # `_arrive` writes it for every new slot before anything reads it
             storage.written_on_arrival = frozenset({ARRIVAL})
@@ -195,8 +197,11 @@ class EvictingLayer(CacheLayerMixin):
             # compressed prompt's decode should not allocate twice what it holds.
             grow = storage.capacity + storage.capacity // 4 if self.budget is None else 0
             storage.ensure(end, self.n, max(end + self.settings.slack, grow))
+        storage.begin(self.n, key_states.shape[2], self.seen + key_states.shape[2])  # a storage form's working copy
         storage.open(self.n, value_states, self.seen)
         self.settings.mode.store_keys(storage, key_states, used, self.n)
+        if storage.written(self.n, end):  # a storage form changed the held keys: rotate them to their slots again
+            self.settings.mode.after_compaction(storage, end)
         # A shared forward (one row standing for all) attends with row 0; writes above broadcast.
         rows = key_states.shape[0]
         return storage.keys[:rows, :, :end], storage.values[:rows, :, :end]
@@ -349,6 +354,7 @@ class EvictingLayer(CacheLayerMixin):
         total = self.n + self.new
         if self.sealed:  # nothing to measure: no eviction will ever read it
             self.n, self.new = total, 0
+            self.storage.release()
             for observer in s.observers:
                 observer.on_forward(self.index, self.n)
             return
@@ -458,9 +464,11 @@ class EvictingLayer(CacheLayerMixin):
 
     def fit_storage(self) -> None:
         """After a forward: give back buffers a long forward grew beyond twice the budget and its
-        slack (a compressed prompt keeps `budget + slack` slots, not the prompt's length)."""
+        slack (a compressed prompt keeps `budget + slack` slots, not the prompt's length), and the working
+        buffers of a storage form (`SlotStorage.release`)."""
         if self.budget is not None:
             self.storage.fit(self.budget + self.settings.slack, self.n)
+        self.storage.release()
 
     def _will_evict(self, total: int) -> bool:
         return self._target(total) is not None
@@ -564,13 +572,15 @@ class EvictingLayer(CacheLayerMixin):
         """This layer's entries and KV bytes (None before its first forward); its storage's business alone."""
         if not self.is_initialized:
             return None
-        kv = self.storage.kv  # keys and values of every slot, whatever the layout
-        entry = 2 * self.head_dim * kv.element_size()  # one key and its value
+        storage = self.storage  # it counts what it holds: codes and scales for a quantized form
+        entry = 2 * self.head_dim * torch.empty((), dtype=self.dtype).element_size()  # one key and its value
         lengths = self.head_lengths()  # [B, H_kv]
+        held = int(lengths.sum())
         return LayerMemory(
             per_head=lengths.tolist(),
-            kv_bytes=entry * int(lengths.sum()),
+            kv_bytes=storage.held_bytes(held),
             full_kv_bytes=entry * self.batch_size * self.heads * self.seen,
-            allocated_kv_bytes=kv.numel() * kv.element_size(),
+            allocated_kv_bytes=storage.allocated_bytes(),
             heads_differ=self.heads_differ,
+            kv_bytes_bf16=storage.held_bytes(held, full_bytes=2),
         )

@@ -13,6 +13,7 @@ Nothing here is written by one layer for another to read behind the cache's back
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ import torch
 from .observers import Observer
 from .positions import PositionMode
 from .rows import RowLayout
+from .storage import SlotStorage
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,9 @@ class LayerSettings:
     # every row's policy evicts the oldest entry after its first `fifo_after` tokens (`Policy.fifo_after`),
     # so a decode step's victim slot is known without scores; None otherwise
     fifo_after: int | None = None
+    # builds the layer's slot storage: `SlotStorage` (entries at the model's dtype) or another storage form
+    # with its settings bound (`quantized.QuantizedStorage`, chosen by the cache from `Policy.kv_storage`)
+    storage_form: Callable[..., SlotStorage] = SlotStorage
 
 
 @dataclass(eq=False)

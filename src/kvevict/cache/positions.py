@@ -44,10 +44,11 @@ class PositionMode:
 
     def new_storage(
         self, batch: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-        stat_names: tuple[str, ...], capacity: int,
+        stat_names: tuple[str, ...], capacity: int, form: Callable[..., SlotStorage] = SlotStorage,
     ) -> SlotStorage:
-        """Slot buffers for one layer, with the un-rotated key copies this mode needs."""
-        return SlotStorage(batch, heads, head_dim, dtype, device, stat_names, self.raw_keys, capacity)
+        """Slot buffers for one layer, with the un-rotated key copies this mode needs, of the storage
+        form `form` (`SlotStorage`, or a quantized one: `LayerSettings.storage_form`)."""
+        return form(batch, heads, head_dim, dtype, device, stat_names, self.raw_keys, capacity)
 
     def by_keys(self, fixed: T, renumbered: T) -> T:
         """Of two ways to do one thing, this mode's: `fixed` where a stored key keeps its rotation

@@ -11,6 +11,10 @@ model's: bf16 keys are stored in bf16, and `kv_bytes` counts 2 bytes per element
 statistics (H2O's and TOVA's cumulative attention, SnapKV's pooled window, k-norm's norms)
 are always float32 (`cache/probabilities.py` says why), whatever the model's dtype.
 The storage knows nothing of policies, positions modes or metrics: it moves slots.
+
+This class holds entries at the model's dtype. Another storage form (`quantized.py`: packed codes)
+subclasses it and answers the same seam: `begin` (before a forward writes), `written` (after its new
+entries are stored), `release` (after the forward), `held_bytes` / `allocated_bytes` (what it holds).
 """
 
 from __future__ import annotations
@@ -121,8 +125,29 @@ class SlotStorage:
         for buffer in self._per_slot():
             if buffer.dim() == 3:
                 buffer.scatter_(2, at, buffer[:, :, source].clone())
-            else:  # the un-rotated keys (position-shift mode compacts instead: kept for completeness)
-                buffer.scatter_(2, at[..., None].expand(*at.shape, self.head_dim), buffer[:, :, source].clone())
+            else:  # per-slot vectors: un-rotated keys, a storage form's codes
+                buffer.scatter_(2, at[..., None].expand(*at.shape, buffer.shape[3]), buffer[:, :, source].clone())
+
+    # --- the storage-form seam: no-ops for entries held as they are --------------------------------
+    def begin(self, n: int, q: int, seen_end: int) -> None:
+        """Before a forward writes `q` entries after the `n` held (`seen_end`: tokens seen after it)."""
+
+    def written(self, n: int, end: int) -> bool:
+        """The forward's entries sit in slots `n..end-1`. Returns whether the position mode must rebuild the
+        rotated keys from `raw` (a storage form that changed what `raw` holds)."""
+        return False
+
+    def release(self) -> None:
+        """After a forward: drop working buffers the held form does not need."""
+
+    def held_bytes(self, entries: int, full_bytes: int | None = None) -> int:
+        """Bytes held for `entries` keys and values (summed over rows and heads), at the buffers' dtype or,
+        given `full_bytes`, at that many bytes per number (2: bf16)."""
+        return entries * 2 * self.head_dim * (full_bytes or self.kv.element_size())
+
+    def allocated_bytes(self) -> int:
+        """Bytes of the key and value buffers, every slot included."""
+        return self.kv.numel() * self.kv.element_size()
 
     def move_slot(self, source: int, dest: int) -> torch.Tensor:
         """Move slot `source` into slot `dest` for every (row, head): the one victim of a decode step

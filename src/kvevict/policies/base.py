@@ -148,6 +148,9 @@ class Policy:
     #: per key, keeps it per slot and hands it back (`SlotView.arrival`), so a decode step does not
     #: recompute it for every held key
     arrival_stat: ClassVar[bool] = False
+    #: how the cache holds each kept entry: None (at the model's dtype), or the `quantized.KvQuant` of a
+    #: `qB+P` spec. A storage form, not a rule: it never changes which entries a policy keeps
+    kv_storage: ClassVar[object | None] = None
 
     @property
     def own_batch(self) -> bool:

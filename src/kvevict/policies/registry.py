@@ -1,14 +1,16 @@
 """Policy spec strings, parsed in one place for the API and the CLI.
 
-Grammar: `[sinkN+][adakv[:alpha=A]:]name[:key=value,...]`, e.g. `window`,
+Grammar: `[qB[:options]+][sinkN+][adakv[:alpha=A]:]name[:key=value,...]`, e.g. `window`,
 `sink4+h2o:recent=0.25`, `snapkv:window=32,kernel=7,pooling=max`, `adakv:snapkv`,
 `sink4+adakv:alpha=0.1:snapkv:window=16`. `adakv:` (head-wise budgets, `adakv.py`) is a
 wrapper like `sinkN+`: its own options come first, as the `:`-field that holds `=`;
 the rest is the inner policy's spec. Options may also be separated by `;`
 (`snapkv:window=32;kernel=7`), for places that split at commas themselves (lm-eval's
 `model_args`). Aliases: `streamingllm` = `sink4+window`,
-`local` / `fifo` = `window`. A new policy registers its class here; its options are
-read off its constructor, so the parser and the error messages never go stale.
+`local` / `fifo` = `window`. `qB+` (`q8+`, `q4+`, `q2+`) holds the kept entries as B-bit codes
+(`quantized.py`: options `group`, `residual`, `keys`, e.g. `q4:group=64,residual=32+sink4+h2o`).
+A new policy registers its class here; its options are read off its constructor, so the parser
+and the error messages never go stale.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from .knorm import KNorm
 from .llamacpp import LlamaCpp, Ollama
 from .paged import Paged
 from .pyramidkv import PyramidKV
+from .quantized import KvQuant, Quantized
 from .random_subset import Random
 from .sinkauto import SinkAuto
 from .sinks import SinkPinned
@@ -60,6 +63,7 @@ ALIASES = {"streamingllm": "sink4+window", "local": "window", "fifo": "window"}
 _SINK = re.compile(r"^sink(\d+)\+(.+)$")
 _SINKAUTO = re.compile(r"^sinkauto(\d*)\+(.+)$")
 _ADAKV = "adakv"
+_QUANT = re.compile(r"^q(\d+)(?::([^+]*))?\+(.+)$")
 # page-granular eviction, an option of the whole spec wherever it is written (`sink4+snapkv:page=32`)
 _PAGE_OPTION = re.compile(r"(?<=[:,;])(page|pagescore)=([^,;:+]*)")
 _MODE_WORDS = {"original": "the stream's own (original)", "cache": "renumbered within the cache (cache)"}
@@ -71,7 +75,8 @@ def register(name: str, factory: Callable[..., Policy]) -> None:
 
 
 def known_specs() -> str:
-    return ", ".join([*REGISTRY, *ALIASES, "sinkN+<policy>", "sinkauto+<policy>", "adakv:<policy>", "<policy>:page=N"])
+    return ", ".join([*REGISTRY, *ALIASES, "sinkN+<policy>", "sinkauto+<policy>", "adakv:<policy>", "<policy>:page=N",
+                      "q8+<policy>", "q4+<policy>", "q2+<policy>"])
 
 
 def parse_policy(spec: str | Policy) -> Policy:
@@ -85,6 +90,11 @@ def parse_policy(spec: str | Policy) -> Policy:
     if paging:
         return _parse_paged(spec, text, paging)
     text = ALIASES.get(text, text)
+    quant = _QUANT.match(text)
+    if quant:
+        return _parse_quantized(spec, quant)
+    if re.match(r"^q\d+(:|$)", text):
+        raise KvevictError(f"cannot parse '{spec}': quantized storage is written qB+<policy>, e.g. q4+sink4+h2o")
     auto = _SINKAUTO.match(text)
     if auto:
         return SinkAuto(int(auto.group(1) or 4), parse_policy(auto.group(2)))
@@ -115,6 +125,15 @@ def _parse_paged(spec: str, text: str, paging: dict[str, str]) -> Policy:
     except ValueError:
         raise KvevictError(f"option page needs a whole number of tokens, got '{paging['page']}' in '{spec}'") from None
     return Paged(parse_policy(rest), page, paging.get("pagescore", "mean"))
+
+
+def _parse_quantized(spec: str, match: re.Match) -> Policy:
+    """`qB[:group=G,residual=R,keys=token]+P`: P's entries held as B-bit codes (`quantized.KvQuant`)."""
+    bits, options, inner = match.groups()
+    parsed = _parse_options(KvQuant, f"q{bits}", options or "")
+    if "bits" in parsed:
+        raise KvevictError(f"'{spec}' sets bits twice: the width is the number after q (q8, q4, q2)")
+    return Quantized(KvQuant(int(bits), **parsed), parse_policy(inner))
 
 
 def _parse_adakv(spec: str, rest: str) -> Policy:
@@ -168,8 +187,11 @@ def shared_batches(specs: list[str]) -> list[list[str]]:
     budget (`pyramidkv`) because a layer stores one budget for all its rows, per-head
     budgets (`adakv:P`) because its layers store ragged per-head segments and attend by
     hand, which would slow the uniform rows down."""
-    uniform = [s for s in specs if not parse_policy(s).own_batch]
-    return ([uniform] if uniform else []) + [[s] for s in specs if parse_policy(s).own_batch]
+    by_form: dict = {}  # one storage form per cache: each quantized width (`q4+...`) in a batch of its own
+    for s in specs:
+        if not parse_policy(s).own_batch:
+            by_form.setdefault(parse_policy(s).kv_storage, []).append(s)
+    return list(by_form.values()) + [[s] for s in specs if parse_policy(s).own_batch]
 
 
 def _parse_options(factory: Callable[..., Policy], name: str, options: str) -> dict:

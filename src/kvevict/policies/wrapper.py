@@ -47,6 +47,10 @@ class Wrapper(Policy):
         return self.inner.arrival(keys)
 
     @property
+    def kv_storage(self):
+        return self.inner.kv_storage
+
+    @property
     def varies_by_layer(self) -> bool:
         return self.inner.varies_by_layer
 

@@ -94,6 +94,13 @@ class RaggedStorage:
         """Entries the buffers hold room for, all rows: `kv.numel() / (2 x D)`."""
         return self.kv.numel() // (2 * self.head_dim)
 
+    def held_bytes(self, entries: int, full_bytes: int | None = None) -> int:
+        """Bytes held for `entries` keys and values (the storage-form seam, `SlotStorage.held_bytes`)."""
+        return entries * 2 * self.head_dim * (full_bytes or self.kv.element_size())
+
+    def allocated_bytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
     @property
     def keys(self) -> torch.Tensor:
         """`[B, capacity, D]`, every head's segment of a row in one buffer."""

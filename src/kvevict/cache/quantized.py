@@ -1,0 +1,207 @@
+"""`QuantizedStorage`: a layer's slots held as packed integer codes, a full-precision residual beside them.
+
+A storage form behind `SlotStorage`'s seam (`begin`, `written`, `release`, `held_bytes`): the layer,
+the policies and the replay see the same slot buffers as ever, `kv` `[2, B, H, capacity, D]`, but
+here that buffer is a working copy that lives for one forward only:
+
+* **held between forwards**, per slot: the key's and the value's codes (uint8
+  `[B, H, capacity, D * bits / 8]`), scales and zero points (`[B, H, capacity, D / group]`, the
+  model's dtype), moved with their slot by every gather, hole fill and ring turn, like the positions;
+  and a ring of the `residual` most recent tokens' keys and values at full precision
+  (`[2, B, H, residual, D]`, token `p` in row `p % residual`). Both are counted by `held_bytes`.
+* **in a forward**: `begin` dequantizes the held codes into a fresh `kv` (`quant_backend.dequantize`)
+  and puts back, from the ring, the entries still among the `residual` most recent tokens at the
+  forward's end; `written` quantizes the forward's new entries once (`quant_backend.quantize`) and
+  leaves attention their images (the latest `residual` of them at full precision); `release`
+  drops `kv` after the forward (the layer's `fit_storage`).
+
+So attention, and every policy that scores by attention or keys, reads exactly the dequantized
+entries. Quantization is per entry (groups of channels of one key or value), so an entry's codes do
+not depend on when or beside what it was quantized: a chunk equals its tokens one by one at
+residual 0. In position-shift mode the un-rotated keys `raw` are what is held; the position mode
+rotates their images to their slots (`written` answers that the keys need it).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..errors import KvevictError
+from . import quant_backend
+from .storage import SlotStorage
+
+#: per-slot buffers of the held form, per stored tensor (`k` the key form, `v` the values)
+_PARTS = ("codes", "scale", "zero")
+
+
+class QuantizedStorage(SlotStorage):
+    """Slots held as codes (see the module docstring); `form` is the policies' `KvQuant`."""
+
+    def __init__(self, *args, form, **kwargs) -> None:
+        self.form = form
+        self._kv: torch.Tensor | None = None
+        self._raw: torch.Tensor | None = None
+        self.held: dict[str, torch.Tensor] = {}
+        self.ring: torch.Tensor | None = None
+        self.seen_end = 0  # tokens seen at the end of the forward in flight (the residual's reference)
+        super().__init__(*args, **kwargs)
+
+    # --- the working buffers, rebuilt from the held codes whenever read after `release` ---------------
+    @property
+    def kv(self) -> torch.Tensor:
+        if self._kv is None:
+            self._materialize(self.capacity)
+        return self._kv
+
+    @kv.setter
+    def kv(self, value: torch.Tensor) -> None:
+        self._kv = value
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.kv[0]
+
+    @keys.setter
+    def keys(self, value) -> None:
+        pass  # always a view of `kv`
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.kv[1]
+
+    @values.setter
+    def values(self, value) -> None:
+        pass
+
+    @property
+    def raw(self) -> torch.Tensor | None:
+        if self.raw_keys and self._raw is None:
+            self._materialize(self.capacity)
+        return self._raw
+
+    @raw.setter
+    def raw(self, value: torch.Tensor | None) -> None:
+        self._raw = value
+
+    def _key_form(self) -> torch.Tensor:
+        """The keys as held: un-rotated (position shift) or as the model rotated them."""
+        return self._raw if self.raw_keys else self._kv[0]
+
+    # --- allocation and slot moves: the held buffers go wherever a slot goes -------------------------
+    def _allocate(self, capacity: int, n: int) -> None:
+        old = self.held if self.capacity else None
+        super()._allocate(capacity, n)
+        shape = (self.batch, self.heads, capacity)
+        d, f = self.head_dim, self.form
+        widths = {"codes": d * f.bits // 8, "scale": d // f.group, "zero": d // f.group}
+        fresh = {}
+        for part in "kv":
+            for name in _PARTS:
+                dtype = torch.uint8 if name == "codes" else self.dtype
+                fresh[part + name] = torch.zeros(*shape, widths[name], dtype=dtype, device=self.device)
+                if old is not None and n:
+                    fresh[part + name][:, :, :n] = old[part + name][:, :, :n]
+        self.held = fresh
+        if self.ring is None and f.residual:
+            self.ring = torch.zeros(2, self.batch, self.heads, f.residual, d, dtype=self.dtype, device=self.device)
+
+    def _per_slot(self) -> list[torch.Tensor]:
+        return [*super()._per_slot(), *self.held.values()]
+
+    def keep_rows(self, index: torch.Tensor) -> None:
+        super().keep_rows(index)
+        self.held = {name: buffer.index_select(0, index) for name, buffer in self.held.items()}
+        if self.ring is not None:
+            self.ring = self.ring.index_select(1, index)
+
+    # --- the seam ----------------------------------------------------------------------------------
+    def begin(self, n: int, q: int, seen_end: int) -> None:
+        """Before a forward writes `q` entries after the `n` held: dequantize what is held."""
+        self.seen_end = seen_end
+        self._materialize(n)
+
+    def written(self, n: int, end: int) -> bool:
+        """Quantize the entries just written to slots `n..end-1` (once), leave their images for attention
+        and keep the latest `residual` at full precision. Returns whether the rotated keys must be
+        rebuilt from `raw` (position shift)."""
+        f = self.form
+        keys, values = self._key_form()[:, :, n:end], self._kv[1][:, :, n:end]  # [B, H, q, D]
+        full = torch.stack([keys, values])  # [2, B, H, q, D]: one call quantizes both
+        held = quant_backend.quantize(full, f.bits, f.group)
+        for name in _PARTS:
+            self.held["k" + name][:, :, n:end], self.held["v" + name][:, :, n:end] = getattr(held, name)
+        images = quant_backend.dequantize(held, f.bits, f.group, self.dtype)
+        keys.copy_(images[0])
+        values.copy_(images[1])
+        if f.residual:
+            fresh = min(end - n, f.residual)  # the latest tokens: positions seen_end - fresh .. seen_end - 1
+            rows = torch.arange(self.seen_end - fresh, self.seen_end, device=self.device) % f.residual
+            self.ring[:, :, :, rows] = full[:, :, :, -fresh:]
+            self._key_form()[:, :, end - fresh:end] = full[0, :, :, -fresh:]
+            self._kv[1][:, :, end - fresh:end] = full[1, :, :, -fresh:]
+        return self.raw_keys
+
+    def release(self) -> None:
+        """After a forward: only the held form stays."""
+        self._kv = None
+        self._raw = None
+
+    def _materialize(self, count: int) -> None:
+        """A working `kv` (and `raw`) with the images of the first `count` slots; those among the
+        `residual` most recent tokens at `seen_end` taken back from the ring."""
+        f = self.form
+        shape = (self.batch, self.heads, self.capacity, self.head_dim)
+        # slots past `count` are written before anything reads them (a forward's new entries), or never read
+        self._kv = torch.empty(2, *shape, dtype=self.dtype, device=self.device)
+        if self.raw_keys:
+            self._raw = torch.empty(shape, dtype=self.dtype, device=self.device)
+        both = [torch.stack([self.held["k" + name][:, :, :count], self.held["v" + name][:, :, :count]])
+                for name in _PARTS]
+        held = quant_backend.Codes(*both)
+        images = quant_backend.dequantize(held, f.bits, f.group, self.dtype)  # [2, B, H, count, D]
+        for i, x in enumerate((self._key_form(), self._kv[1])):
+            x[:, :, :count] = images[i]
+            if f.residual and count:
+                pos = self.pos[:, :, :count]
+                recent = (pos >= self.seen_end - f.residual)[..., None]  # [B, H, count, 1]
+                rows = (pos % f.residual)[..., None].expand(*pos.shape, self.head_dim)
+                x[:, :, :count] = torch.where(recent, self.ring[i].gather(2, rows), x[:, :, :count])
+
+    def held_bytes(self, entries: int, full_bytes: int | None = None) -> int:
+        """Bytes this storage holds for `entries` entries (summed over rows and heads): codes, scales and
+        zero points per entry, plus the residual ring. `full_bytes`: count the floating-point parts
+        (scales, zeros, ring) at that many bytes per number (2: bf16) instead of the model's dtype."""
+        f, d = self.form, self.head_dim
+        number = full_bytes or torch.empty((), dtype=self.dtype).element_size()
+        per_entry = 2 * (d * f.bits // 8 + 2 * (d // f.group) * number)  # key and value
+        ring = 2 * self.batch * self.heads * f.residual * d * number
+        return entries * per_entry + ring
+
+    def allocated_bytes(self) -> int:
+        """Bytes of every held buffer (all slots, the room after the held ones included), plus the
+        working `kv` while a forward has it."""
+        held = sum(b.numel() * b.element_size() for b in self.held.values())
+        ring = self.ring.numel() * self.ring.element_size() if self.ring is not None else 0
+        work = sum(b.numel() * b.element_size() for b in (self._kv, self._raw) if b is not None)
+        return held + ring + work
+
+
+def storage_form_of(policies: Sequence, head_dim: int) -> Callable[..., SlotStorage]:
+    """The storage form every layer of a cache running `policies` (one per row) uses: `SlotStorage`, or
+    `QuantizedStorage` with the rows' `KvQuant` bound. One layer holds one form, so rows must agree."""
+    forms = {p.kv_storage for p in policies}
+    if len(forms) > 1:
+        specs = ", ".join(sorted(p.spec() for p in policies))
+        raise KvevictError(
+            f"rows of one cache must hold their entries alike ({specs}): a layer has one storage form, so run "
+            "each quantized width (q8+, q4+, q2+ and unquantized) in a batch of its own"
+        )
+    form = forms.pop()
+    if form is None:
+        return SlotStorage
+    form.check_head_dim(head_dim)
+    quant_backend.require()
+    return functools.partial(QuantizedStorage, form=form)
