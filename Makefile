@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml
 # the optional integrations too, so the suite tests the Ray executor and the lm-eval model (without them
 # those tests skip, naming the extra); one pass on a fresh machine, not the core's and then the extras'
 $(EXTRAS): pyproject.toml
-	$(call setup,dev$(comma)ray$(comma)lm-eval)
+	$(call setup,dev$(comma)ray$(comma)lm-eval$(comma)quant)
 	touch $(STAMP) $(EXTRAS)
 
 # llama.cpp itself for `kvevict engine-check`: a source build (~4.5 min on 2 cores), CPU only, no server/examples
