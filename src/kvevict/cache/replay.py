@@ -505,6 +505,9 @@ class _Stepper:
                 request,
                 new=lambda g=g: g.take(probs.sum(dim=2)),  # one query per step: its attention is "new" and "last"
                 window=lambda size, g=g, view=view: _window_mass(layer, g, view, size, seen, total, self.scaling),
+                queries=lambda size, g=g: layer.statistics.query_batch(  # the step's query remembered above
+                    layer.settings.mode, size, layer.settings.mode.seq_length(min(total, budget), seen), g.take
+                ),
             )
             stat = storage.stats[request.stat]
             updated = g.policy.absorb(view, request, mass).to(stat.dtype)
@@ -633,6 +636,7 @@ def _view(
         layer=layer.index,
         stats={name: group.take(storage.stats[name]).gather(-1, group.take(slots)) for name in group.policy.stats},
         keys=keys_now,
+        values=lambda: group.take(_take_slots(storage.values, slots)),
     )
 
 
