@@ -513,6 +513,7 @@ class _Stepper:
             updated = g.policy.absorb(view, request, mass).to(stat.dtype)
             g.put(stat, g.take(stat).scatter(-1, g.take(slots), updated))
             view.stats[request.stat] = updated
+        layer.statistics.last_forward = None  # served: the step's query is not held past it
         if not will_evict:
             self.k += 1
             return None

@@ -128,6 +128,12 @@ class Statistics:
         """
         views, requests = self.views, self.requests
         self.views = self.requests = None
+        try:
+            return self._feed(views, requests, layout, storage, mode, query, scaling, seen, new, total, probs)
+        finally:
+            self.last_forward = None  # served: a prefill's queries are not held past their forward
+
+    def _feed(self, views, requests, layout, storage, mode, query, scaling, seen, new, total, probs) -> list[SlotView]:
         if all(r is None for r in requests):
             return views
         if probs is not None and len(requests) == 1:

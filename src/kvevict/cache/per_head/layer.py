@@ -163,6 +163,7 @@ class RaggedLayer(EvictingLayer):
             updated = g.policy.absorb(view, request, mass).to(stat.dtype)
             g.put(stat, updated.gather(1, g.take(storage.owner)[:, None]).squeeze(1))  # its own head's value
             view.stats[request.stat] = updated  # read only where the head holds an entry
+        self.statistics.last_forward = None  # served: the queries are not held past their forward
         if will_evict and not deferring:
             self._evict(views, members, positions, seen, shrink=m > 1)
         self.n = int(storage.held.max())
