@@ -101,3 +101,19 @@ def test_lagkv_scores_by_hand_with_slots_out_of_order():
     for h in range(2):
         expected = torch.tensor(_lag_reference(keys[0, h], values[0, h], n_sink, lag))
         torch.testing.assert_close(got[0, h], expected[shuffle])
+
+
+def test_a_held_back_prefill_keeps_what_one_compression_keeps():
+    """The RULER grid reads a context once and compresses copies of that state later (`defer`); Expected
+    Attention's queries are measured in that forward, so each budget keeps what a compression in one call
+    keeps (beside another policy's row, as the grid batches them)."""
+    from kvevict.eval.compress import compress
+    from kvevict.eval.ruler.protocols import compress_at, prefill
+
+    model, ids = make_tiny(seed=2), random_tokens(64)
+    for spec in ("expected-attention:n_sink=2", "lagkv:n_sink=2,lag_size=8"):
+        alone = compress(model, ids, [spec], 24).cache.kept_positions()
+        state = prefill(model, ids, [spec, "tova"], 48, "original", defer=True)
+        assert state.cache.deferred
+        later = compress_at(state, 24).cache.kept_positions()
+        assert all(torch.equal(a[0], b[0]) for a, b in zip(alone, later)), spec
