@@ -506,7 +506,7 @@ class _Stepper:
                 new=lambda g=g: g.take(probs.sum(dim=2)),  # one query per step: its attention is "new" and "last"
                 window=lambda size, g=g, view=view: _window_mass(layer, g, view, size, seen, total, self.scaling),
                 queries=lambda size, g=g: layer.statistics.query_batch(  # the step's query remembered above
-                    layer.settings.mode, size, layer.settings.mode.seq_length(min(total, budget), seen), g.take
+                    layer.settings.mode, size, layer.settings.mode.seq_length(total, seen), g.take
                 ),
             )
             stat = storage.stats[request.stat]

@@ -94,6 +94,9 @@ class Statistics:
     def query_batch(
         self, mode: PositionMode, size: int, next_position: int, take: Callable[[torch.Tensor], torch.Tensor]
     ) -> QueryBatch:
+        # `next_position` is where the next query sits if nothing were evicted (`seq_length` of what is held):
+        # the keys are scored as they sit now, and the score must not depend on the budget the entries are
+        # later cut to (a held-back eviction, `EvictingCache.defer`, cuts at any budget)
         """A "queries" request's measurement: the last forward's queries when it brought at least
         `size` (a prompt: all of them), else the last `size` remembered; un-rotated with the model's
         rotary module from the positions attention rotated them at, so they are what the model
@@ -173,7 +176,7 @@ class Statistics:
                 return attention_mass(group.take(queries), q_pos, keys(), view.positions, scaling)
 
             def queries(size: int, group=group, view=view) -> QueryBatch:
-                return self.query_batch(mode, size, mode.seq_length(min(total, view.budget), seen), group.take)
+                return self.query_batch(mode, size, mode.seq_length(total, seen), group.take)
 
             # "new" (and "last" when one query is in flight) was measured above for every row that asked
             mass = measure(

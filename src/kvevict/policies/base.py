@@ -57,8 +57,8 @@ class QueryBatch:
     layer un-rotates what attention used, with the model's own rotary module: `cache/rotary.py`).
     stream: `[m]` their tokens' positions in the stream. rotation: positions `[p]` -> cos, sin
     `[p, rot]` of this layer's rotary embedding (`rot < D`: partial rotary). next_position: where
-    the next token's query will be rotated (the stream's length, or the entries held in
-    position-shift mode).
+    the next token's query would be rotated if nothing were evicted (the stream's length, or the
+    entries held in position-shift mode), so the score does not depend on the budget.
     """
 
     raw: torch.Tensor
