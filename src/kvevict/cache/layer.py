@@ -487,6 +487,7 @@ class EvictingLayer(CacheLayerMixin):
             layer=self.index,
             stats={name: group.take(stat[:, :, :total]) for name, stat in storage.stats.items()},
             keys=lambda: group.take(storage.keys[:, :, :total]),
+            values=lambda: group.take(storage.values[:, :, :total]),
         )
 
     def _fifo_victim(self, total: int, keep_count: int) -> int | None:

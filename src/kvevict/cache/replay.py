@@ -505,11 +505,15 @@ class _Stepper:
                 request,
                 new=lambda g=g: g.take(probs.sum(dim=2)),  # one query per step: its attention is "new" and "last"
                 window=lambda size, g=g, view=view: _window_mass(layer, g, view, size, seen, total, self.scaling),
+                queries=lambda size, g=g: layer.statistics.query_batch(  # the step's query remembered above
+                    layer.settings.mode, size, layer.settings.mode.seq_length(total, seen), g.take
+                ),
             )
             stat = storage.stats[request.stat]
             updated = g.policy.absorb(view, request, mass).to(stat.dtype)
             g.put(stat, g.take(stat).scatter(-1, g.take(slots), updated))
             view.stats[request.stat] = updated
+        layer.statistics.last_forward = None  # served: the step's query is not held past it
         if not will_evict:
             self.k += 1
             return None
@@ -633,6 +637,7 @@ def _view(
         layer=layer.index,
         stats={name: group.take(storage.stats[name]).gather(-1, group.take(slots)) for name in group.policy.stats},
         keys=keys_now,
+        values=lambda: group.take(_take_slots(storage.values, slots)),
     )
 
 

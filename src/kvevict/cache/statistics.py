@@ -3,7 +3,8 @@
 Before attention runs, each policy says what it needs (`AttentionRequest`): the
 attention of this forward's queries ("new", H2O), of its last query only ("last",
 TOVA: on a decode step the same measurement as "new") or of the last `size` queries
-even from earlier forwards ("window", SnapKV). After attention, `feed` measures it and lets
+even from earlier forwards ("window", SnapKV); or the queries themselves before the rotary
+embedding ("queries", Expected Attention: `query_batch`). After attention, `feed` measures it and lets
 each policy fold it into its per-slot statistic. The attention of the new queries is
 measured once for every row that wants it, not once per policy: H2O and sink4+H2O in
 one batch share it. A decode step whose policies all want it gets the probabilities
@@ -17,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from ..errors import KvevictError
-from ..policies import AttentionRequest, Policy, SlotView
+from ..policies import AttentionRequest, Policy, QueryBatch, SlotView
 from .positions import PositionMode
 from .probabilities import attention_mass, decode_probs
 from .query_window import QueryWindow
@@ -25,7 +26,7 @@ from .rows import RowLayout
 from .storage import SlotStorage
 
 #: what a policy may ask for (`AttentionRequest.kind`)
-REQUEST_KINDS = ("new", "last", "window")
+REQUEST_KINDS = ("new", "last", "window", "queries")
 
 
 def measure(
@@ -33,13 +34,15 @@ def measure(
     new: Callable[[], torch.Tensor],
     window: Callable[[int], torch.Tensor],
     last: Callable[[], torch.Tensor] | None = None,
-) -> torch.Tensor:
+    queries: Callable[[int], QueryBatch] | None = None,
+) -> torch.Tensor | QueryBatch:
     """The attention mass `request` asked for, from the measurement of its kind: the one place a
     request's kind is read (`feed`, the chunk replay and the ragged layer all come here).
 
     `new`: every query of the forward; `last`: its last query (defaults to `new`: one query
-    in flight); `window(size)`: the last `size` queries across forwards. A kind no
-    measurement exists for is a policy bug, refused rather than read as another kind.
+    in flight); `window(size)`: the last `size` queries across forwards; `queries(size)`: the
+    pre-rotary queries (`Statistics.query_batch`). A kind no measurement exists for is a policy bug,
+    refused rather than read as another kind.
     """
     if request.kind == "new":
         return new()
@@ -47,6 +50,13 @@ def measure(
         return (last or new)()
     if request.kind == "window":
         return window(request.size)
+    if request.kind == "queries" and queries is not None:
+        return queries(request.size)
+    if request.kind == "queries":
+        raise KvevictError(
+            "a policy that reads the queries themselves (expected-attention) cannot run in a chunk replayed token "
+            "by token: evaluate it with one-token steps (--chunk 1) or compress a prompt"
+        )
     raise KvevictError(
         f"a policy asked for attention of kind {request.kind!r}: AttentionRequest.kind must be one of "
         f"{', '.join(REQUEST_KINDS)}"
@@ -61,10 +71,14 @@ class Statistics:
         self.recent = QueryWindow(query_window)
         self.views: list[SlotView] | None = None
         self.requests: list[AttentionRequest | None] | None = None
+        # the last forward's queries `[B, H_q, m, D]`, the positions they were rotated at `[m]` and
+        # the tokens seen after it, for a "queries" request (`query_batch`)
+        self.last_forward: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
     def reset(self) -> None:
         self.recent = QueryWindow(self.window_size)
         self.views = self.requests = None
+        self.last_forward = None
 
     def plan(self, views: list[SlotView], layout: RowLayout, will_evict: bool) -> bool:
         """Ask each row group's policy what it needs; True if every row wants this forward's attention."""
@@ -73,8 +87,30 @@ class Statistics:
         return all(r is not None and r.kind in ("new", "last") for r in self.requests)
 
     def remember(self, query: torch.Tensor, used: torch.Tensor, seen: int) -> None:
+        self.last_forward = (query, used, seen)
         if self.window_size:
             self.recent.remember(query, used, seen)
+
+    def query_batch(
+        self, mode: PositionMode, size: int, next_position: int, take: Callable[[torch.Tensor], torch.Tensor]
+    ) -> QueryBatch:
+        # `next_position` is where the next query sits if nothing were evicted (`seq_length` of what is held):
+        # the keys are scored as they sit now, and the score must not depend on the budget the entries are
+        # later cut to (a held-back eviction, `EvictingCache.defer`, cuts at any budget)
+        """A "queries" request's measurement: the last forward's queries when it brought at least
+        `size` (a prompt: all of them), else the last `size` remembered; un-rotated with the model's
+        rotary module from the positions attention rotated them at, so they are what the model
+        projected (after a query norm, Gemma 3's), as kvpress's `get_prerope_query_states` gives them
+        (NVIDIA/kvpress, `kvpress/utils.py`). `take` keeps the requesting rows."""
+        if self.last_forward is None:
+            raise KvevictError("a policy asked for the queries before any forward remembered them (a cache bug)")
+        query, used, seen = self.last_forward
+        stream = torch.arange(seen - query.shape[2], seen, device=query.device)
+        if query.shape[2] < size and self.window_size:
+            query, used, stream = self.recent.last(size, seen)
+        rotary = mode.rotary
+        raw = rotary.unrotate(take(query).float(), *(t.float() for t in rotary.at(used)))
+        return QueryBatch(raw, stream, rotary.at, next_position)
 
     def feed(
         self,
@@ -95,6 +131,12 @@ class Statistics:
         """
         views, requests = self.views, self.requests
         self.views = self.requests = None
+        try:
+            return self._feed(views, requests, layout, storage, mode, query, scaling, seen, new, total, probs)
+        finally:
+            self.last_forward = None  # served: a prefill's queries are not held past their forward
+
+    def _feed(self, views, requests, layout, storage, mode, query, scaling, seen, new, total, probs) -> list[SlotView]:
         if all(r is None for r in requests):
             return views
         if probs is not None and len(requests) == 1:
@@ -133,12 +175,16 @@ class Statistics:
                 queries, q_pos = self.window_queries(mode, size, seen, total)
                 return attention_mass(group.take(queries), q_pos, keys(), view.positions, scaling)
 
+            def queries(size: int, group=group, view=view) -> QueryBatch:
+                return self.query_batch(mode, size, mode.seq_length(total, seen), group.take)
+
             # "new" (and "last" when one query is in flight) was measured above for every row that asked
             mass = measure(
                 request,
                 new=lambda i=i: shared[i],
                 last=(lambda i=i: shared[i]) if i in shared else last_of_many,
                 window=window,
+                queries=queries,
             )
             stat = storage.stats[request.stat]
             updated = group.policy.absorb(view, request, mass).to(stat.dtype)

@@ -1,6 +1,6 @@
 """Eviction policies: pure scoring over small tensors, one file each."""
 
-from .base import AttentionRequest, Policy, SlotView
+from .base import AttentionRequest, Policy, QueryBatch, SlotView
 from .registry import REGISTRY, check_policy, known_specs, parse_policy, register, shared_batches
 from .sinks import SinkWrapper
 
@@ -8,6 +8,7 @@ __all__ = [
     "REGISTRY",
     "AttentionRequest",
     "Policy",
+    "QueryBatch",
     "SinkWrapper",
     "SlotView",
     "check_policy",

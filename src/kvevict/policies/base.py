@@ -38,12 +38,33 @@ class AttentionRequest:
     `kind="window"` asks for the last `size` queries seen so far, even if they arrived in
     earlier forwards (SnapKV's observation window). `stat` names the per-slot
     accumulator that receives the attention mass; `accumulate=False` overwrites it.
+    `kind="queries"` asks for no attention at all but for the queries themselves, before the
+    rotary embedding (`QueryBatch`, Expected Attention's statistics): those of this forward, or the
+    last `size` seen when the forward brings fewer (a decode step).
     """
 
     kind: str
     stat: str
     size: int = 0
     accumulate: bool = True
+
+
+@dataclass
+class QueryBatch:
+    """What a `kind="queries"` request measures, handed to `Policy.absorb` in place of a mass.
+
+    raw: `[b, H_q, m, D]` queries as the model projected them, before the rotary embedding (the
+    layer un-rotates what attention used, with the model's own rotary module: `cache/rotary.py`).
+    stream: `[m]` their tokens' positions in the stream. rotation: positions `[p]` -> cos, sin
+    `[p, rot]` of this layer's rotary embedding (`rot < D`: partial rotary). next_position: where
+    the next token's query would be rotated if nothing were evicted (the stream's length, or the
+    entries held in position-shift mode), so the score does not depend on the budget.
+    """
+
+    raw: torch.Tensor
+    stream: torch.Tensor
+    rotation: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    next_position: int
 
 
 @dataclass
@@ -68,10 +89,13 @@ class SlotView:
     #: `[b, H_kv, n]` what `Policy.arrival` gave each slot's key when it arrived, where the cache
     #: stored it (a decode step in original positions); None: compute it from `keys()`
     arrival: torch.Tensor | None = None
+    #: `[b, H_kv, n, D]` the slots' values, a callable like `keys` (LagKV and Expected Attention read them)
+    values: Callable[[], torch.Tensor] | None = None
 
     def with_budget(self, budget: int) -> SlotView:
         return SlotView(
-            self.positions, self.seen, budget, self.layer, self.stats, self.keys, self._order, arrival=self.arrival
+            self.positions, self.seen, budget, self.layer, self.stats, self.keys, self._order, arrival=self.arrival,
+            values=self.values,
         )
 
     def order(self) -> torch.Tensor:
@@ -204,8 +228,9 @@ class Policy:
         """The attention statistics this policy wants at this step, if any."""
         return None
 
-    def absorb(self, view: SlotView, request: AttentionRequest, mass: torch.Tensor) -> torch.Tensor:
-        """New value of `request.stat` given the attention `mass` `[b, H_kv, n]` just measured."""
+    def absorb(self, view: SlotView, request: AttentionRequest, mass: torch.Tensor | QueryBatch) -> torch.Tensor:
+        """New value of `request.stat` given the attention `mass` `[b, H_kv, n]` just measured (for a
+        `kind="queries"` request: the `QueryBatch`, which the policy turns into its statistic)."""
         if request.accumulate:
             return view.stats[request.stat] + mass
         return mass

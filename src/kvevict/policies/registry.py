@@ -22,10 +22,12 @@ from collections.abc import Callable
 from ..errors import KvevictError
 from .adakv import AdaKV
 from .base import Policy
+from .expected_attention import ExpectedAttention
 from .full import Full
 from .h2o import H2O
 from .keydiff import KeyDiff
 from .knorm import KNorm
+from .lagkv import LagKV
 from .llamacpp import LlamaCpp, Ollama
 from .paged import Paged
 from .pyramidkv import PyramidKV
@@ -49,6 +51,8 @@ REGISTRY: dict[str, Callable[..., Policy]] = {
     "knorm": KNorm,
     "keydiff": KeyDiff,
     "pyramidkv": PyramidKV,
+    "lagkv": LagKV,
+    "expected-attention": ExpectedAttention,
     # serving engines' own rules (docs/engines.md)
     "llamacpp": LlamaCpp,
     "ollama": Ollama,

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import KvevictError
-from .base import AttentionRequest, SlotView
+from .base import AttentionRequest, QueryBatch, SlotView
 from .sinks import SinkWrapper
 
 STAT = "sinkauto_mass"
@@ -79,8 +79,10 @@ class SinkAuto(SinkWrapper):
         self._closing[view.layer] = will_evict or view.seen >= self.calib
         return inner if inner is not None else AttentionRequest(kind="new", stat=STAT, accumulate=True)
 
-    def absorb(self, view: SlotView, request: AttentionRequest, mass: torch.Tensor) -> torch.Tensor:
-        if view.layer not in self._sinks:
+    def absorb(self, view: SlotView, request: AttentionRequest, mass: torch.Tensor | QueryBatch) -> torch.Tensor:
+        # an inner policy that reads the queries (expected-attention) measures no attention to calibrate on:
+        # the steps before its first eviction calibrate, or the first N tokens stand in (`pinned_mask`)
+        if view.layer not in self._sinks and not isinstance(mass, QueryBatch):
             self._record(view, mass)
         if request.stat == STAT:
             return view.stats[STAT] + mass

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from ...policies import SlotView
+from ...policies import QueryBatch, SlotView
 from ..layer import EvictingLayer
 from ..probabilities import BLOCK_ELEMENTS, attention_mass
 from ..rows import RowGroup
@@ -154,11 +154,16 @@ class RaggedLayer(EvictingLayer):
                 keys_now = storage.keys[:, None].expand(-1, self.heads, -1, -1)
                 return attention_mass(queries, q_pos, keys_now, key_pos, scaling).nan_to_num(0.0)
 
-            mass = measure(request, new=lambda: new_mass, last=lambda: last_mass, window=window)
+            def queries(size: int, g=g) -> QueryBatch:  # Expected Attention's pre-rotary queries
+                return self.statistics.query_batch(s.mode, size, seen, g.take)
+
+            mass = measure(request, new=lambda: new_mass, last=lambda: last_mass, window=window, queries=queries)
             stat = storage.stats[request.stat]
-            updated = g.policy.absorb(view, request, g.take(mass)).to(stat.dtype)
+            mass = mass if isinstance(mass, QueryBatch) else g.take(mass)
+            updated = g.policy.absorb(view, request, mass).to(stat.dtype)
             g.put(stat, updated.gather(1, g.take(storage.owner)[:, None]).squeeze(1))  # its own head's value
             view.stats[request.stat] = updated  # read only where the head holds an entry
+        self.statistics.last_forward = None  # served: the queries are not held past their forward
         if will_evict and not deferring:
             self._evict(views, members, positions, seen, shrink=m > 1)
         self.n = int(storage.held.max())
@@ -236,6 +241,10 @@ class RaggedLayer(EvictingLayer):
             head_keys = group.take(storage.keys)[:, None].expand(-1, self.heads, -1, -1)
             return head_keys.masked_fill(mask[..., None], 0.0)
 
+        def values() -> torch.Tensor:
+            head_values = group.take(storage.values)[:, None].expand(-1, self.heads, -1, -1)
+            return head_values.masked_fill(mask[..., None], 0.0)
+
         return SlotView(
             positions=group.take(positions),
             seen=seen,
@@ -243,6 +252,7 @@ class RaggedLayer(EvictingLayer):
             layer=self.index,
             stats={name: storage.per_head(group.take(storage.stats[name]), mask, 0.0) for name in group.policy.stats},
             keys=keys,
+            values=values,
         )
 
     def _attend(
