@@ -135,16 +135,9 @@ def load_config(name: str = "smollm2-135m", allow_download: bool = False):
 def checkpoint_dtype(name: str, allow_download: bool = False) -> str | None:
     """The dtype the checkpoint `name` is stored in, as its config names it (None: it names none, or one
     outside `DTYPES`); a GGUF file (an embedded model too) is dequantised to float32, so it is float32."""
-    from transformers import AutoConfig
-
     if name in EMBEDDED or _gguf_path(name) is not None:
         return "float32"
-    source, offline = _source(name, allow_download)
-    try:
-        with _offline(offline):
-            config = AutoConfig.from_pretrained(source, local_files_only=offline)
-    except (OSError, ValueError) as exc:
-        raise _load_error(name, exc, allow_download) from None
+    config = load_config(name, allow_download)
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     return dtype_name(getattr(text, "dtype", None) or getattr(config, "dtype", None))
 
