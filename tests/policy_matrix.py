@@ -16,6 +16,9 @@ TEST_OPTIONS = {
     "random": "random:seed=1",
     "pyramidkv": "pyramidkv:window=2,interval=3,beta=2",
     "lagkv": "lagkv:n_sink=1,lag_size=2",
+    # the add-BOS that llama.cpp reads from a tokenizer, written out: the tiny models have none
+    "llamacpp": "llamacpp:bos=0",
+    "ollama": "ollama:bos=0",
     "expected-attention": "expected-attention:n_sink=1,window=3,n_future_positions=4",
 }
 
