@@ -95,6 +95,22 @@ def _label(name: str, gguf: Path) -> str:
     return name if name in EMBEDDED else gguf.stem
 
 
+def _read_small(name: str, allow_download: bool, from_gguf, auto_class):
+    """What loads without the weights (a tokenizer, a config): `from_gguf(label, path)` for an embedded name or
+    a `.gguf` file, else `auto_class.from_pretrained`, offline unless `allow_download`; one error line either way."""
+    local = _gguf_path(name)
+    if name in EMBEDDED or local is not None:
+        gguf = local or embedded_gguf(name)
+        with _offline():
+            return from_gguf(_label(name, gguf), gguf)
+    source, offline = _source(name, allow_download)
+    try:
+        with _offline(offline):
+            return auto_class.from_pretrained(source, local_files_only=offline)
+    except (OSError, ValueError) as exc:
+        raise _load_error(name, exc, allow_download) from None
+
+
 def load_tokenizer(name: str = "smollm2-135m", allow_download: bool = False):
     """Just the tokenizer (cheap): for validating inputs before loading weights.
 
@@ -102,34 +118,14 @@ def load_tokenizer(name: str = "smollm2-135m", allow_download: bool = False):
     """
     from transformers import AutoTokenizer
 
-    local = _gguf_path(name)
-    if name in EMBEDDED or local is not None:
-        gguf = local or embedded_gguf(name)
-        with _offline():
-            return load_gguf_tokenizer(_label(name, gguf), gguf)
-    source, offline = _source(name, allow_download)
-    try:
-        with _offline(offline):
-            return AutoTokenizer.from_pretrained(source, local_files_only=offline)
-    except (OSError, ValueError) as exc:
-        raise _load_error(name, exc, allow_download) from None
+    return _read_small(name, allow_download, load_gguf_tokenizer, AutoTokenizer)
 
 
 def load_config(name: str = "smollm2-135m", allow_download: bool = False):
     """Just the model's config (cheap): what a sweep decides before the weights load (is it hybrid?)."""
     from transformers import AutoConfig
 
-    local = _gguf_path(name)
-    if name in EMBEDDED or local is not None:
-        gguf = local or embedded_gguf(name)
-        with _offline():
-            return load_gguf_config(_label(name, gguf), gguf)
-    source, offline = _source(name, allow_download)
-    try:
-        with _offline(offline):
-            return AutoConfig.from_pretrained(source, local_files_only=offline)
-    except (OSError, ValueError) as exc:
-        raise _load_error(name, exc, allow_download) from None
+    return _read_small(name, allow_download, load_gguf_config, AutoConfig)
 
 
 def checkpoint_dtype(name: str, allow_download: bool = False) -> str | None:
