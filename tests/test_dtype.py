@@ -31,8 +31,15 @@ def test_an_unknown_dtype_is_one_line_before_anything_loads(command, tmp_path, m
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded before --dtype was checked")
 
-    monkeypatch.setattr(kvevict.loading, "load_model", no_load)
-    monkeypatch.setattr(kvevict.loading, "load_tokenizer", no_load)
+    import kvevict.ab.run
+    import kvevict.ab.worker
+
+    # the harness binds the loaders at import: patch them there too, so this test neither misses a load
+    # through them nor leaves its fake bound in a module first imported while the patch is up
+    for module in (kvevict.loading, kvevict.ab.run, kvevict.ab.worker):
+        for name in ("load_model", "load_tokenizer"):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, no_load)
     cli_error(command, "--dtype", "float8", *_out(command, tmp_path),
               needles=("--dtype must be one of float32, bfloat16, float16", "'float8'"))
     assert not (tmp_path / "ab").exists() and not (tmp_path / "demo").exists()
