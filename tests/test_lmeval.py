@@ -246,8 +246,12 @@ def test_an_engine_preset_gets_its_budget_in_the_positions_its_engine_decides():
     # llama.cpp's preset runs in cache positions only: the budget's entries were once checked in the default mode
     from kvevict.integrations.lmeval_args import Settings, split_model_args
 
-    settings = Settings.parse(split_model_args("pretrained=x,policy=llamacpp:keep=4,budget=25%,positions=cache"))
-    assert settings.entries(1000) == 250
+    settings = Settings.parse(split_model_args("pretrained=x,policy=llamacpp:keep=4,budget=25%"))
+    assert settings.positions == "cache"  # the preset's engine decides, as in `kvevict ab`
+    assert settings.settled(False).entries(1000) == 250
+    # a vocabulary that adds BOS: llama-server keeps one more leading token (n_keep += add_bos_token)
+    assert settings.settled(True).policy == "llamacpp:keep=4,bos=1"
+    assert Settings.parse(split_model_args("pretrained=x,policy=h2o,budget=25%")).positions == "original"
 
 
 def test_unknown_task_is_one_line(tasks, tiny_dir):

@@ -34,8 +34,8 @@ def image(x: torch.Tensor, bits: int, group: int = GROUP) -> torch.Tensor:
 class QuantReference(Reference):
     """The matrix reference reading images of every key and value older than the `residual` latest."""
 
-    def __init__(self, model, rule, cache_mode: bool, bits: int, residual: int) -> None:
-        super().__init__(model, rule, cache_mode)
+    def __init__(self, model, rule, cache_mode: bool, bits: int, residual: int, *rest) -> None:
+        super().__init__(model, rule, cache_mode, *rest)
         self.bits, self.residual = bits, residual
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
@@ -57,7 +57,7 @@ def quant_reference_nll(model, rule, cache_mode: bool, bits: int, residual: int 
     import test_architectures
 
     original = test_architectures.Reference
-    test_architectures.Reference = lambda m, r, c: QuantReference(m, r, c, bits, residual)
+    test_architectures.Reference = lambda m, r, c, *rest: QuantReference(m, r, c, bits, residual, *rest)
     try:
         return reference_nll(model, rule, cache_mode)
     finally:

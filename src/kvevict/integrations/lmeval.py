@@ -68,12 +68,13 @@ def _model_class():
 
         def __init__(self, **args) -> None:
             super().__init__()
+            from ..data import stream_start
             from ..loading import load_model
 
-            self.settings = Settings.parse(args)
-            self.model, self.tokenizer = load_model(self.settings.pretrained,
-                                                    allow_download=self.settings.allow_download,
-                                                    dtype=self.settings.dtype)
+            settings = Settings.parse(args)
+            self.model, self.tokenizer = load_model(settings.pretrained, allow_download=settings.allow_download,
+                                                    dtype=settings.dtype)
+            self.settings = settings.settled(bool(stream_start(self.tokenizer)))
 
         @property
         def eot_token_id(self) -> int:

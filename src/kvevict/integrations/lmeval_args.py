@@ -7,13 +7,14 @@ loaded, so a bad policy or budget is one line at once. The model itself is in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..defaults import DEFAULT_CHUNK
 from ..errors import KvevictError
 from ..loading.dtypes import DTYPES
 from ..policies import check_policy
 from ..policies.budget import Budget, parse_budget, resolve_budget
+from ..policies.engine_defaults import run_positions, with_stream_start
 
 INSTALL = "pip install kvevict[lm-eval]"
 #: lm-eval `model_args` this model takes (anything else lm-eval passes is listed in `IGNORED`)
@@ -31,7 +32,7 @@ class Settings:
     pretrained: str = "smollm2-135m"
     policy: str = "full"
     budget: Budget = None
-    positions: str = "original"
+    positions: str | None = None  # None: the engine preset's own mode, else the stream's own positions
     protocol: str = "compress"
     batch_size: int = 16
     max_gen_toks: int = 256
@@ -71,15 +72,21 @@ class Settings:
             settings.dtype = None
         if settings.dtype is not None and settings.dtype not in DTYPES:
             raise KvevictError(f"model_args dtype must be one of {', '.join(DTYPES)}, got '{settings.dtype}'")
-        if settings.positions not in POSITION_MODES:
+        if settings.positions is not None and settings.positions not in POSITION_MODES:
             raise KvevictError(f"model_args positions must be one of {', '.join(POSITION_MODES)}, "
                                f"got '{settings.positions}'")
+        settings.positions = run_positions([settings.policy], settings.positions)
         check_policy(settings.policy, settings.budget if isinstance(settings.budget, int) else None,
                      settings.positions)
         if settings.protocol not in PROTOCOLS:
             raise KvevictError(f"model_args protocol must be one of {', '.join(PROTOCOLS)} (compress: compress the "
                                f"context, then score; stream: evict while reading it), got '{settings.protocol}'")
         return settings
+
+    def settled(self, adds_bos: bool) -> Settings:
+        """These settings on a model whose tokenizer does (`adds_bos`) or does not put BOS first
+        (`data.stream_start`): a preset option that reads the model (llama.cpp's add-BOS) written out."""
+        return replace(self, policy=with_stream_start([self.policy], adds_bos)[0])
 
     def entries(self, context_length: int) -> int | None:
         """The budget in entries for a context of `context_length` tokens (None: the full cache)."""
