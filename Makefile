@@ -52,8 +52,10 @@ test-llamacpp: $(LLAMACPP)
 demo: $(STAMP)
 	.venv/bin/kvevict demo
 
+# one pytest-xdist worker per core, a test file to a worker (its module fixtures built once); each worker's
+# torch gets its share of the cores (tests/conftest.py), so the workers never oversubscribe them
 test: $(EXTRAS) .chromium-checked
-	$(PY) -m pytest -q -m "not llamacpp and not readme_gemma"
+	$(PY) -m pytest -q -n auto --dist loadfile -m "not llamacpp and not readme_gemma"
 
 # the README's commands on the second embedded model (Gemma 3; ~2 min): run by CI beside make test
 test-readme-gemma: $(EXTRAS)

@@ -3,6 +3,8 @@ guard: every test fails that opens a socket to an address outside loopback (`net
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -11,7 +13,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from netguard import pytest_configure, pytest_runtest_makereport, pytest_unconfigure  # noqa: F401
 
 VOCAB = 101
-DEFAULT_THREADS = torch.get_num_threads()
+# `make test` runs the suite in as many pytest-xdist workers as there are cores: each worker then has one
+# core, so a test on the embedded model gets one thread there (two threads per worker would oversubscribe
+# the cores and slow both workers many times over)
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+DEFAULT_THREADS = max(1, torch.get_num_threads() // WORKERS)
 
 
 @pytest.fixture(autouse=True)
