@@ -211,3 +211,48 @@ def test_lengths_run_one_search_per_length(tmp_path, tiny_dir):
                                             ("64,128", "--floor 64 is not below")])
 def test_bad_lengths(lengths, needle):
     cli_error("envelope", "--lengths", lengths, "--floor", "64", needles=(needle,))
+
+
+def test_dtype_is_the_one_loaded_and_the_bytes_are_counted_in_it(tmp_path, tiny_dir):
+    """`--dtype bfloat16` loads the model in bf16: every probe records it, and the bytes are what the tensors
+    hold, 2 bytes per element: the full cache layers x 2 (K, V) x KV heads x head_dim x 96 tokens x 2, the
+    floor's window 8 of those 96 entries."""
+    import json
+
+    from transformers import AutoConfig
+
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    config = AutoConfig.from_pretrained(tiny_dir)
+    elements = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 96
+    for dtype, width in (("float32", 4), ("bfloat16", 2)):
+        result = cli("envelope", "--model", str(tiny_dir), "--text", str(text), "--tokens", "96", "--policies",
+                     "window", "--floor", "8", "--resolution", "1.5", "--max-ppl-ratio", "1.5", "--dtype", dtype,
+                     "--out", str(tmp_path / "runs"), "--name", dtype, env={"COLUMNS": "200"})
+        assert result.exit_code == 0, result.stderr
+        lines = [json.loads(x) for x in (tmp_path / "runs" / dtype / "results.jsonl").read_text().splitlines()]
+        assert {line["dtype"] for line in lines} == {dtype}
+        probes = [line for line in lines if line["kind"] == "policy"]
+        assert {line["full_kv_bytes"] for line in probes} == {elements * width}
+        floor = next(line for line in probes if line["budget"] == 8)  # a window of 8 holds 8 entries
+        assert floor["kv_bytes"] == elements * width * 8 // 96
+
+
+def test_bits_are_searched_like_any_configuration(tmp_path, text_file):
+    """A quantized configuration is searched as any other: its smallest budget is the one a grid of every
+    budget judges inside, and its probes hold the bytes its codes take. Worked by hand for the tiny model
+    (float32, head_dim 16, `q4:group=8`): per entry and KV head, codes 2 x 16 x 4 bits = 16 bytes, and a
+    scale and a zero point per group of 8 for keys and for values, 2 x 2 x 2 x 4 bytes = 32: 48 bytes,
+    against 2 x 16 x 4 = 128 unquantized. Both searches start at the floor, where they hold as many entries."""
+    model = make_tiny(seed=SEED)
+    quantized = "q4:group=8+streamingllm"
+    _, records = run_envelope(config(tmp_path, text_file, policies=[quantized, "streamingllm"]), model=model,
+                              tokenizer=CharTokenizer(), progress=False)
+    full, rows = envelope_rows(records, Tolerance(max_ppl_ratio=RATIO))
+    row = {r.spec: r for r in rows}[parse_spec(quantized)]
+    passing = grid(model, text_file, quantized)
+    inside = [b for b, ok in passing.items() if ok]
+    assert inside == list(range(min(inside), TOKENS)), "precondition: the quantized grid is not monotone"
+    assert row.smallest.budget == min(inside)
+    at_floor = {r.policy: r.kv_bytes for r in records if r.kind == "policy" and r.budget == FLOOR}
+    assert at_floor[parse_spec(quantized)] * 128 == at_floor[parse_spec("streamingllm")] * 48

@@ -39,6 +39,7 @@ class EnvelopeConfig:
     """One envelope search: the stream it is measured on, the configurations, the bracket and the tolerance."""
 
     model: str = "smollm2-135m"
+    dtype: str = "float32"  # what the model and its KV cache are held in: the bytes are counted in it
     text: str = "pg-essays"
     tokens: int = 4096
     policies: list[str] = field(default_factory=lambda: ["window", "streamingllm", "h2o", "snapkv"])
@@ -54,7 +55,7 @@ class EnvelopeConfig:
 
     def sweep(self) -> SweepConfig:
         """The A/B settings a probe is measured under (no oracle: the envelope compares with the full cache)."""
-        return SweepConfig(model=self.model, text=self.text, tokens=self.tokens, budgets=[self.floor],
+        return SweepConfig(model=self.model, dtype=self.dtype, text=self.text, tokens=self.tokens, budgets=[self.floor],
                            policies=list(self.policies), oracle_stride=0, positions=self.positions,
                            chunk=self.chunk, seed=self.seed, name=self.name, out=self.out)
 

@@ -16,8 +16,11 @@ from .common import (
     CHUNK_HELP,
     DEVICE_HELP,
     DOWNLOAD_HELP,
+    DTYPE_HELP,
     MODEL_HELP,
+    POSITIONS_HELP,
     check_device,
+    check_dtype,
     check_positions,
     one_line_errors,
     parse_chunk,
@@ -83,7 +86,8 @@ def envelope(
     resolution: float = typer.Option(1.1, help="stop when the passing and failing budgets are within this ratio"),
     max_ppl_ratio: str = typer.Option("1.05", help="tolerance: PPL / full cache at most this ('' : none)"),
     max_kl: str = typer.Option("", help="tolerance: mean KL(full || policy) in nats at most this"),
-    positions: str = typer.Option("original", help="original | cache"),
+    positions: str | None = typer.Option(None, show_default=False, help=POSITIONS_HELP),
+    dtype: str | None = typer.Option(None, help=DTYPE_HELP),
     chunk: str = typer.Option(str(DEFAULT_CHUNK), help=CHUNK_HELP),
     seed: int = typer.Option(0, help="seed of random policies"),
     name: str = typer.Option("envelope", help="run name, one folder name: results go to OUT/NAME"),
@@ -104,12 +108,18 @@ def envelope(
     if config_only_path:
         return config_only(config_only_path, configs, deployment, bool(weight_bytes), kv_dtype)
     from ..ab.envelope import EnvelopeConfig, configurations, run_envelope
+    from ..loading.models import model_dtype
+    from ..policies.engine_defaults import run_positions
 
-    check_device(device)
-    check_positions(positions)
+    check_device(device)  # before the dtype: on cuda the default is read from the checkpoint
+    if positions:
+        check_positions(positions)
+    positions = run_positions(split_specs(policies), positions)  # an engine preset brings its own mode
+    dtype = model_dtype(model, check_dtype(dtype), device, allow_download)
     sizes = parse_lengths(lengths) if lengths.strip() else [tokens]
     configs = [EnvelopeConfig(
-        model=model, text=text, tokens=size, policies=split_specs(policies), floor=floor, resolution=resolution,
+        model=model, dtype=dtype, text=text, tokens=size, policies=split_specs(policies), floor=floor,
+        resolution=resolution,
         max_ppl_ratio=_optional_float(max_ppl_ratio, "--max-ppl-ratio"), max_kl=_optional_float(max_kl, "--max-kl"),
         positions=positions, chunk=parse_chunk(chunk), seed=seed, name=name if len(sizes) == 1 else f"{name}-{size}",
         out=out_dir,
@@ -149,7 +159,8 @@ def show_envelope(config, records, deployment, weight_bytes: str) -> list:
 
     tolerance = config.tolerance()
     full, rows = envelope_rows(records, tolerance)
-    show(envelope_table(rows), f"kvevict envelope: {config.model} on {config.text}, {config.tokens} tokens")
+    show(envelope_table(rows), f"kvevict envelope: {config.model} ({config.dtype}) on {config.text}, "
+                              f"{config.tokens} tokens")
     print(envelope_verdict(full, rows, tolerance))
     capacity = None
     if deployment is not None and full is not None and "kv_shape" in full.extra:
