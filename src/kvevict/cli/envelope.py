@@ -22,9 +22,11 @@ from .common import (
     check_device,
     check_dtype,
     check_positions,
+    max_accuracy_drop_option,
     one_line_errors,
     parse_chunk,
     split_specs,
+    tolerance_from,
 )
 from .tables import show
 
@@ -102,11 +104,20 @@ def envelope(
     kv_dtype: str = typer.Option("", help="--config-only: the cache's dtype (default: the config's)"),
     allow_download: bool = typer.Option(False, "--allow-download", help=DOWNLOAD_HELP),
     device: str = typer.Option("cpu", help=DEVICE_HELP),
+    tasks: str = typer.Option("", help="RULER tasks, e.g. niah_single_1,niah_multikey_1: search task accuracy "
+                              "(at --lengths, default 2048) instead of perplexity"),
+    protocol: str = typer.Option("agnostic", help="--tasks: the RULER protocol (agnostic, aware, stream, multi)"),
+    max_accuracy_drop: float | None = max_accuracy_drop_option(),
+    samples_start: int = typer.Option(20, help="--tasks: samples a cell is first judged on, and added per look"),
+    samples_max: int = typer.Option(60, help="--tasks: the most samples a cell takes; undecided there = not inside"),
 ) -> None:
     """Find, per policy, the smallest KV budget within a quality tolerance; bytes, capacity, a verdict."""
     deployment = _deployment(deploy_context, accelerator_memory, weight_bytes)
     if config_only_path:
         return config_only(config_only_path, configs, deployment, bool(weight_bytes), kv_dtype)
+    if tasks.strip():
+        return _tasks(model, dtype, tasks, lengths, protocol, policies, floor, resolution, max_accuracy_drop,
+                      samples_start, samples_max, seed, positions, text, name, out_dir, allow_download, device)
     from ..ab.envelope import EnvelopeConfig, configurations, run_envelope
     from ..loading.models import model_dtype
     from ..policies.engine_defaults import run_positions
@@ -134,6 +145,25 @@ def envelope(
         from ..report.envelope import lengths_table
 
         show(lengths_table(per_length), "smallest budget inside the tolerance, per context length")
+
+
+def _tasks(model, dtype, tasks, lengths, protocol, policies, floor, resolution, max_accuracy_drop, start, cap, seed,
+           positions, text, name, out_dir, allow_download, device) -> None:
+    from ..eval.ruler.registry import parse_tasks
+    from ..loading.models import model_dtype
+    from ..policies.engine_defaults import run_positions
+    from .envelope_tasks import TaskOptions, run_tasks
+
+    check_device(device)
+    if positions:
+        check_positions(positions)
+    options = TaskOptions(
+        model=model, dtype=model_dtype(model, check_dtype(dtype), device, allow_download), tasks=parse_tasks(tasks),
+        lengths=parse_lengths(lengths) if lengths.strip() else [2048], protocol=protocol,
+        policies=split_specs(policies), floor=floor, resolution=resolution,
+        max_accuracy_drop=tolerance_from(None, max_accuracy_drop, None).max_accuracy_drop, start=start, cap=cap,
+        seed=seed, positions=run_positions(split_specs(policies), positions), text=text, name=name, out=out_dir)
+    run_tasks(options, allow_download, device)
 
 
 def parse_lengths(text: str) -> list[int]:

@@ -1,0 +1,158 @@
+"""`kvevict envelope --tasks`: per configuration, the smallest budget whose task accuracy holds.
+
+The perplexity envelope (`envelope.py`) bisects budgets on a stream; this one bisects
+them on a RULER task, where a probe is a (configuration, budget) cell answered on the
+same seeded samples as the full cache, and judged paired against it by the tolerance rule
+(`report.tolerance.judge_accuracy`: the exact interval of the accuracy drop).
+
+**Sequential sampling.** A cell starts with `start` samples and adds `start` more at a time
+until its interval decides, inside or outside `max_accuracy_drop`, or until `cap` samples,
+where an undecided cell counts as not inside (the report names it). Looking at a cell
+several times and stopping when it decides would make a 95% interval too optimistic, so
+each look is judged at confidence `1 - 0.05 / looks` (Bonferroni over the planned looks):
+the chance that any look of a cell is wrong stays within 5%.
+
+Every answer is a `RulerRecord` line of `results.jsonl` (the same records `kvevict ruler`
+writes; the full cache's answers are shared by every cell of a sample). The grid runner
+(`eval.ruler.grid.run_grid`) reads each sample's context once for all of a batch's rows and
+the full cache, and skips every answer already stored: a rerun replays the searches from the
+records and answers only what is missing.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+from ..errors import KvevictError
+from ..eval.ruler.grid import RulerGrid, compressed_length, preflight, prompts, run_grid
+from ..eval.ruler.registry import get_task
+from ..policies import check_policy
+from ..report.records import RulerRecord, load
+from ..report.store import ResultStore
+from ..report.task_envelope import cells_of
+from ..report.tolerance import Tolerance
+from .bisection import Bracket, step
+from .folder import open_run_folder
+from .plan import canonical, run_folder
+from .ruler import max_positions
+
+
+@dataclass
+class TaskEnvelopeConfig:
+    """One task envelope: the task and its length, the configurations, the bracket, the tolerance and the
+    sampling schedule (`start` samples, `start` more per look, at most `cap`)."""
+
+    model: str = "smollm2-135m"
+    dtype: str = "float32"
+    task: str = "niah_single_1"
+    length: int = 2048
+    protocol: str = "agnostic"
+    policies: list[str] = field(default_factory=lambda: ["streamingllm", "h2o", "snapkv"])
+    floor: int = 16
+    resolution: float = 1.25
+    max_accuracy_drop: float = 0.05
+    start: int = 20
+    cap: int = 60
+    seed: int = 0
+    positions: str = "original"
+    text: str = "pg-essays"
+    name: str = "task-envelope"
+    out: str = "runs"
+
+    def looks(self) -> list[int]:
+        """The sample counts a cell is judged at: start, 2 x start, ... up to and including cap."""
+        return sorted({*range(self.start, self.cap, self.start), self.cap})
+
+    def tolerance(self) -> Tolerance:
+        """The rule's tolerance at each look, Bonferroni-corrected over the planned looks (module docstring)."""
+        return Tolerance(max_accuracy_drop=self.max_accuracy_drop, confidence=1 - 0.05 / len(self.looks()))
+
+    def grid(self, policies: list[str], budgets: list[int], samples: int) -> RulerGrid:
+        return RulerGrid(tasks=[self.task], lengths=[self.length], samples=samples, policies=policies,
+                         budgets=list(budgets), protocol=self.protocol, seed=self.seed, positions=self.positions,
+                         text=self.text)
+
+    def identity(self) -> dict:
+        return {"model": self.model, "dtype": self.dtype, "seed": self.seed, "positions": self.positions,
+                "text": self.text, "task": self.task, "length": self.length, "protocol": self.protocol,
+                "search": "task-envelope"}
+
+    def check(self) -> list[str]:
+        """Everything refused before a model loads; the configurations' canonical specs."""
+        get_task(self.task)
+        if not self.policies:
+            raise KvevictError("--policies is empty: give comma-separated specs such as streamingllm,h2o")
+        if self.start < 1 or self.cap < self.start:
+            raise KvevictError(f"--samples-start {self.start} and --samples-max {self.cap}: give 1 <= start <= max, "
+                               "e.g. 20 and 60")
+        self.tolerance()
+        self.grid(list(self.policies), [self.floor], self.start).check()
+        run_folder(self.out, self.name)
+        specs = []
+        for label in self.policies:
+            if check_policy(label, self.floor, self.positions).unbounded:
+                raise KvevictError(f"'{label}' never evicts: the full cache is the reference every cell is judged "
+                                   "against; leave it out of --policies")
+            specs.append(canonical(label, self.seed))
+        return list(dict.fromkeys(specs))
+
+
+def next_requests(config: TaskEnvelopeConfig, specs: list[str], records: list, top: int) -> dict[tuple[int, int],
+                                                                                                 list[str]]:
+    """(budget, samples) -> the configurations that need those answers next: an unfinished cell's next look,
+    else the next budget of the bisection (its first look)."""
+    bracket = Bracket(config.floor, top, config.resolution).check()
+    wanted: dict[tuple[int, int], list[str]] = defaultdict(list)
+    for spec in specs:
+        cells = cells_of(config.looks(), config.tolerance(), spec, records)
+        pending = [c for c in cells.values() if c.need is not None]
+        if pending:
+            wanted[pending[0].budget, pending[0].need].append(spec)
+            continue
+        budget = step(bracket, {b: c.inside for b, c in cells.items()}).next
+        if budget is not None:
+            wanted[budget, config.looks()[0]].append(spec)
+    return wanted
+
+
+def context_top(config: TaskEnvelopeConfig, tokenizer, limit: int | None) -> int:
+    """The bracket's top: the shortest context among the samples a cell may use (a budget at or above a
+    sample's context would keep all of it)."""
+    grid = config.grid(["full"], [], config.cap)
+    preflight(grid, tokenizer, limit)
+    return min(compressed_length(p, config.protocol) for p in prompts(grid, tokenizer, limit))
+
+
+def run_task_envelope(config: TaskEnvelopeConfig, model, tokenizer,
+                      on_round: Callable[[dict], None] | None = None) -> tuple[ResultStore, list]:
+    """Search every configuration to its resolution on the task; returns the store and its records.
+    `on_round` is told of each round's requests, (budget, samples) -> configurations, before they run."""
+    specs = config.check()
+    store = open_run_folder(run_folder(config.out, config.name), config.identity(), asdict(config), "answers")
+    limit = max_positions(model)
+    top = context_top(config, tokenizer, limit)
+    if top <= config.floor:
+        raise KvevictError(f"--floor {config.floor} is not below the task's context of {top} tokens: lower it")
+    while True:
+        records = load(store.records())
+        wanted = next_requests(config, specs, records, top)
+        if not wanted:
+            return store, records
+        if on_round is not None:
+            on_round(dict(wanted))
+        for (budget, samples), group in sorted(wanted.items()):
+            done = store.done()
+            run_grid(model, tokenizer, config.grid(group, [budget], samples), done, keeper(store, done, config.dtype),
+                     limit)
+
+
+def keeper(store: ResultStore, done: set[str], dtype: str) -> Callable[[list[dict]], None]:
+    """What the grid runner hands each batch's answers to: stored as `RulerRecord`s, the ones not yet stored
+    (a batch cut short by a kill is answered again whole)."""
+    def keep(lines: list[dict]) -> None:
+        store.append([RulerRecord.from_dict({**line, "dtype": dtype}).to_dict() for line in lines
+                      if line["key"] not in done])
+
+    return keep

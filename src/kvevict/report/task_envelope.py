@@ -1,0 +1,164 @@
+"""The task envelope's cells judged, and its table and verdict (pure: records in, text out).
+
+A cell is a configuration at a budget, answered on the first n seeded samples of a task by
+it and by the full cache. It is judged by the tolerance rule's paired accuracy interval
+(`tolerance.judge_accuracy`) at each look of the sampling schedule (`looks`: the sample
+counts a cell is judged at) in turn, up to the largest look both answered; a cell still
+undecided there needs the next look, unless it is at the cap. `ab/task_envelope.py` runs
+the search these judgements steer.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from .columns import Column, Table, number
+from .records import RulerRecord
+from .tolerance import Judgement, Tolerance, judge_accuracy
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One probe: a configuration at a budget, judged at the largest look its answers cover."""
+
+    spec: str
+    budget: int
+    judgement: Judgement | None  # None: no look answered yet
+    need: int | None  # samples the next look needs; None: decided, or at the cap
+
+    @property
+    def inside(self) -> bool:
+        return self.judgement is not None and self.judgement.outcome == "inside"
+
+
+def scores(records: list) -> dict[tuple[str, str], dict[int, float]]:
+    """(policy, budget label) -> sample -> score, from the run's task records."""
+    out: dict[tuple[str, str], dict[int, float]] = defaultdict(dict)
+    for r in records:
+        if isinstance(r, RulerRecord):
+            out[r.policy, r.budget][r.sample] = r.score
+    return out
+
+
+def judge_cell(looks: list[int], tolerance: Tolerance, spec: str, budget: int, answered: dict, full: dict) -> Cell:
+    """The cell judged at the largest look whose samples both it and the full cache answered."""
+    judgement, need = None, looks[0]
+    for n in looks:
+        if not all(i in answered and i in full for i in range(n)):
+            break
+        judgement = judge_accuracy([answered[i] for i in range(n)], [full[i] for i in range(n)], tolerance)
+        need = None if judgement.outcome != "undecided" or n == looks[-1] else next(m for m in looks if m > n)
+    return Cell(spec, budget, judgement, need)
+
+
+def cells_of(looks: list[int], tolerance: Tolerance, spec: str, records: list) -> dict[int, Cell]:
+    """Every budget the search of `spec` probed, judged."""
+    found = scores(records)
+    full = found.get(("full", "full"), {})
+    return {int(budget): judge_cell(looks, tolerance, spec, int(budget), answered, full)
+            for (policy, budget), answered in found.items() if policy == spec and budget != "full"}
+
+
+def search_cost(records: list) -> tuple[int, float]:
+    """(answers, seconds) the records took, the full cache's included."""
+    answers = [r for r in records if isinstance(r, RulerRecord)]
+    return len(answers), sum(r.seconds or 0.0 for r in answers)
+
+
+def fixed_n_cost(records: list, n: int) -> int:
+    """Answers a fixed-n grid needs to probe the same cells: n per probed cell plus n for the full cache."""
+    probed = {(r.policy, r.budget) for r in records if isinstance(r, RulerRecord) and r.policy != "full"}
+    return n * (len(probed) + 1)
+
+
+def smallest(cells: dict[int, Cell]) -> tuple[Cell | None, Cell | None]:
+    """The smallest budget shown inside, and the largest probed below it that is not (None where none)."""
+    inside = [c for c in cells.values() if c.inside]
+    best = min(inside, key=lambda c: c.budget) if inside else None
+    below = [c for c in cells.values() if not c.inside and (best is None or c.budget < best.budget)]
+    return best, max(below, key=lambda c: c.budget) if below else None
+
+
+def at_cap(cells: dict[int, Cell]) -> list[Cell]:
+    """The cells that reached the cap undecided."""
+    return sorted((c for c in cells.values()
+                   if c.need is None and c.judgement is not None and c.judgement.outcome == "undecided"),
+                  key=lambda c: c.budget)
+
+
+@dataclass(frozen=True)
+class TaskRow:
+    """One configuration's search on a task: every cell probed, judged."""
+
+    name: str
+    cells: dict[int, Cell]
+    context: int  # tokens of the shortest context searched (the bracket's top)
+
+    @property
+    def smallest(self) -> Cell | None:
+        return smallest(self.cells)[0]
+
+    @property
+    def failing(self) -> Cell | None:
+        return smallest(self.cells)[1]
+
+
+def drop(cell: Cell | None) -> str:
+    """A cell's accuracy drop against the full cache with its interval, in points, e.g. `0.0 [0.0, 4.2]`."""
+    if cell is None or cell.judgement is None:
+        return "-"
+    j = cell.judgement
+    return f"{100 * j.estimate:.1f} [{100 * j.low:.1f}, {100 * j.high:.1f}]"
+
+
+def _n(cell: Cell | None) -> str:
+    return "-" if cell is None or cell.judgement is None else str(cell.judgement.n)
+
+
+def _of_context(row: TaskRow) -> str:
+    return "-" if row.smallest is None else f"{100 * row.smallest.budget / row.context:.1f}%"
+
+
+TASK_ENVELOPE: list[Column[TaskRow]] = [
+    Column("configuration", lambda r: r.name, "left"),
+    Column("smallest inside", lambda r: number(r.smallest and r.smallest.budget)),
+    Column("of context", _of_context),
+    Column("drop there, points [CI]", lambda r: drop(r.smallest)),
+    Column("n", lambda r: _n(r.smallest)),
+    Column("first failing", lambda r: number(r.failing and r.failing.budget), drop=2),
+    Column("outcome there", lambda r: r.failing.judgement.outcome if r.failing and r.failing.judgement else "-",
+           drop=3),
+    Column("n ", lambda r: _n(r.failing), drop=4),
+    Column("undecided at the cap", lambda r: ", ".join(str(c.budget) for c in at_cap(r.cells)) or "-", drop=1),
+]
+
+
+def task_rows(specs: list[str], labels: dict[str, str], looks: list[int], tolerance: Tolerance, records: list,
+              context: int) -> list[TaskRow]:
+    return [TaskRow(labels.get(spec, spec), cells_of(looks, tolerance, spec, records), context) for spec in specs]
+
+
+def task_envelope_table(rows: list[TaskRow]) -> Table:
+    """Configuration -> smallest budget inside, its share of the context, the drop there with n, the first
+    failure, and the cells that reached the cap undecided."""
+    return Table.of(TASK_ENVELOPE, rows)
+
+
+def task_verdict(rows: list[TaskRow], tolerance: Tolerance, task: str, length: int) -> str:
+    """The sentence: the configuration with the fewest entries inside the tolerance, or the closest."""
+    limit = (f"accuracy at most {100 * tolerance.max_accuracy_drop:g} points below the full cache's, the whole "
+             f"paired {100 * tolerance.confidence:.3g}% interval at each look")
+    inside = sorted((r for r in rows if r.smallest is not None), key=lambda r: r.smallest.budget)
+    if not inside:
+        probed = [c for r in rows for c in r.cells.values() if c.judgement is not None]
+        if not probed:
+            return "Nothing measured yet: rerun the same command to continue the search."
+        best = min(probed, key=lambda c: c.judgement.high)
+        return (f"No configuration is within tolerance ({limit}) on {task} at {length} tokens; the closest is "
+                f"{best.spec} at {best.budget} entries (drop {drop(best)} points, {best.judgement.outcome}, "
+                f"n = {best.judgement.n}).")
+    top = inside[0]
+    return (f"Within tolerance ({limit}) on {task} at {length} tokens, the configuration with the fewest entries "
+            f"is {top.name} at {top.smallest.budget} entries ({_of_context(top)} of the context; drop "
+            f"{drop(top.smallest)} points, n = {top.smallest.judgement.n}).")

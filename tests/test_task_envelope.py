@@ -1,0 +1,189 @@
+"""`kvevict envelope --tasks`: sequential sampling and the bisection on task cells.
+
+The search is checked on a known oracle (answers scored by a rule the test states, in place of
+the model), against a brute-force grid of every budget judged at the cap; then once on a tiny
+model through the real grid runner, for records and resume.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvevict.ab import task_envelope
+from kvevict.ab.task_envelope import TaskEnvelopeConfig, run_task_envelope
+from kvevict.eval.ruler.grid import record_key
+from kvevict.policies.budget import budget_label
+from kvevict.report.task_envelope import at_cap, cells_of, search_cost, smallest
+from kvevict.report.tolerance import judge_accuracy
+
+TOP = 120  # the oracle's context: budgets are searched below it
+
+
+def oracle(threshold: int, shaky: dict[int, set[int]] | None = None):
+    """Scores by rule: the full cache answers every sample; a configuration answers sample i at budget b when
+    b >= threshold, except the samples `shaky[b]` names; below the threshold it answers none."""
+    shaky = shaky or {}
+
+    def score(policy: str, budget, sample: int) -> float:
+        if budget is None:
+            return 1.0
+        return float(budget >= threshold and sample not in shaky.get(budget, set()))
+
+    return score
+
+
+def fake_run_grid(score, asked: list):
+    """`run_grid` answering by `score`: the full cache and every row at every budget, each sample not `done`."""
+
+    def run(model, tokenizer, grid, done, on_records, limit=None, on_skip=None):
+        lines = []
+        for sample in range(grid.samples):
+            for policy, budget in [("full", None), *((p, b) for p in grid.policies for b in grid.budgets)]:
+                key = record_key(grid.protocol, grid.form, grid.tasks[0], grid.lengths[0], sample, policy,
+                                 budget_label(budget), 0)
+                if key in done:
+                    continue
+                asked.append((policy, budget, sample))
+                lines.append({"key": key, "task": grid.tasks[0], "protocol": grid.protocol,
+                              "length": grid.lengths[0], "sample": sample, "policy": policy,
+                              "budget": budget_label(budget), "score": score(policy, budget, sample),
+                              "seconds": 0.5})
+        on_records(lines)
+        return lines
+
+    return run
+
+
+@pytest.fixture
+def with_oracle(monkeypatch):
+    def use(score):
+        asked: list = []
+        monkeypatch.setattr(task_envelope, "run_grid", fake_run_grid(score, asked))
+        monkeypatch.setattr(task_envelope, "context_top", lambda config, tokenizer, limit: TOP)
+        monkeypatch.setattr(task_envelope, "max_positions", lambda model: None)
+        return asked
+
+    return use
+
+
+def config(tmp_path, **overrides) -> TaskEnvelopeConfig:
+    base = dict(policies=["window"], floor=8, resolution=1.0001, start=20, cap=60, out=str(tmp_path / "runs"),
+                name="t", length=256)
+    base.update(overrides)
+    return TaskEnvelopeConfig(**base)
+
+
+def judged(cfg: TaskEnvelopeConfig, records: list) -> dict:
+    return cells_of(cfg.looks(), cfg.tolerance(), "window", records)
+
+
+def test_looks_and_their_correction():
+    cfg = TaskEnvelopeConfig(start=20, cap=60)
+    assert cfg.looks() == [20, 40, 60]
+    assert cfg.tolerance().confidence == pytest.approx(1 - 0.05 / 3)
+    assert TaskEnvelopeConfig(start=25, cap=60).looks() == [25, 50, 60]
+
+
+@pytest.mark.parametrize("threshold", [8, 37, 119])
+def test_search_equals_a_brute_force_grid(tmp_path, with_oracle, threshold):
+    """Every budget from the floor up judged at the cap by the rule: the smallest inside is the search's answer,
+    found with far fewer answers than the grid's."""
+    asked = with_oracle(oracle(threshold))
+    cfg = config(tmp_path)
+    _, records = run_task_envelope(cfg, model=None, tokenizer=None)
+    score, n = oracle(threshold), cfg.cap
+    full = [score("full", None, i) for i in range(n)]
+    grid = {b: judge_accuracy([score("window", b, i) for i in range(n)], full, cfg.tolerance()).outcome == "inside"
+            for b in range(cfg.floor, TOP)}
+    best, failing = smallest(judged(cfg, records))
+    assert best.budget == min(b for b, ok in grid.items() if ok) == threshold
+    assert (failing is None) == (threshold == cfg.floor)
+    assert len(asked) < n * (TOP - cfg.floor) / 10  # a search, not the grid
+    # a cell that misses all or nothing is decided at the first look
+    assert {c.judgement.n for c in judged(cfg, records).values()} == {cfg.start}
+
+
+def test_a_cell_adds_samples_until_it_decides(tmp_path, with_oracle):
+    """At budget 40 the configuration misses samples 3 and 7 (2 of the first 20: undecided), and nothing
+    after: the cell takes more looks, and its judgement is the rule's at the last look taken."""
+    asked = with_oracle(oracle(40, shaky={40: {3, 7}}))
+    cfg = config(tmp_path, floor=40)  # the floor is probed first
+    _, records = run_task_envelope(cfg, model=None, tokenizer=None)
+    at_40 = sorted(s for p, b, s in asked if p == "window" and b == 40)
+    expected = None
+    for n in cfg.looks():  # the rule applied look by look
+        hits = [0.0 if i in (3, 7) else 1.0 for i in range(n)]
+        expected = judge_accuracy(hits, [1.0] * n, cfg.tolerance())
+        if expected.outcome != "undecided":
+            break
+    assert at_40 == list(range(expected.n))
+    assert expected.n > cfg.start  # the precondition: the first look did not decide
+    cell = judged(cfg, records)[40]
+    assert (cell.judgement.n, cell.judgement.outcome) == (expected.n, expected.outcome)
+
+
+def test_a_cell_undecided_at_the_cap_counts_as_not_inside(tmp_path, with_oracle):
+    """From budget 20 up the configuration misses 5 of the 60 samples (2 of the first 20): no look decides,
+    so every such cell reaches the cap undecided, and nothing is shown inside."""
+    shaky = {b: {3, 7, 30, 45, 50} for b in range(8, TOP)}
+    with_oracle(oracle(20, shaky=shaky))
+    cfg = config(tmp_path)
+    _, records = run_task_envelope(cfg, model=None, tokenizer=None)
+    capped = at_cap(judged(cfg, records))
+    assert capped and all(c.judgement.n == cfg.cap for c in capped)
+    assert smallest(judged(cfg, records))[0] is None
+
+
+def test_interrupted_search_resumes_without_recomputing(tmp_path, with_oracle):
+    asked = with_oracle(oracle(37))
+    cfg = config(tmp_path)
+    _, whole = run_task_envelope(cfg, model=None, tokenizer=None)
+    first = len(asked)
+    _, again = run_task_envelope(cfg, model=None, tokenizer=None)
+    assert len(asked) == first  # nothing answered twice
+    assert search_cost(again) == search_cost(whole)
+
+
+def test_on_a_tiny_model_every_cell_is_answered_on_the_full_caches_samples(tmp_path, tiny_dir):
+    """The real grid runner: each probed cell's samples are ones the full cache answered too, records are
+    `RulerRecord`s, and a rerun answers nothing new."""
+    from kvevict import load_model
+    from kvevict.report.records import RulerRecord
+
+    model, tokenizer = load_model(str(tiny_dir))
+    cfg = config(tmp_path, length=400, start=2, cap=4, floor=16, resolution=2.0,
+                 max_accuracy_drop=0.5)
+    store, records = run_task_envelope(cfg, model, tokenizer)
+    answers = [r for r in records if isinstance(r, RulerRecord)]
+    full = {r.sample for r in answers if r.policy == "full"}
+    assert answers and {r.sample for r in answers if r.policy != "full"} <= full
+    before = store.records()
+    run_task_envelope(cfg, model, tokenizer)
+    assert store.records() == before
+
+
+def test_cli_prints_the_table_the_verdict_and_the_cost(tmp_path, tiny_dir):
+    from helpers import cli
+
+    result = cli("envelope", "--model", str(tiny_dir), "--tasks", "niah_single_1", "--lengths", "400", "--policies",
+                 "window", "--floor", "16", "--resolution", "2", "--samples-start", "2", "--samples-max", "4",
+                 "--max-accuracy-drop", "0.5", "--out", str(tmp_path / "runs"), "--name", "t", env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.stderr
+    assert "smallest inside" in result.stdout and "niah_single_1 at 400 tokens" in result.stdout
+    answers = len((tmp_path / "runs" / "t" / "results.jsonl").read_text().splitlines())
+    assert f"cost: {answers} answers" in result.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--samples-start", "0"], "give 1 <= start <= max"),
+    (["--samples-start", "30", "--samples-max", "20"], "give 1 <= start <= max"),
+    (["--tasks", "no_such_task"], "no_such_task"),
+    (["--policies", "full"], "never evicts"),
+])
+def test_bad_task_envelope_input_is_one_line(args, needle):
+    from helpers import cli_error
+
+    base = {"--tasks": "niah_single_1", "--policies": "window"}
+    given = dict(zip(args[::2], args[1::2]))
+    argv = [x for k, v in {**base, **given}.items() for x in (k, v)]
+    cli_error("envelope", *argv, needles=(needle,))
