@@ -20,13 +20,14 @@ from transformers.cache_utils import Cache
 
 from ..errors import KvevictError
 from ..policies import Policy, check_policy
+from ..position_modes import DEFAULT_POSITIONS, check_positions
 from .attention import attach, handoffs
 from .layer import EvictingLayer
 from .layer_settings import Forward, LayerSettings
 from .model_info import check_model, layer_kinds, text_config
 from .observers import KeptTracker, Observer, SinkTracker, held_pinned_lost, held_sink_loss
 from .per_head import PER_HEAD_KINDS
-from .positions import MODES, POSITION_MODES
+from .positions import for_name
 from .quantized import storage_form_of
 from .rotary import Rotary
 from .rows import RowLayout
@@ -76,14 +77,13 @@ class EvictingCache(Cache):
         model,
         policy: str | Policy | Sequence[str | Policy] = "streamingllm",
         budget: int | None = 256,
-        positions: str = "original",
+        positions: str = DEFAULT_POSITIONS,
         slack: int = 16,
         observers: Sequence[Observer] | None = None,
         per_token: bool = False,
     ) -> None:
         config = check_model(model)
-        if positions not in POSITION_MODES:
-            raise KvevictError(f"positions must be one of {', '.join(POSITION_MODES)}, got '{positions}'")
+        mode_name = check_positions(positions)
         specs = list(policy) if isinstance(policy, (list, tuple)) else [policy]
         if not specs:
             raise KvevictError("no policy given: pass a spec such as 'streamingllm' or a list, one per row")
@@ -100,10 +100,11 @@ class EvictingCache(Cache):
         parameter = next(model.parameters())
         kinds = layer_kinds(text)
         rotary_emb = getattr(model.base_model, "rotary_emb", None)
-        if rotary_emb is None and positions != "original":
+        if rotary_emb is None and mode_name.needs_rotary:
             raise KvevictError(
                 f"{type(model).__name__} has learned/absolute position embeddings, not rotary ones: there is no "
-                "rotation to shift, so positions='cache' cannot apply; use positions='original' (eviction is masking)"
+                f"rotation to shift, so positions='{positions}' cannot apply; use positions='{DEFAULT_POSITIONS}' "
+                "(eviction is masking)"
             )
         per_kind = rotary_emb is not None and hasattr(rotary_emb, "layer_types")  # Gemma 3: a base per kind
 
@@ -119,8 +120,8 @@ class EvictingCache(Cache):
         budget = budget if any(bounded) else None
         self._check_budget(budget, layers)  # before the model is touched
         # one position mode per kind when the rotary module has a base per kind (Gemma 3), else one for all
-        shared = None if per_kind else MODES[positions](rotary(None))
-        modes = {kind: shared or MODES[positions](rotary(kind)) for kind in set(kinds)}
+        shared = None if per_kind else for_name(mode_name, rotary(None))
+        modes = {kind: shared or for_name(mode_name, rotary(kind)) for kind in set(kinds)}
         slots = handoffs(model)
         window = getattr(text, "sliding_window", None)
         storage_form = storage_form_of(self.policies, head_dim)  # quantized entries (`q4+...`) or as they are

@@ -127,8 +127,8 @@ class EvictingLayer(CacheLayerMixin):
         s = self.settings
         capacity = (self.budget or 0) + s.slack
         names = s.stat_names
-        # stored keys that never change (original positions): their per-key numbers can be kept too
-        arrival = not s.mode.raw_keys and any(p.arrival_stat for p in s.layout.policies)
+        # the mode says whether a number a stored key alone decides stays true while the key is held
+        arrival = s.mode.keeps_arrival(any(p.arrival_stat for p in s.layout.policies))
         if arrival:
             names = (*names, ARRIVAL)
         storage = s.mode.new_storage(
@@ -500,8 +500,8 @@ class EvictingLayer(CacheLayerMixin):
         ring is trusted only right after its own eviction one token earlier; anything else
         (a chunk, a compaction, a budget change) starts again from positional order or scores.
         """
-        fifo = self.ring_start()
-        if fifo is None or total != keep_count + 1 or not self.settings.mode.fills_in_place:
+        fifo = self.settings.mode.ring(self.ring_start())
+        if fifo is None or total != keep_count + 1:
             return None
         if self.ordered:
             return fifo

@@ -15,13 +15,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .observers import Observer
-from .positions import PositionMode
 from .rows import RowLayout
 from .storage import SlotStorage
+
+if TYPE_CHECKING:
+    from .positions import PositionMode
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import typer
 
 from ..defaults import DEFAULT_CHUNK
 from ..errors import KvevictError
+from ..position_modes import DEFAULT_POSITIONS, POSITION_MODES
 from .common import (
     CHUNK_HELP,
     DEVICE_HELP,
@@ -83,7 +84,7 @@ def envelope(
     resolution: float = typer.Option(1.1, help="stop when the passing and failing budgets are within this ratio"),
     max_ppl_ratio: str = typer.Option("1.05", help="tolerance: PPL / full cache at most this ('' : none)"),
     max_kl: str = typer.Option("", help="tolerance: mean KL(full || policy) in nats at most this"),
-    positions: str = typer.Option("original", help="original | cache"),
+    positions: str = typer.Option(DEFAULT_POSITIONS, help=" | ".join(POSITION_MODES)),
     chunk: str = typer.Option(str(DEFAULT_CHUNK), help=CHUNK_HELP),
     seed: int = typer.Option(0, help="seed of random policies"),
     name: str = typer.Option("envelope", help="run name, one folder name: results go to OUT/NAME"),

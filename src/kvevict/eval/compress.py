@@ -24,6 +24,7 @@ from ..cache import EvictingCache
 from ..errors import KvevictError
 from ..policies import Policy
 from ..policies.budget import Budget, resolve_budget
+from ..position_modes import DEFAULT_POSITIONS
 from .forward import body, log_probs, logits
 
 
@@ -76,7 +77,7 @@ def compress(
     context: torch.Tensor,
     policies: str | Policy | Sequence[str | Policy],
     budget: Budget,
-    positions: str = "original",
+    positions: str = DEFAULT_POSITIONS,
 ) -> Compressed:
     """Prefill `context` in one forward and compress it to `budget`.
 
@@ -106,7 +107,7 @@ def compress_prompt(
     prompt: torch.Tensor,
     policies: str | Policy | Sequence[str | Policy],
     budget: Budget,
-    positions: str = "original",
+    positions: str = DEFAULT_POSITIONS,
     split: int | None = None,
 ) -> Compressed:
     """Compress `prompt[:split]`, then read `prompt[split:]` through the compressed cache.
@@ -134,7 +135,7 @@ def continuation_nll(
     continuation: torch.Tensor,
     policies: str | Policy | Sequence[str | Policy],
     budget: Budget,
-    positions: str = "original",
+    positions: str = DEFAULT_POSITIONS,
 ) -> torch.Tensor:
     """`[rows, len(continuation)]` NLL of each continuation token after compressing `context`.
 

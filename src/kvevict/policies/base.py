@@ -185,7 +185,7 @@ class Policy:
 
     @property
     def position_mode(self) -> str | None:
-        """The position mode the engine this policy reproduces uses (`"original"` or `"cache"`), or
+        """The position mode the engine this policy reproduces uses (a name in `position_modes.POSITION_MODES`), or
         None when the policy runs in either. `check_policy` refuses the other mode."""
         return None
 

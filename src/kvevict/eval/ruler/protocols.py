@@ -59,6 +59,7 @@ from ...defaults import DEFAULT_CHUNK
 from ...errors import KvevictError
 from ...policies import parse_policy
 from ...policies.span import pin_span
+from ...position_modes import DEFAULT_POSITIONS
 from ..compress import Compressed, greedy
 from ..forward import body
 from ..prompts import stop_ids
@@ -216,7 +217,7 @@ def shares_prefill(protocol: str, form: str) -> bool:
 
 
 def answer(model, tokenizer, prompt: Prompt, specs: list[str], entries: int | None, protocol: str,
-           form: str = "requests", positions: str = "original", max_new_tokens: int | None = None,
+           form: str = "requests", positions: str = DEFAULT_POSITIONS, max_new_tokens: int | None = None,
            stream_chunk: int = DEFAULT_CHUNK) -> list[Answer]:
     """Every row's answers to `prompt` under `protocol`: one per row (or per row and question in `multi`)."""
     [answers] = answer_budgets(model, tokenizer, prompt, specs, [entries], protocol, form, positions,
@@ -236,7 +237,7 @@ def full_shares_prefill(protocol: str, form: str, specs: Sequence[str] = ()) -> 
 
 
 def answer_budgets(model, tokenizer, prompt: Prompt, specs: list[str], budgets: Sequence[int | None],
-                   protocol: str, form: str = "requests", positions: str = "original",
+                   protocol: str, form: str = "requests", positions: str = DEFAULT_POSITIONS,
                    max_new_tokens: int | None = None, stream_chunk: int = DEFAULT_CHUNK) -> list[list[Answer]]:
     """`answer` at each of `budgets` (entries), one list per budget; `None` is the full cache, whose
     answers are named `full` (the rows' specs are the bounded budgets').
