@@ -151,15 +151,18 @@ class EvictingCache(Cache):
         if any(p.varies_by_head for p in self.policies):
             classes.update(PER_HEAD_KINDS)  # sliding-window layers run no policy: they stay as they are
         super().__init__(layers=[classes[kind](i, settings(i, kind)) for i, kind in enumerate(kinds)])
-        self._forward = Forward()
         self._budgets: list[int | None] = [None] * layers
         self.budget = budget
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Dispatch to layer `layer_idx`; layer 0 starts a new `Forward`, which every layer of it is handed."""
-        if layer_idx == 0:
-            self._forward = Forward()
-        return self.layers[layer_idx].update(key_states, value_states, *args, forward=self._forward, **kwargs)
+        """Dispatch to layer `layer_idx`, with the record of the forward in flight: a new `Forward` at
+        layer 0, else the record the layer before ended with (`EvictingLayer.forward`)."""
+        if layer_idx == 0 and self.layout.bind(self.layout.rows_for(key_states.shape[0])):
+            pinned = [p.pinned for p in self.layout.row_policies()]  # the first forward binds rows, once
+            for observer in self.observers:
+                observer.on_bind(pinned)
+        forward = Forward() if layer_idx == 0 else self.layers[layer_idx - 1].forward
+        return self.layers[layer_idx].update(key_states, value_states, *args, forward=forward, **kwargs)
 
     # --- budgets ------------------------------------------------------------------------
     @property
@@ -307,8 +310,6 @@ class EvictingCache(Cache):
 
     def reset(self) -> None:
         super().reset()
-        for p in self.policies:
-            p.reset()
         for observer in self.observers:
             observer.reset()
 

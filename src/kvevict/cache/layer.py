@@ -20,13 +20,13 @@ queries see the kept entries plus the tokens of that forward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..errors import KvevictError
-from ..policies import SlotView
+from ..policies import Policy, SlotView
 from .inputs import attach_error, model_positions
 from .layer_settings import Forward, LayerSettings
 from .observers import Eviction
@@ -99,6 +99,18 @@ class EvictingLayer(CacheLayerMixin):
         self.deferred = False
         # never evicts again (`EvictingCache.freeze(final=True)`): the policies' statistics are no longer measured
         self.sealed = False
+        # what each policy carries from one step of this layer to the next (`Policy.new_state`): (policy, state)
+        # pairs, matched by identity (a copy of the cache copies both sides of each pair together)
+        self._states: list[tuple[Policy, object]] = []
+
+    def state_of(self, policy: Policy) -> object | None:
+        """`policy`'s state in this layer (`Policy.new_state`), made on first use; handed to it as `SlotView.state`."""
+        for owner, state in self._states:
+            if owner is policy:
+                return state
+        state = policy.new_state(self.index)
+        self._states.append((policy, state))
+        return state
 
     @property
     def budget(self) -> int | None:
@@ -118,10 +130,6 @@ class EvictingLayer(CacheLayerMixin):
         self.batch_size, self.heads, self.head_dim = batch, heads, dim
         self.storage = self._new_storage()
         self.is_initialized = True
-        if s.layout.bind(batch):
-            pinned = [p.pinned for p in s.layout.row_policies()]
-            for observer in s.observers:
-                observer.on_bind(pinned)
 
     def _new_storage(self) -> SlotStorage:
         s = self.settings
@@ -169,7 +177,7 @@ class EvictingLayer(CacheLayerMixin):
             start = mode.seq_length(self.n, self.seen)
             used = self._positions(model_kwargs, q, start, check_rows=self.index == 0)
             if self.index == 0:
-                self.forward.positions = used
+                self.forward = replace(self.forward, positions=used)
             if self.index == 0 and self.seen and not mode.continues(int(used[0]), self.n, self.seen):
                 raise KvevictError(
                     f"this cache already holds {self.seen} tokens of a sequence, but the new tokens start at position "
@@ -250,6 +258,7 @@ class EvictingLayer(CacheLayerMixin):
         self._arrival_valid = False
         self.pending = False
         self.statistics.reset()
+        self._states = []
         if self.storage is not None:
             for stat in self.storage.stats.values():
                 stat.zero_()
@@ -488,6 +497,7 @@ class EvictingLayer(CacheLayerMixin):
             stats={name: group.take(stat[:, :, :total]) for name, stat in storage.stats.items()},
             keys=lambda: group.take(storage.keys[:, :, :total]),
             values=lambda: group.take(storage.values[:, :, :total]),
+            state=self.state_of(group.policy),
         )
 
     def _fifo_victim(self, total: int, keep_count: int) -> int | None:

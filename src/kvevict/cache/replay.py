@@ -28,7 +28,7 @@ token-by-token feeding would have.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -98,7 +98,7 @@ def _static_plan(layer: ReplayingLayer, pos: torch.Tensor, scores: torch.Tensor)
         evicting=steps >= max(0, budget - n0),
         keep=pos.masked_fill(~after[:, :, -1], selection.LATEST_LAST).argsort(dim=-1)[..., :budget],
     )
-    layer.forward.static_plan = plan
+    layer.forward = replace(layer.forward, static_plan=plan)
     return plan
 
 
@@ -329,7 +329,7 @@ def _full_view(layer: ReplayingLayer, group: RowGroup, positions: torch.Tensor, 
     return SlotView(
         positions=group.take(positions), seen=seen, budget=layer.budget, layer=layer.index,
         stats={name: group.take(stats[name]) for name in group.policy.stats},
-        keys=lambda: group.take(keys()),
+        keys=lambda: group.take(keys()), state=layer.state_of(group.policy),
     )
 
 
@@ -339,7 +339,7 @@ def _alive_view(layer: ReplayingLayer, group: RowGroup, positions: torch.Tensor,
     return SlotView(
         positions=group.take(positions).gather(-1, alive), seen=seen, budget=layer.budget, layer=layer.index,
         stats={name: group.take(stats[name]).gather(-1, alive) for name in group.policy.stats},
-        keys=lambda: take_slots(group.take(keys()), alive),
+        keys=lambda: take_slots(group.take(keys()), alive), state=layer.state_of(group.policy),
     )
 
 

@@ -48,6 +48,8 @@ class ReplayingLayer(Protocol):
 
     def window_size(self) -> int | None: ...
 
+    def state_of(self, policy) -> object | None: ...
+
 
 class Stepper:
     """What both stepping algorithms share: the virtual slots, the policies' statistics at each
@@ -165,6 +167,7 @@ def step_view(
         stats={name: group.take(storage.stats[name]).gather(-1, group.take(slots)) for name in group.policy.stats},
         keys=keys_now,
         values=lambda: group.take(take_slots(storage.values, slots)),
+        state=layer.state_of(group.policy),
     )
 
 
@@ -209,6 +212,7 @@ def static_scores(
             SlotView(
                 positions=group.take(pos), seen=seen, budget=layer.budget, layer=layer.index,
                 keys=lambda group=group: group.take(layer.storage.keys[:, :, :total]),  # `knorm`: fixed per key
+                state=layer.state_of(group.policy),
             )
         )
         for group in layout.groups

@@ -253,6 +253,7 @@ class RaggedLayer(EvictingLayer):
             stats={name: storage.per_head(group.take(storage.stats[name]), mask, 0.0) for name in group.policy.stats},
             keys=keys,
             values=values,
+            state=self.state_of(group.policy),
         )
 
     def _attend(
