@@ -12,6 +12,7 @@ stand for all of them (`shares_rows`): an A/B batch computes its shared prefill 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -226,7 +227,7 @@ class EvictingCache(Cache):
 
         `final`: the cache will never evict again, so the policies' statistics stop being
         measured (a decode step is attention alone) and finished rows may leave the batch
-        (`keep_rows`); setting a budget afterwards is refused. Without it a budget may be set
+        (`batch_select_indices`); setting a budget afterwards is refused. Without it a budget may be set
         again (lm-eval's generation compresses, then evicts as it generates).
         """
         self._budget = None
@@ -240,8 +241,9 @@ class EvictingCache(Cache):
         """Whether the cache was frozen for good (`freeze(final=True)`)."""
         return bool(self.layers) and all(layer.sealed for layer in self.layers)
 
-    def keep_rows(self, rows: Sequence[int]) -> None:
-        """Keep only the batch rows `rows` (in that order; row `rows[i]` is row `i` from now on).
+    def batch_select_indices(self, indices: torch.Tensor | Sequence[int]) -> None:
+        """Keep only the batch rows `indices` (in that order; row `indices[i]` is row `i` from now on),
+        as transformers' `Cache.batch_select_indices`.
 
         Why: a batch of answers decodes as long as its longest one; rows that are done can
         leave, so the others' steps cost what their own rows cost. Only a cache frozen for
@@ -254,15 +256,15 @@ class EvictingCache(Cache):
                 "rows can leave only a cache frozen for good (cache.freeze(final=True)): one that may still evict "
                 "would need its statistics to follow them"
             )
-        rows = [int(r) for r in rows]
+        rows = [int(r) for r in indices]
         batch = self.layers[0].batch_size if self.layers[0].is_initialized else 0
         if not rows or len(set(rows)) != len(rows) or not all(0 <= r < batch for r in rows):
-            raise KvevictError(f"keep_rows takes distinct rows of the {batch} this cache holds, got {rows}")
+            raise KvevictError(f"batch_select_indices takes distinct rows of the {batch} this cache holds, got {rows}")
         self.layout.keep_rows(rows)
         self.policies = self.layout.policies
         index = torch.tensor(rows, dtype=torch.long, device=self.layers[0].device)
         for layer in self.layers:
-            layer.keep_rows(index)
+            layer.batch_select_indices(index)
         for observer in self.observers:
             observer.keep_rows(rows)
 
@@ -313,12 +315,34 @@ class EvictingCache(Cache):
         for observer in self.observers:
             observer.reset()
 
-    def drop_latest(self, count: int) -> None:
-        """Take the `count` latest tokens back out of every layer (`EvictingLayer.drop_latest`): a
-        question read after a frozen prefix, so the next request reads the prefix alone."""
+    def crop(self, tokens_to_remove: int) -> None:
+        """Take the `-tokens_to_remove` latest tokens back out of every layer (`EvictingLayer.crop`), as
+        transformers' `Cache.crop` with a negative count: a question read after a frozen prefix, so the
+        next request reads the prefix alone."""
+        if tokens_to_remove > 0:
+            raise KvevictError(
+                f"crop takes the negative number of latest tokens to remove (crop(-{tokens_to_remove})), as "
+                f"transformers' Cache.crop does, got {tokens_to_remove}"
+            )
         with torch.inference_mode():
             for layer in self.layers:
-                layer.drop_latest(count)
+                layer.crop(tokens_to_remove)
+
+    def held_entries(self) -> int:
+        """The most entries any layer holds now (each row and head counted; per-head layers: their longest)."""
+        return max(layer.n for layer in self.layers)
+
+    def copy(self) -> EvictingCache:
+        """An independent copy: every tensor and record the cache holds is copied; what is the model's
+        (its config, its rotary modules, the hand-off slots on its attention modules) is shared."""
+        memo: dict[int, object] = {}
+        for layer in self.layers:
+            settings = layer.settings
+            rotary = settings.mode.rotary
+            for shared in (settings.config, settings.handoff, None if rotary is None else rotary.module):
+                if shared is not None:
+                    memo[id(shared)] = shared
+        return copy.deepcopy(self, memo)
 
     # --- what the cache holds --------------------------------------------------------------
     def fits(self, q: int) -> bool:

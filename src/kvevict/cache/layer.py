@@ -415,12 +415,14 @@ class EvictingLayer(CacheLayerMixin):
         for observer in self.settings.observers:
             observer.on_forward(self.index, self.n)
 
-    def drop_latest(self, count: int) -> None:
-        """Take the `count` latest tokens back out, as if they had never been read: a request's question
+    def crop(self, tokens_to_remove: int) -> None:
+        """Take the `count = -tokens_to_remove` latest tokens back out (transformers' `crop` with a
+        negative count), as if they had never been read: a request's question
         after a frozen prefix, so that the next request reads the prefix alone (`multi --form
         aware-requests`). Every row and KV head must hold all of them (a pinned span,
         `policies/span.py`), so each keeps the same number of entries: the others stay in positional
         order, and the next token takes the first dropped one's position."""
+        count = -tokens_to_remove
         if count <= 0 or not self.is_initialized:
             return
         positions = self.storage.pos[:, :, : self.n]  # [B, H_kv, n]
@@ -433,13 +435,13 @@ class EvictingLayer(CacheLayerMixin):
         self.ordered, self._ring, self._arrival_valid = True, None, False
 
     def _check_holds_latest(self, latest: torch.Tensor, count: int) -> None:
-        """`drop_latest`'s condition: `latest` `[B, H_kv, slots]` marks the latest tokens held, `count` per
+        """`crop`'s condition: `latest` `[B, H_kv, slots]` marks the latest tokens held, `count` per
         row and head."""
         if not bool((latest.sum(dim=-1) == count).all()):
             raise KvevictError(f"layer {self.index} does not hold all of the {count} latest tokens in every row "
                                "and head, so they cannot be taken back out: pin them while compressing")
 
-    def keep_rows(self, index: torch.Tensor) -> None:
+    def batch_select_indices(self, index: torch.Tensor) -> None:
         """Keep only the rows `index` `[b]` of a sealed layer (the cache re-numbered its row groups).
 
         Sealed only: a layer that may still evict would need its statistics and remembered

@@ -54,8 +54,8 @@ class Compressed:
             return logits(model, self.hidden).float()
 
     def keep_rows(self, rows: list[int]) -> None:
-        """Keep only the batch rows `rows` (a cache frozen for good: `EvictingCache.keep_rows`)."""
-        self.cache.keep_rows(rows)
+        """Keep only the batch rows `rows` (a cache frozen for good: `EvictingCache.batch_select_indices`)."""
+        self.cache.batch_select_indices(rows)
         if len(self.policies) == self.rows:
             self.policies = [self.policies[r] for r in rows]
         self.hidden = self.hidden[rows]
@@ -95,7 +95,7 @@ def compress(
         cache = EvictingCache(model, specs, budget=entries, positions=positions)
         ids = context.long().expand(len(specs), -1)
         hidden = body(model, ids, cache)
-        kept = max(layer.n for layer in cache.layers)
+        kept = cache.held_entries()
         bound = cache.budget  # None when every row is the full cache
         cache.freeze()
     names = [p.spec() for p in cache.policies]
@@ -168,7 +168,7 @@ def greedy(model, state: Compressed, max_new_tokens: int, stop_ids: Sequence[int
 
     `release` (a cache frozen for good, `EvictingCache.freeze(final=True)`, whose state the
     caller will not use again): once a quarter of the rows still in the batch are done,
-    they leave it (`EvictingCache.keep_rows`), so the batch no longer decodes at its full
+    they leave it (`EvictingCache.batch_select_indices`), so the batch no longer decodes at its full
     width for as long as its longest answer. Each row computes what it computes in the
     full batch; only the batch's width changes, which may move the last bits of a matrix
     product (`tests/test_keep_rows.py` holds every row to its policy alone within 1e-4).
