@@ -45,7 +45,7 @@ def by_chunks(model, tokens: torch.Tensor, budget: int, chunk: int) -> Compresse
     cache = EvictingCache(model, spec, budget=budget)
     for start in range(0, tokens.numel(), chunk):
         hidden = body(model, tokens[None, start : start + chunk], cache)
-    kept = max(layer.n for layer in cache.layers)
+    kept = cache.held_entries()
     cache.freeze()
     return Compressed(cache, hidden[:, -1], tokens.numel(), budget, [spec], kept)
 

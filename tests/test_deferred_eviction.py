@@ -17,7 +17,7 @@ from kvevict.cache import EvictingCache
 from kvevict.errors import KvevictError
 from kvevict.eval.forward import body, logits
 from kvevict.eval.ruler import protocols
-from kvevict.eval.ruler.protocols import answer, answer_budgets, snapshot
+from kvevict.eval.ruler.protocols import answer, answer_budgets
 from kvevict.policies import parse_policy
 from test_ruler_protocols import SPECS, Words, _prompt
 
@@ -86,7 +86,7 @@ def test_a_held_back_eviction_keeps_what_the_forward_would_have_kept(model, spec
             for budget in BUDGETS:
                 ref = EvictingCache(model, rows, budget=budget, positions=positions)
                 body(model, context[None].long(), ref)
-                state = snapshot(model, held)
+                state = held.copy()
                 state.budget = budget
                 state.evict_deferred()
                 assert not state.deferred

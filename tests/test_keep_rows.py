@@ -1,6 +1,6 @@
 """Rows that are done leave a batch frozen for good, and the rows that stay compute what they did.
 
-A batch of answers decodes as long as its longest answer; `EvictingCache.keep_rows` lets the
+A batch of answers decodes as long as its longest answer; `EvictingCache.batch_select_indices` lets the
 finished rows go once the cache is frozen for good (`freeze(final=True)`: it never evicts
 again, so its policies stop measuring). The reference for every row that stays is its
 policy compressed in a cache of its own, fed the same tokens: the next logits, the entries
@@ -96,7 +96,7 @@ def test_rows_leave_only_a_cache_frozen_for_good(tiny):
         state.cache.freeze(final=True)
         for rows in ([], [0, 0], [2]):
             with pytest.raises(KvevictError, match="distinct rows of the 2"):
-                state.cache.keep_rows(rows)
+                state.cache.batch_select_indices(rows)
 
 
 def test_greedy_lets_finished_rows_go_and_answers_alike():

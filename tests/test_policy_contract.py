@@ -62,8 +62,9 @@ def test_budget_and_pinned_tokens_hold(spec, positions):
             assert all(bool((h.diff() > 0).all()) and bool((h < seen).all()) for h in heads)
             held = [set(head.tolist()) for head in heads]
             assert all(set(range(min(policy.pinned, seen))) <= h for h in held), f"{spec}: pinned token evicted"
-            if isinstance(policy, SinkAuto) and policy.sinks(index) is not None:
-                for h, sinks in zip(held, policy.sinks(index)[0]):
+            measured = cache.layers[index].state_of(policy).sinks if isinstance(policy, SinkAuto) else None
+            if measured is not None:
+                for h, sinks in zip(held, measured[0]):
                     assert set(sinks.tolist()) <= h, f"{spec}: a measured sink was evicted"
     assert not cache.pinned_sink_evicted()
 
@@ -93,7 +94,8 @@ def test_declared_flags_are_honest(spec):
     never asks for it and carries no statistic; one that says it reads no keys scores
     without them, and one that says it does reads them."""
     policy = parse_policy(spec)
-    view = SlotView(positions=torch.arange(12).view(1, 1, 12), seen=12, budget=BUDGET, layer=0)
+    view = SlotView(positions=torch.arange(12).view(1, 1, 12), seen=12, budget=BUDGET, layer=0,
+                    state=policy.new_state(0))
     if not policy.needs_attention:
         assert policy.stats == ()
         assert policy.request(view, will_evict=True) is None
@@ -104,7 +106,7 @@ def test_declared_flags_are_honest(spec):
         positions=torch.arange(12).view(1, 1, 12), seen=12, budget=BUDGET, layer=0,
         stats={name: torch.rand(1, 1, 12) for name in policy.stats},
         keys=lambda: read.append(True) or torch.randn(1, 1, 12, 4),
-        values=lambda: torch.randn(1, 1, 12, 4),
+        values=lambda: torch.randn(1, 1, 12, 4), state=policy.new_state(0),
     )
     policy.scores(keyed)
     assert bool(read) == policy.reads_keys, f"{spec}: reads_keys={policy.reads_keys} but keys read: {bool(read)}"

@@ -169,7 +169,7 @@ def test_multi_turns_equal_each_policy_alone_evicting_throughout(model):
 def test_multi_aware_requests_answer_as_each_policy_alone(tiny):
     """The batch against the plain path, one policy per cache: the context and the first question (but its
     last token) compressed with that question pinned beside the budget; the first request reads on, each
-    later one takes the question back out (`drop_latest`) and reads its own after the context."""
+    later one takes the question back out (`crop`) and reads its own after the context."""
     prompt = _prompt(questions=3)
     context, first = prompt.context, prompt.per_key[0]
     span = first.numel() - 1
@@ -183,7 +183,7 @@ def test_multi_aware_requests_answer_as_each_policy_alone(tiny):
                                  40 + span)
                 state.cache.freeze()
                 if q:
-                    state.cache.drop_latest(span)
+                    state.cache.crop(-span)
                 state.feed(tiny, prompt.per_key[q] if q else first[-1:])
                 assert _tokens(got, q)[row] == greedy(tiny, state, NEW)[0], (spec, q)
 
@@ -202,7 +202,7 @@ def test_aware_requests_keep_what_the_first_question_picks_among_the_context(spe
     budget, heads = 12, model.config.num_key_value_heads
     state = compress(model, tokens, pin_span(spec, 6, 60), budget + 6)
     before = [layer.kept_positions()[0] for layer in state.cache.layers]
-    state.cache.drop_latest(6)
+    state.cache.crop(-6)
     assert state.cache.tokens_seen == 60 and state.cache.get_seq_length() == 60
     with attn(model, "eager"), torch.inference_mode():
         attentions = model(tokens[None], output_attentions=True).attentions
@@ -224,7 +224,7 @@ def test_taking_the_question_out_leaves_the_context_as_compressed_alone(tiny, po
     context, first, later = random_tokens(100, seed=31), random_tokens(8, seed=32), random_tokens(7, seed=33)
     state = compress(tiny, torch.cat([context, first]), pin_span("window", 8, 100), 30 + 8, positions=positions)
     state.cache.freeze()
-    state.cache.drop_latest(8)
+    state.cache.crop(-8)
     ref = compress(tiny, context, "window", 30, positions=positions)
     ref.cache.freeze()
     assert [la.kept_positions().tolist() for la in state.cache.layers] == \
@@ -233,7 +233,9 @@ def test_taking_the_question_out_leaves_the_context_as_compressed_alone(tiny, po
     ref.feed(tiny, later)
     torch.testing.assert_close(state.next_logits(tiny), ref.next_logits(tiny), rtol=1e-5, atol=1e-5)
     with pytest.raises(KvevictError, match="does not hold all of the 31 latest tokens"):
-        compress(tiny, context, "window", 30).cache.drop_latest(31)  # a window of 30 holds 30 of them
+        compress(tiny, context, "window", 30).cache.crop(-31)  # a window of 30 holds 30 of them
+    with pytest.raises(KvevictError, match=r"negative number of latest tokens to remove \(crop\(-5\)\)"):
+        compress(tiny, context, "window", 30).cache.crop(5)  # transformers' legacy "crop to a length"
 
 
 def test_multi_aware_requests_full_cache_serves_the_later_requests_as_requests_do(tiny):
@@ -256,7 +258,7 @@ def test_snapshot_is_independent_of_the_original(model):
     prompt = _prompt()
     state = prefill(model, prompt.context, SPECS, 40, "original")
     state.cache.freeze()
-    copy = snapshot(model, state)
+    copy = snapshot(state)
     copy.feed(model, prompt.question)
     assert state.cache.tokens_seen == prompt.context.numel()
     assert copy.cache.tokens_seen == prompt.tokens

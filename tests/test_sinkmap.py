@@ -85,7 +85,7 @@ def test_sinkauto_pins_the_most_attended_calibration_positions(tiny, inner):
             body(tiny, tokens[t : t + 1][None], cache)
     expected = calibration_sinks(tiny, tokens[:48], calib=32, n=3)
     for layer in range(tiny.config.num_hidden_layers):
-        found = policy.sinks(layer)[0].sort(dim=-1).values
+        found = cache.layers[layer].state_of(policy).sinks[0].sort(dim=-1).values
         assert found.tolist() == expected[layer].tolist(), (spec, layer)
         kept = cache.layers[layer].kept_positions()[0]
         for head in range(kept.shape[0]):
@@ -104,7 +104,7 @@ def test_sinkauto_calibrates_token_by_token_and_on_early_eviction(tiny):
         for t in range(60):
             body(tiny, tokens[t : t + 1][None], cache)
     for layer in range(tiny.config.num_hidden_layers):
-        sinks = policy.sinks(layer)
+        sinks = cache.layers[layer].state_of(policy).sinks
         assert sinks is not None and sinks.shape[-1] == 2 and bool((sinks < 11).all())
         kept = cache.layers[layer].kept_positions()[0]
         for head in range(kept.shape[0]):

@@ -25,15 +25,15 @@ def test_the_declaration_is_made():
 @pytest.mark.parametrize("spec", LOCAL)
 def test_extra_slots_do_not_change_the_others(spec):
     policy = parse_policy(spec)
-    policy.reset()
     gen = torch.Generator().manual_seed(5)
     b, h, n, extra, seen, budget = 2, 3, 12, 7, 40, 11
     positions = torch.stack([torch.randperm(seen, generator=gen)[: n + extra] for _ in range(b * h)]).view(b, h, -1)
     stats = {name: torch.rand(b, h, n + extra, generator=gen) for name in policy.stats}
     keys = torch.randn(b, h, n + extra, 4, generator=gen)
-    wide = SlotView(positions, seen, budget, 0, stats=stats, keys=lambda: keys)
+    wide = SlotView(positions, seen, budget, 0, stats=stats, keys=lambda: keys, state=policy.new_state(0))
     narrow_stats = {name: stat[..., :n] for name, stat in stats.items()}
-    narrow = SlotView(positions[..., :n], seen, budget, 0, stats=narrow_stats, keys=lambda: keys[:, :, :n])
+    narrow = SlotView(positions[..., :n], seen, budget, 0, stats=narrow_stats, keys=lambda: keys[:, :, :n],
+                      state=policy.new_state(0))
     assert torch.equal(policy.scores(wide)[..., :n], policy.scores(narrow)), f"{spec}: scores depend on other slots"
     request = policy.request(narrow, True)
     if request is not None and request.kind == "new":  # a "window" request is absorbed on the alive slots only

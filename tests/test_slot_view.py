@@ -17,8 +17,8 @@ from kvevict.policies.snapkv import SnapKV, pool
 POSITIONS = torch.tensor([[[5, 0, 7, 2, 9, 1, 3, 8], [9, 8, 7, 6, 5, 4, 3, 0]]])
 
 
-def view(budget: int = 5, stats: dict | None = None, seen: int = 10) -> SlotView:
-    return SlotView(positions=POSITIONS.clone(), seen=seen, budget=budget, layer=0, stats=stats or {})
+def view(budget: int = 5, stats: dict | None = None, seen: int = 10, state: object | None = None) -> SlotView:
+    return SlotView(positions=POSITIONS.clone(), seen=seen, budget=budget, layer=0, stats=stats or {}, state=state)
 
 
 def test_in_order_and_back():
@@ -52,7 +52,7 @@ def test_snapkv_pooling_follows_positions_not_slots():
     """The pooled score of a slot is the pool over its positional neighbours."""
     mass = torch.rand(1, 2, 8)
     policy = SnapKV(window=2, kernel=3, pooling="max")
-    request = policy.request(view(), will_evict=True)
+    request = policy.request(view(state=policy.new_state(0)), will_evict=True)
     got = policy.absorb(view(), request, mass)
     for head in range(2):
         order = POSITIONS[0, head].argsort()

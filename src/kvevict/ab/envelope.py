@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from ..defaults import DEFAULT_CHUNK
 from ..errors import KvevictError
 from ..policies import check_policy, shared_batches
+from ..position_modes import DEFAULT_POSITIONS
 from ..report.capacity import KvShape, shape_of
 from ..report.envelope import judge_probe, tolerance_of
 from ..report.records import PplRecord, load, ppl_records
@@ -47,7 +48,7 @@ class EnvelopeConfig:
     resolution: float = 1.1
     max_ppl_ratio: float | None = 1.05
     max_kl: float | None = None
-    positions: str = "original"
+    positions: str = DEFAULT_POSITIONS
     chunk: int = DEFAULT_CHUNK
     seed: int = 0
     name: str = "envelope"

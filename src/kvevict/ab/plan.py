@@ -31,7 +31,7 @@ class SweepConfig:
     #: the recompute oracle's stride; None: DEFAULT_ORACLE_STRIDE where the oracle is defined, and left out
     #: (the report says why, `oracle_left_out`) where it is not; a number given on a hybrid model is refused
     oracle_stride: int | None = None
-    #: None: the position mode of the engine presets among the policies, else "original" (`run_positions`)
+    #: None: the position mode of the engine presets among the policies, else `DEFAULT_POSITIONS` (`run_positions`)
     positions: str | None = None
     chunk: int = DEFAULT_CHUNK  # tokens per forward; results do not depend on it (exact replay)
     seed: int = 0

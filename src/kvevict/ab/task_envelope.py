@@ -29,6 +29,7 @@ from ..errors import KvevictError
 from ..eval.ruler.grid import RulerGrid, compressed_length, preflight, prompts, run_grid
 from ..eval.ruler.registry import get_task
 from ..policies import check_policy
+from ..position_modes import DEFAULT_POSITIONS
 from ..report.records import RulerRecord, load
 from ..report.store import ResultStore
 from ..report.task_envelope import cells_of
@@ -56,7 +57,7 @@ class TaskEnvelopeConfig:
     start: int = 20
     cap: int = 60
     seed: int = 0
-    positions: str = "original"
+    positions: str = DEFAULT_POSITIONS
     text: str = "pg-essays"
     name: str = "task-envelope"
     out: str = "runs"

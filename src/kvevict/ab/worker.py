@@ -20,6 +20,7 @@ from ..eval.oracle import recompute_oracle
 from ..eval.streaming import Reference, RowResult, compare, full_reference
 from ..loading import load_model
 from ..policies import shared_batches
+from ..position_modes import DEFAULT_POSITIONS
 from ..report.records import PplRecord
 from .meter import Cost, measure
 from .plan import Cell, SweepConfig
@@ -63,7 +64,7 @@ def ppl_record(cell: Cell, result: RowResult, config: SweepConfig, cost: Cost, t
     return PplRecord(
         key=cell.key, kind=cell.kind, policy=cell.spec, budget=cell.budget, ppl=result.ppl, label=cell.label,
         # the full cache and the oracle hold every position they see: the mode does not apply to them
-        positions=config.positions if cell.kind in ("policy", "sinks") else "original",
+        positions=config.positions if cell.kind in ("policy", "sinks") else DEFAULT_POSITIONS,
         n_predictions=result.n_predictions, nll_mean=result.nll_mean, max_kept=result.max_kept,
         sink_evicted=result.pinned_sink_evicted, first_token_evicted=result.first_token_evicted,
         sink_loss=result.sink_loss, seed=config.seed,

@@ -22,11 +22,11 @@
 | `attention.py` | the registered attention function and mask hook |
 """
 
+from ..position_modes import POSITION_MODES
 from .attention import attach
 from .cache import EvictingCache
 from .layer import EvictingLayer
 from .observers import Eviction, KeptTracker, Observer, SinkTracker
-from .positions import POSITION_MODES
 
 __all__ = [
     "POSITION_MODES",

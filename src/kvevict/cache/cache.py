@@ -12,6 +12,7 @@ stand for all of them (`shares_rows`): an A/B batch computes its shared prefill 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,13 +21,14 @@ from transformers.cache_utils import Cache
 
 from ..errors import KvevictError
 from ..policies import Policy, check_policy
+from ..position_modes import DEFAULT_POSITIONS, check_positions
 from .attention import attach, handoffs
 from .layer import EvictingLayer
 from .layer_settings import Forward, LayerSettings
 from .model_info import check_model, layer_kinds, text_config
 from .observers import KeptTracker, Observer, SinkTracker, held_pinned_lost, held_sink_loss
 from .per_head import PER_HEAD_KINDS
-from .positions import MODES, POSITION_MODES
+from .positions import for_name
 from .quantized import storage_form_of
 from .rotary import Rotary
 from .rows import RowLayout
@@ -76,14 +78,13 @@ class EvictingCache(Cache):
         model,
         policy: str | Policy | Sequence[str | Policy] = "streamingllm",
         budget: int | None = 256,
-        positions: str = "original",
+        positions: str = DEFAULT_POSITIONS,
         slack: int = 16,
         observers: Sequence[Observer] | None = None,
         per_token: bool = False,
     ) -> None:
         config = check_model(model)
-        if positions not in POSITION_MODES:
-            raise KvevictError(f"positions must be one of {', '.join(POSITION_MODES)}, got '{positions}'")
+        mode_name = check_positions(positions)
         specs = list(policy) if isinstance(policy, (list, tuple)) else [policy]
         if not specs:
             raise KvevictError("no policy given: pass a spec such as 'streamingllm' or a list, one per row")
@@ -100,10 +101,11 @@ class EvictingCache(Cache):
         parameter = next(model.parameters())
         kinds = layer_kinds(text)
         rotary_emb = getattr(model.base_model, "rotary_emb", None)
-        if rotary_emb is None and positions != "original":
+        if rotary_emb is None and mode_name.needs_rotary:
             raise KvevictError(
                 f"{type(model).__name__} has learned/absolute position embeddings, not rotary ones: there is no "
-                "rotation to shift, so positions='cache' cannot apply; use positions='original' (eviction is masking)"
+                f"rotation to shift, so positions='{positions}' cannot apply; use positions='{DEFAULT_POSITIONS}' "
+                "(eviction is masking)"
             )
         per_kind = rotary_emb is not None and hasattr(rotary_emb, "layer_types")  # Gemma 3: a base per kind
 
@@ -119,8 +121,8 @@ class EvictingCache(Cache):
         budget = budget if any(bounded) else None
         self._check_budget(budget, layers)  # before the model is touched
         # one position mode per kind when the rotary module has a base per kind (Gemma 3), else one for all
-        shared = None if per_kind else MODES[positions](rotary(None))
-        modes = {kind: shared or MODES[positions](rotary(kind)) for kind in set(kinds)}
+        shared = None if per_kind else for_name(mode_name, rotary(None))
+        modes = {kind: shared or for_name(mode_name, rotary(kind)) for kind in set(kinds)}
         slots = handoffs(model)
         window = getattr(text, "sliding_window", None)
         storage_form = storage_form_of(self.policies, head_dim)  # quantized entries (`q4+...`) or as they are
@@ -150,15 +152,18 @@ class EvictingCache(Cache):
         if any(p.varies_by_head for p in self.policies):
             classes.update(PER_HEAD_KINDS)  # sliding-window layers run no policy: they stay as they are
         super().__init__(layers=[classes[kind](i, settings(i, kind)) for i, kind in enumerate(kinds)])
-        self._forward = Forward()
         self._budgets: list[int | None] = [None] * layers
         self.budget = budget
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Dispatch to layer `layer_idx`; layer 0 starts a new `Forward`, which every layer of it is handed."""
-        if layer_idx == 0:
-            self._forward = Forward()
-        return self.layers[layer_idx].update(key_states, value_states, *args, forward=self._forward, **kwargs)
+        """Dispatch to layer `layer_idx`, with the record of the forward in flight: a new `Forward` at
+        layer 0, else the record the layer before ended with (`EvictingLayer.forward`)."""
+        if layer_idx == 0 and self.layout.bind(self.layout.rows_for(key_states.shape[0])):
+            pinned = [p.pinned for p in self.layout.row_policies()]  # the first forward binds rows, once
+            for observer in self.observers:
+                observer.on_bind(pinned)
+        forward = Forward() if layer_idx == 0 else self.layers[layer_idx - 1].forward
+        return self.layers[layer_idx].update(key_states, value_states, *args, forward=forward, **kwargs)
 
     # --- budgets ------------------------------------------------------------------------
     @property
@@ -222,7 +227,7 @@ class EvictingCache(Cache):
 
         `final`: the cache will never evict again, so the policies' statistics stop being
         measured (a decode step is attention alone) and finished rows may leave the batch
-        (`keep_rows`); setting a budget afterwards is refused. Without it a budget may be set
+        (`batch_select_indices`); setting a budget afterwards is refused. Without it a budget may be set
         again (lm-eval's generation compresses, then evicts as it generates).
         """
         self._budget = None
@@ -236,8 +241,9 @@ class EvictingCache(Cache):
         """Whether the cache was frozen for good (`freeze(final=True)`)."""
         return bool(self.layers) and all(layer.sealed for layer in self.layers)
 
-    def keep_rows(self, rows: Sequence[int]) -> None:
-        """Keep only the batch rows `rows` (in that order; row `rows[i]` is row `i` from now on).
+    def batch_select_indices(self, indices: torch.Tensor | Sequence[int]) -> None:
+        """Keep only the batch rows `indices` (in that order; row `indices[i]` is row `i` from now on),
+        as transformers' `Cache.batch_select_indices`.
 
         Why: a batch of answers decodes as long as its longest one; rows that are done can
         leave, so the others' steps cost what their own rows cost. Only a cache frozen for
@@ -250,15 +256,15 @@ class EvictingCache(Cache):
                 "rows can leave only a cache frozen for good (cache.freeze(final=True)): one that may still evict "
                 "would need its statistics to follow them"
             )
-        rows = [int(r) for r in rows]
+        rows = [int(r) for r in indices]
         batch = self.layers[0].batch_size if self.layers[0].is_initialized else 0
         if not rows or len(set(rows)) != len(rows) or not all(0 <= r < batch for r in rows):
-            raise KvevictError(f"keep_rows takes distinct rows of the {batch} this cache holds, got {rows}")
+            raise KvevictError(f"batch_select_indices takes distinct rows of the {batch} this cache holds, got {rows}")
         self.layout.keep_rows(rows)
         self.policies = self.layout.policies
         index = torch.tensor(rows, dtype=torch.long, device=self.layers[0].device)
         for layer in self.layers:
-            layer.keep_rows(index)
+            layer.batch_select_indices(index)
         for observer in self.observers:
             observer.keep_rows(rows)
 
@@ -306,17 +312,37 @@ class EvictingCache(Cache):
 
     def reset(self) -> None:
         super().reset()
-        for p in self.policies:
-            p.reset()
         for observer in self.observers:
             observer.reset()
 
-    def drop_latest(self, count: int) -> None:
-        """Take the `count` latest tokens back out of every layer (`EvictingLayer.drop_latest`): a
-        question read after a frozen prefix, so the next request reads the prefix alone."""
+    def crop(self, tokens_to_remove: int) -> None:
+        """Take the `-tokens_to_remove` latest tokens back out of every layer (`EvictingLayer.crop`), as
+        transformers' `Cache.crop` with a negative count: a question read after a frozen prefix, so the
+        next request reads the prefix alone."""
+        if tokens_to_remove > 0:
+            raise KvevictError(
+                f"crop takes the negative number of latest tokens to remove (crop(-{tokens_to_remove})), as "
+                f"transformers' Cache.crop does, got {tokens_to_remove}"
+            )
         with torch.inference_mode():
             for layer in self.layers:
-                layer.drop_latest(count)
+                layer.crop(tokens_to_remove)
+
+    def held_entries(self) -> int:
+        """The most entries any layer holds now (each row and head counted; per-head layers: their longest)."""
+        return max(layer.n for layer in self.layers)
+
+    def copy(self) -> EvictingCache:
+        """An independent copy: every tensor and record the cache holds is copied; what is the model's
+        (its config, its rotary modules, the hand-off slots on its attention modules) is shared."""
+        memo: dict[int, object] = {}
+        for layer in self.layers:
+            settings = layer.settings
+            rotary = settings.mode.rotary
+            for shared in (settings.config, settings.handoff, None if rotary is None else rotary.module):
+                if shared is not None:
+                    memo[id(shared)] = shared
+        return copy.deepcopy(self, memo)
 
     # --- what the cache holds --------------------------------------------------------------
     def fits(self, q: int) -> bool:

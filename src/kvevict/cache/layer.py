@@ -20,13 +20,13 @@ queries see the kept entries plus the tokens of that forward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..errors import KvevictError
-from ..policies import SlotView
+from ..policies import Policy, SlotView
 from .inputs import attach_error, model_positions
 from .layer_settings import Forward, LayerSettings
 from .observers import Eviction
@@ -99,6 +99,18 @@ class EvictingLayer(CacheLayerMixin):
         self.deferred = False
         # never evicts again (`EvictingCache.freeze(final=True)`): the policies' statistics are no longer measured
         self.sealed = False
+        # what each policy carries from one step of this layer to the next (`Policy.new_state`): (policy, state)
+        # pairs, matched by identity (a copy of the cache copies both sides of each pair together)
+        self._states: list[tuple[Policy, object]] = []
+
+    def state_of(self, policy: Policy) -> object | None:
+        """`policy`'s state in this layer (`Policy.new_state`), made on first use; handed to it as `SlotView.state`."""
+        for owner, state in self._states:
+            if owner is policy:
+                return state
+        state = policy.new_state(self.index)
+        self._states.append((policy, state))
+        return state
 
     @property
     def budget(self) -> int | None:
@@ -118,17 +130,13 @@ class EvictingLayer(CacheLayerMixin):
         self.batch_size, self.heads, self.head_dim = batch, heads, dim
         self.storage = self._new_storage()
         self.is_initialized = True
-        if s.layout.bind(batch):
-            pinned = [p.pinned for p in s.layout.row_policies()]
-            for observer in s.observers:
-                observer.on_bind(pinned)
 
     def _new_storage(self) -> SlotStorage:
         s = self.settings
         capacity = (self.budget or 0) + s.slack
         names = s.stat_names
-        # stored keys that never change (original positions): their per-key numbers can be kept too
-        arrival = not s.mode.raw_keys and any(p.arrival_stat for p in s.layout.policies)
+        # the mode says whether a number a stored key alone decides stays true while the key is held
+        arrival = s.mode.keeps_arrival(any(p.arrival_stat for p in s.layout.policies))
         if arrival:
             names = (*names, ARRIVAL)
         storage = s.mode.new_storage(
@@ -169,7 +177,7 @@ class EvictingLayer(CacheLayerMixin):
             start = mode.seq_length(self.n, self.seen)
             used = self._positions(model_kwargs, q, start, check_rows=self.index == 0)
             if self.index == 0:
-                self.forward.positions = used
+                self.forward = replace(self.forward, positions=used)
             if self.index == 0 and self.seen and not mode.continues(int(used[0]), self.n, self.seen):
                 raise KvevictError(
                     f"this cache already holds {self.seen} tokens of a sequence, but the new tokens start at position "
@@ -250,6 +258,7 @@ class EvictingLayer(CacheLayerMixin):
         self._arrival_valid = False
         self.pending = False
         self.statistics.reset()
+        self._states = []
         if self.storage is not None:
             for stat in self.storage.stats.values():
                 stat.zero_()
@@ -406,12 +415,14 @@ class EvictingLayer(CacheLayerMixin):
         for observer in self.settings.observers:
             observer.on_forward(self.index, self.n)
 
-    def drop_latest(self, count: int) -> None:
-        """Take the `count` latest tokens back out, as if they had never been read: a request's question
+    def crop(self, tokens_to_remove: int) -> None:
+        """Take the `count = -tokens_to_remove` latest tokens back out (transformers' `crop` with a
+        negative count), as if they had never been read: a request's question
         after a frozen prefix, so that the next request reads the prefix alone (`multi --form
         aware-requests`). Every row and KV head must hold all of them (a pinned span,
         `policies/span.py`), so each keeps the same number of entries: the others stay in positional
         order, and the next token takes the first dropped one's position."""
+        count = -tokens_to_remove
         if count <= 0 or not self.is_initialized:
             return
         positions = self.storage.pos[:, :, : self.n]  # [B, H_kv, n]
@@ -424,13 +435,13 @@ class EvictingLayer(CacheLayerMixin):
         self.ordered, self._ring, self._arrival_valid = True, None, False
 
     def _check_holds_latest(self, latest: torch.Tensor, count: int) -> None:
-        """`drop_latest`'s condition: `latest` `[B, H_kv, slots]` marks the latest tokens held, `count` per
+        """`crop`'s condition: `latest` `[B, H_kv, slots]` marks the latest tokens held, `count` per
         row and head."""
         if not bool((latest.sum(dim=-1) == count).all()):
             raise KvevictError(f"layer {self.index} does not hold all of the {count} latest tokens in every row "
                                "and head, so they cannot be taken back out: pin them while compressing")
 
-    def keep_rows(self, index: torch.Tensor) -> None:
+    def batch_select_indices(self, index: torch.Tensor) -> None:
         """Keep only the rows `index` `[b]` of a sealed layer (the cache re-numbered its row groups).
 
         Sealed only: a layer that may still evict would need its statistics and remembered
@@ -488,6 +499,7 @@ class EvictingLayer(CacheLayerMixin):
             stats={name: group.take(stat[:, :, :total]) for name, stat in storage.stats.items()},
             keys=lambda: group.take(storage.keys[:, :, :total]),
             values=lambda: group.take(storage.values[:, :, :total]),
+            state=self.state_of(group.policy),
         )
 
     def _fifo_victim(self, total: int, keep_count: int) -> int | None:
@@ -500,8 +512,8 @@ class EvictingLayer(CacheLayerMixin):
         ring is trusted only right after its own eviction one token earlier; anything else
         (a chunk, a compaction, a budget change) starts again from positional order or scores.
         """
-        fifo = self.ring_start()
-        if fifo is None or total != keep_count + 1 or not self.settings.mode.fills_in_place:
+        fifo = self.settings.mode.ring(self.ring_start())
+        if fifo is None or total != keep_count + 1:
             return None
         if self.ordered:
             return fifo

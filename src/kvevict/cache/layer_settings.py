@@ -5,23 +5,28 @@ Nothing here is written by one layer for another to read behind the cache's back
 * `LayerSettings` is frozen. The cache builds one per layer (its position mode, its
   sliding window, its hand-off slot) and the layer only reads it. A budget is not a
   setting: the cache hands each layer its number through `EvictingLayer.set_budget`.
-* `Forward` is one forward of the model through the cache. The cache starts a new one
-  when layer 0 is updated and passes it to every layer's `update`, so what layer 0
-  learns about the forward (the positions the model used) and what one layer derives
-  for the others (a closed-form replay plan) live exactly as long as that forward.
+* `Forward` is a read-only record of one forward of the model through the cache. The
+  cache starts an empty one at layer 0 and hands each later layer the record the layer
+  before it ended with (`EvictingLayer.forward`). A layer that adds something for the
+  next (layer 0: the positions the model used; a closed-form replay plan) makes a new
+  record with it (`dataclasses.replace`) and ends with that one; no record is changed
+  after it is made, and each lives exactly as long as its forward.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .observers import Observer
-from .positions import PositionMode
 from .rows import RowLayout
 from .storage import SlotStorage
+
+if TYPE_CHECKING:
+    from .positions import PositionMode
 
 
 @dataclass(frozen=True)
@@ -49,15 +54,15 @@ class LayerSettings:
     storage_form: Callable[..., SlotStorage] = SlotStorage
 
 
-@dataclass(eq=False)
+@dataclass(frozen=True, eq=False)
 class Forward:
-    """One forward in flight, started by the cache at layer 0 and handed to every layer.
+    """A read-only record of the forward in flight, started by the cache at layer 0 and handed on.
 
     `positions` `[q]`: the positions layer 0 found (from `position_ids` or its own
     count), the answer for later layers when the model hands them no `position_ids`
     (Gemma 3 before transformers 5.24, GPT-NeoX). `static_plan`: the closed-form replay
     plan of this forward's chunk (`replay.StaticPlan`), which the next layer reuses when
-    it ranks the same tokens the same way; a memo, never read as state.
+    it ranks the same tokens the same way (checked by equality, never assumed).
     """
 
     positions: torch.Tensor | None = None

@@ -51,7 +51,7 @@ class Observer:
             self.on_evict(Eviction(layer, at, None, victims[:, :, i]))
 
     def keep_rows(self, rows: list[int]) -> None:
-        """Only the batch rows `rows` stay (`EvictingCache.keep_rows`): row `rows[i]` is row `i` from now on.
+        """Only the batch rows `rows` stay (`EvictingCache.batch_select_indices`): row `rows[i]` is row `i` from now on.
         An observer that keeps something per row must follow."""
 
     def reset(self) -> None:

@@ -11,22 +11,25 @@
   therefore always compacts (every later slot moves down one position).
 
 The layers and the chunk replay ask their mode (`new_storage`, `store_keys`,
-`align_query`, `evict`, `compact`, `by_keys`); nothing outside this module tests which
-mode it holds.
+`align_query`, `evict`, `compact`, `keeps_arrival`, `ring`) and hand it a chunk to
+replay (`static_attention`, `replay_steps`): each mode's maths lives in its methods (the
+position shift's closed form and stepping here; original positions' fixed-key algorithms
+in `replay.py`, which never asks which mode it runs in). Nothing outside this module tests
+which mode it holds; the names users write live in `kvevict.position_modes`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
 
 import torch
 
-from . import selection
+from ..position_modes import ORIGINAL, SHIFTED, ModeName
+from . import replay, selection
+from .replay import StaticPlan
 from .rotary import Rotary
+from .stepping import ReplayingLayer, Stepper, take_slots
 from .storage import SlotStorage
-
-T = TypeVar("T")
 
 
 class PositionMode:
@@ -36,8 +39,6 @@ class PositionMode:
     name: str
     #: the storage keeps un-rotated copies of the keys (to rotate them again after an eviction)
     raw_keys: bool
-    #: a decode step's victim slot may be refilled in place by the newest entry (nothing is renumbered)
-    fills_in_place: bool
 
     def __init__(self, rotary: Rotary) -> None:
         self.rotary = rotary
@@ -50,10 +51,14 @@ class PositionMode:
         form `form` (`SlotStorage`, or a quantized one: `LayerSettings.storage_form`)."""
         return form(batch, heads, head_dim, dtype, device, stat_names, self.raw_keys, capacity)
 
-    def by_keys(self, fixed: T, renumbered: T) -> T:
-        """Of two ways to do one thing, this mode's: `fixed` where a stored key keeps its rotation
-        for good (original positions), `renumbered` where kept keys are renumbered at every
-        eviction (position shift). The chunk replay picks its algorithms with it."""
+    def keeps_arrival(self, wanted: bool) -> bool:
+        """Whether to store a number each key alone decides (`Policy.arrival_stat`) when it arrives,
+        `wanted` by a policy: only where a stored key never changes."""
+        raise NotImplementedError
+
+    def ring(self, start: int | None) -> int | None:
+        """The first slot of a first-in-first-out ring of slots starting at `start` (None: no ring), or None
+        where this mode cannot turn one (a decode step's victim slot refilled in place by the newest entry)."""
         raise NotImplementedError
 
     def compact(self, storage: SlotStorage, keep: torch.Tensor, count: int) -> None:
@@ -90,11 +95,25 @@ class PositionMode:
         """`x` `[..., m, D]` rotated at `used` `[m]`, as it would be rotated at `target` `[m]`."""
         return x if torch.equal(used, target) else self.rotary.move(x, used, target)
 
+    def static_attention(
+        self, layer: ReplayingLayer, query: torch.Tensor, used: torch.Tensor, scaling: float, plan: StaticPlan
+    ) -> torch.Tensor | None:
+        """A closed-form replay's attention `[B, H_q, q, D]`: each query `[B, H_q, q, D]` (rotated at
+        `used` `[q]`) over what was alive at its step (`plan.alive`), or None where this mode's
+        shortcut does not apply (the chunk is then stepped)."""
+        raise NotImplementedError
+
+    def replay_steps(
+        self, layer: ReplayingLayer, query: torch.Tensor, used: torch.Tensor, scaling: float
+    ) -> torch.Tensor:
+        """Step through a chunk's queries `[B, H_q, q, D]` (rotated at `used` `[q]`) as one-token
+        forwards would: attention, statistics, eviction. Returns the output `[B, H_q, q, D]`."""
+        raise NotImplementedError
+
 
 class OriginalPositions(PositionMode):
-    name = "original"
+    name = ORIGINAL.name
     raw_keys = False
-    fills_in_place = True
 
     def seq_length(self, n: int, seen: int) -> int:
         """What the cache reports to transformers: where the next token's position starts."""
@@ -114,8 +133,17 @@ class OriginalPositions(PositionMode):
     def align_query(self, query, used, n, remember):
         return query, used() if remember else None  # keys sit where the model rotated the queries
 
-    def by_keys(self, fixed: T, renumbered: T) -> T:
-        return fixed
+    def static_attention(self, layer, query, used, scaling, plan):
+        return replay.fixed_static_attention(layer, query, used, scaling, plan)
+
+    def replay_steps(self, layer, query, used, scaling):
+        return replay.steps_fixed(layer, query, used, scaling)
+
+    def keeps_arrival(self, wanted: bool) -> bool:
+        return wanted
+
+    def ring(self, start: int | None) -> int | None:
+        return start
 
     def evict(self, storage, scores, total, budget, ordered, victims):
         if total != budget + 1:
@@ -136,9 +164,8 @@ class OriginalPositions(PositionMode):
 
 
 class ShiftedPositions(PositionMode):
-    name = "cache"
+    name = SHIFTED.name
     raw_keys = True
-    fills_in_place = False
 
     def seq_length(self, n: int, seen: int) -> int:
         return n
@@ -160,8 +187,11 @@ class ShiftedPositions(PositionMode):
         target = torch.arange(n, n + query.shape[2], device=query.device)
         return self.move(query, used(), target), target
 
-    def by_keys(self, fixed: T, renumbered: T) -> T:
-        return renumbered
+    def keeps_arrival(self, wanted: bool) -> bool:
+        return False  # every eviction re-rotates the kept keys
+
+    def ring(self, start: int | None) -> int | None:
+        return None  # an eviction renumbers every later slot: it compacts
 
     def now(self, stream: torch.Tensor, seen: int, total: int) -> torch.Tensor:
         # Every such token is still cached, so its slot is fixed by how many came after it.
@@ -171,6 +201,101 @@ class ShiftedPositions(PositionMode):
         cos, sin = self.rotary.table(count)
         storage.keys[:, :, :count] = self.rotary.rotate(storage.raw[:, :, :count], cos, sin)
 
+    def static_attention(self, layer, query, used, scaling, plan):
+        """A chunk whose every step evicts the oldest unpinned entry (see `_shift_terms`): two
+        rotations of the queries (for the sinks, and for the rest) and one of the keys give every
+        logit exactly. None when the chunk does not have that shape (then it is stepped)."""
+        if plan.shift is None:
+            plan.shift = self._shift_terms(layer, plan)
+        if not plan.shift:
+            return None
+        pinned, width, seen_before, query_at, slot_rank = plan.shift
+        storage, rotary = layer.storage, self.rotary
+        n0, q = layer.n, layer.new
+        b, hq, _, d = query.shape
+        hkv = layer.heads
+        group = hq // hkv
+        raw_query = rotary.unrotate(query, *rotary.at(used))
+        keys = rotary.rotate(storage.raw[:, :, : n0 + q], *rotary.at(slot_rank))
+        grouped = raw_query.reshape(b, hkv, group, q, d)
+        logits = torch.einsum("bhgqd,bhnd->bhgqn", rotary.rotate(grouped, *rotary.at(query_at)), keys)
+        if width:
+            at_pinned = torch.einsum(
+                "bhgqd,bhnd->bhgqn", rotary.rotate(grouped, *rotary.at(seen_before)), keys[:, :, :width]
+            )
+            logits[..., :width] = torch.where(pinned[:, :, None, None, :width], at_pinned, logits[..., :width])
+        logits = logits.float() * scaling
+        logits.masked_fill_(~plan.alive[:, :, None], float("-inf"))
+        probs = torch.softmax(logits, dim=-1).to(storage.values.dtype)
+        return torch.einsum("bhgqn,bhnd->bhgqd", probs, storage.values[:, :, : n0 + q]).reshape(b, hq, q, d)
+
+    @staticmethod
+    def _shift_terms(layer: ReplayingLayer, plan: StaticPlan) -> tuple:
+        """The shortcut's terms for `plan`, or `()` when the chunk lacks its shape.
+
+        Query `i` sits at `n_i` (the entries it sees, less itself) and a key at its rank
+        among them, so ranks move as entries leave. When each step evicts the oldest entry
+        outside a fixed set `S` of older, never-evicted ones (the sinks: `window`,
+        `sinkN+window`), every other key's rank drops by one per eviction, so the relative
+        distance `n_i - rank` equals `Q_i - P_j` with `Q_i = n_i + E(i)` (`E(i)`: evictions
+        before step `i`) and `P_j` fixed per key. Returns
+        `(pinned [B, H, total], width, n_i [q], Q_i [q], P_j [total])`.
+        """
+        n0, q, budget = layer.n, layer.new, layer.budget
+        device = plan.pos.device
+        never = selection.LATEST_LAST
+        step_of = (torch.arange(n0 + q, device=device) - n0).clamp(min=-1)
+        victims = replay.victims_of(plan)
+        first_victim = victims.masked_fill(~plan.evicting, never).amin(dim=-1)  # [B, H]
+        pinned = (step_of < 0) & (plan.pos < first_victim[..., None])  # S: held, older than every victim
+        oldest = plan.pos[:, :, None, :].masked_fill(~plan.alive | pinned[:, :, None, :], never).amin(dim=-1)
+        if not bool(((oldest == victims) | ~plan.evicting).all()):
+            return ()
+        steps = torch.arange(q, device=device)
+        seen_before = (n0 + steps).clamp(max=budget)  # n_i
+        evictions = (steps - max(0, budget - n0)).clamp(min=0)  # E(i)
+        slot_rank = torch.cat([torch.arange(n0, device=device), seen_before + evictions])  # P_j, by slot
+        # S is a few of the oldest held slots (the sinks): their logits need the other query rotation
+        width = int(pinned.any(dim=(0, 1)).nonzero().max()) + 1 if bool(pinned.any()) else 0
+        return pinned, width, seen_before, seen_before + evictions, slot_rank
+
+    def replay_steps(self, layer, query, used, scaling):
+        """The kept entries are renumbered `0..k-1` at every step, so each step rotates the
+        un-rotated keys to their slots and its query to `k`, and attends on its own. A step
+        that evicts compacts the virtual slots (positional order is kept)."""
+        storage, rotary = layer.storage, self.rotary
+        b, hq, q, d = query.shape
+        hkv = layer.heads
+        group = hq // hkv
+        step = Stepper(layer, scaling)
+        raw_query = rotary.unrotate(query, *rotary.at(used))
+        window = layer.window_size()  # a sliding layer that runs an engine's schedule masks its band
+        outs = []
+        for i in range(q):
+            slots, positions, seen = step.begin(i)
+            total, k = slots.shape[-1], step.k
+            cos, sin = rotary.table(total)
+            keys = rotary.rotate(take_slots(storage.raw, slots), cos, sin)
+            q_i = rotary.rotate(raw_query[:, :, i : i + 1], cos[k : k + 1], sin[k : k + 1])
+            logit = torch.bmm(q_i.reshape(b * hkv, group, d), keys.reshape(b * hkv, total, d).transpose(1, 2))
+            if window is not None and total > window:  # a sliding layer under an engine's schedule: its band
+                logit[..., : total - window] = float("-inf")
+            probs = torch.softmax(logit.float().mul_(scaling), dim=-1).view(b, hkv, group, total)
+            values = take_slots(storage.values, slots)
+            out = torch.bmm(probs.to(values.dtype).view(b * hkv, group, total), values.reshape(b * hkv, total, d))
+            outs.append(out.view(b, hq, 1, d))
+            victim = step.end(slots, positions, seen, keys, probs, q_i, torch.tensor([k], device=layer.device))
+            if victim is not None:  # compaction keeps positional order
+                keep = torch.arange(step.k, device=layer.device)
+                step.vslot[:, :, : step.k] = slots.gather(-1, keep + (keep >= victim[..., None]).long())
+        self.compact(storage, step.vslot[:, :, : step.k], step.k)
+        layer.n = step.k
+        return torch.cat(outs, dim=2)
+
 
 MODES: dict[str, type[PositionMode]] = {mode.name: mode for mode in (OriginalPositions, ShiftedPositions)}
-POSITION_MODES = tuple(MODES)
+
+
+def for_name(mode: ModeName, rotary: Rotary | None) -> PositionMode:
+    """The mode `mode` (checked by `position_modes.check_positions`) with one layer kind's rotary module."""
+    return MODES[mode.name](rotary)

@@ -28,43 +28,16 @@ token-by-token feeding would have.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
 from ..policies import SlotView
 from . import selection
-from .layer_settings import Forward, LayerSettings
-from .probabilities import attention_mass
 from .rows import RowGroup
-from .statistics import Statistics, measure
-from .storage import SlotStorage
-
-
-class ReplayingLayer(Protocol):
-    """What a replay reads and sets on the layer it runs in (an `EvictingLayer`)."""
-
-    index: int
-    n: int
-    seen: int
-    new: int
-    ordered: bool
-    batch_size: int
-    heads: int
-    device: torch.device
-    budget: int | None
-    storage: SlotStorage
-    settings: LayerSettings
-    forward: Forward
-    statistics: Statistics
-
-    def report_eviction(self, seen: int, kept: torch.Tensor | None, victims: torch.Tensor | None) -> None: ...
-
-    def report_evictions(self, seen: torch.Tensor, victims: torch.Tensor) -> None: ...
-
-    def window_size(self) -> int | None: ...
+from .statistics import measure
+from .stepping import ReplayingLayer, Stepper, remember_queries, static_scores, take_slots, window_mass
 
 
 @dataclass(eq=False)
@@ -125,7 +98,7 @@ def _static_plan(layer: ReplayingLayer, pos: torch.Tensor, scores: torch.Tensor)
         evicting=steps >= max(0, budget - n0),
         keep=pos.masked_fill(~after[:, :, -1], selection.LATEST_LAST).argsort(dim=-1)[..., :budget],
     )
-    layer.forward.static_plan = plan
+    layer.forward = replace(layer.forward, static_plan=plan)
     return plan
 
 
@@ -140,28 +113,27 @@ def replay_static(
     total = n0 + q
     first_seen = layer.seen - q
     pos = storage.pos[:, :, :total]
-    plan = _static_plan(layer, pos, _scores(layer, pos, first_seen + q, total))
-    attention = layer.settings.mode.by_keys(_fixed_static_attention, _shifted_static_attention)
-    out = attention(layer, query, used, scaling, plan)
+    plan = _static_plan(layer, pos, static_scores(layer, pos, first_seen + q, total))
+    out = layer.settings.mode.static_attention(layer, query, used, scaling, plan)
     if out is None:
         return None
     if layer.settings.observers:
         steps = plan.evicting.nonzero()[:, 0]
-        layer.report_evictions(first_seen + 1 + steps, _victims(plan)[:, :, steps])
+        layer.report_evictions(first_seen + 1 + steps, victims_of(plan)[:, :, steps])
     layer.settings.mode.compact(storage, plan.keep, budget)
     layer.ordered = True
     layer.n = budget
     return out
 
 
-def _victims(plan: StaticPlan) -> torch.Tensor:
+def victims_of(plan: StaticPlan) -> torch.Tensor:
     """`[B, H, q]` the position each step of the chunk evicts (made once per plan)."""
     if plan.victims is None:
         plan.victims = plan.pos.gather(-1, (plan.alive & ~plan.after).float().argmax(dim=-1))
     return plan.victims
 
 
-def _fixed_static_attention(
+def fixed_static_attention(
     layer: ReplayingLayer, query: torch.Tensor, used: torch.Tensor, scaling: float, plan: StaticPlan
 ) -> torch.Tensor:
     """Keys that keep their rotation: one SDPA for the chunk, each query masked to what was alive at its step."""
@@ -175,79 +147,23 @@ def _fixed_static_attention(
     )
 
 
-def _shift_terms(layer: ReplayingLayer, plan: StaticPlan) -> tuple:
-    """The position-shift shortcut's terms for `plan`, or `()` when the chunk lacks its shape.
-
-    In position-shift mode query `i` sits at `n_i` (the entries it sees, less itself)
-    and a key at its rank among them, so ranks move as entries leave. When each step
-    evicts the oldest entry outside a fixed set `S` of older, never-evicted ones (the
-    sinks: `window`, `sinkN+window`), every other key's rank drops by one per eviction,
-    so the relative distance `n_i - rank` equals `Q_i - P_j` with `Q_i = n_i + E(i)`
-    (`E(i)`: evictions before step `i`) and `P_j` fixed per key. Returns
-    `(pinned [B, H, total], width, n_i [q], Q_i [q], P_j [total])`.
-    """
-    n0, q, budget = layer.n, layer.new, layer.budget
-    device = plan.pos.device
-    never = selection.LATEST_LAST
-    step_of = (torch.arange(n0 + q, device=device) - n0).clamp(min=-1)
-    victims = _victims(plan)
-    first_victim = victims.masked_fill(~plan.evicting, never).amin(dim=-1)  # [B, H]
-    pinned = (step_of < 0) & (plan.pos < first_victim[..., None])  # S: held, older than every victim
-    oldest = plan.pos[:, :, None, :].masked_fill(~plan.alive | pinned[:, :, None, :], never).amin(dim=-1)
-    if not bool(((oldest == victims) | ~plan.evicting).all()):
-        return ()
-    steps = torch.arange(q, device=device)
-    seen_before = (n0 + steps).clamp(max=budget)  # n_i
-    evictions = (steps - max(0, budget - n0)).clamp(min=0)  # E(i)
-    slot_rank = torch.cat([torch.arange(n0, device=device), seen_before + evictions])  # P_j, by slot
-    # S is a few of the oldest held slots (the sinks): their logits need the other query rotation
-    width = int(pinned.any(dim=(0, 1)).nonzero().max()) + 1 if bool(pinned.any()) else 0
-    return pinned, width, seen_before, seen_before + evictions, slot_rank
-
-
-def _shifted_static_attention(
-    layer: ReplayingLayer, query: torch.Tensor, used: torch.Tensor, scaling: float, plan: StaticPlan
-) -> torch.Tensor | None:
-    """Position-shift attention of a chunk whose every step evicts the oldest unpinned
-    entry (see `_shift_terms`): two rotations of the queries (for the sinks, and for the
-    rest) and one of the keys give every logit exactly. None when the chunk does not
-    have that shape (then it is stepped).
-    """
-    if plan.shift is None:
-        plan.shift = _shift_terms(layer, plan)
-    if not plan.shift:
-        return None
-    pinned, width, seen_before, query_at, slot_rank = plan.shift
-    storage, mode = layer.storage, layer.settings.mode
-    n0, q = layer.n, layer.new
-    b, hq, _, d = query.shape
-    hkv = layer.heads
-    group = hq // hkv
-    raw_query = mode.rotary.unrotate(query, *mode.rotary.at(used))
-    keys = mode.rotary.rotate(storage.raw[:, :, : n0 + q], *mode.rotary.at(slot_rank))
-    grouped = raw_query.reshape(b, hkv, group, q, d)
-    logits = torch.einsum("bhgqd,bhnd->bhgqn", mode.rotary.rotate(grouped, *mode.rotary.at(query_at)), keys)
-    if width:
-        at_pinned = torch.einsum(
-            "bhgqd,bhnd->bhgqn", mode.rotary.rotate(grouped, *mode.rotary.at(seen_before)), keys[:, :, :width]
-        )
-        logits[..., :width] = torch.where(pinned[:, :, None, None, :width], at_pinned, logits[..., :width])
-    logits = logits.float() * scaling
-    logits.masked_fill_(~plan.alive[:, :, None], float("-inf"))
-    probs = torch.softmax(logits, dim=-1).to(storage.values.dtype)
-    return torch.einsum("bhgqn,bhnd->bhgqd", probs, storage.values[:, :, : n0 + q]).reshape(b, hq, q, d)
-
-
 def replay_steps(layer: ReplayingLayer, query: torch.Tensor, used: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Step through the chunk's queries: attention, statistics and one eviction per step.
+    """Step through the chunk's queries: attention, statistics and one eviction per step, as the
+    layer's position mode does it (`PositionMode.replay_steps`).
 
     query `[B, H_q, q, D]` as the model rotated it, at positions `used` `[q]`. Returns
     the output `[B, H_q, q, D]`.
     """
-    if layer.settings.mode.by_keys(True, False) and _by_slot_applies(layer):
+    return layer.settings.mode.replay_steps(layer, query, used, scaling)
+
+
+def steps_fixed(layer: ReplayingLayer, query: torch.Tensor, used: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Stepping where a stored key keeps its rotation for good (original positions): over every
+    slot of the chunk at once when every policy is static or slot-local, else on one virtual slot
+    layout (`steps_fixed_keys`)."""
+    if _by_slot_applies(layer):
         return _steps_by_slot(layer, query, used, scaling)
-    steps = layer.settings.mode.by_keys(_steps_fixed_keys, _steps_renumbered)
-    return steps(layer, query, used, scaling)
+    return steps_fixed_keys(layer, query, used, scaling)
 
 
 def _by_slot_applies(layer: ReplayingLayer) -> bool:
@@ -297,13 +213,14 @@ def _steps_by_slot(layer: ReplayingLayer, query: torch.Tensor, used: torch.Tenso
     def sorted_keys() -> torch.Tensor:
         nonlocal keys
         if keys is None:
-            keys = _take_slots(storage.keys, order)
+            keys = take_slots(storage.keys, order)
         return keys
 
     stepping = [g for g in layout.groups if not g.policy.static_scores]
     fixed = None
     if len(stepping) < len(layout.groups):
-        fixed = _scores(layer, storage.pos[:, :, :total], first_seen + q, total, static_only=True).gather(-1, order)
+        fixed = static_scores(layer, storage.pos[:, :, :total], first_seen + q, total, static_only=True)
+        fixed = fixed.gather(-1, order)
     grouped = query.reshape(b, hkv, group_size, q, d)
     logits: dict[int, torch.Tensor] = {}  # group -> [b_g, H, g, q, total] logits of its rows, on first use
 
@@ -345,13 +262,13 @@ def _steps_by_slot(layer: ReplayingLayer, query: torch.Tensor, used: torch.Tenso
             if request is None:
                 continue
             if request.kind == "window":  # measured and absorbed on the alive slots only
-                remembered = _remember(statistics, query, used, remembered, i + 1, first_seen)
+                remembered = remember_queries(statistics, query, used, remembered, i + 1, first_seen)
                 held = g.take(vslot[:, :, : k + 1])
                 view = _alive_view(layer, g, positions, stats, seen, sorted_keys, held)
             mass = measure(
                 request,
                 new=lambda index=index, g=g, i=i: new_mass(index, g, i),
-                window=lambda size, g=g, view=view, seen=seen, n=k + 1: _window_mass(
+                window=lambda size, g=g, view=view, seen=seen, n=k + 1: window_mass(
                     layer, g, view, size, seen, n, scaling
                 ),
             )
@@ -375,7 +292,7 @@ def _steps_by_slot(layer: ReplayingLayer, query: torch.Tensor, used: torch.Tenso
         victims.append(victim)
         evicting.append(i)
         k = target
-    _remember(statistics, query, used, remembered, q, first_seen)
+    remember_queries(statistics, query, used, remembered, q, first_seen)
     # query i sees the slots that arrived by step i and were not evicted before it
     arrive = (torch.arange(total, device=device) - n0).clamp(min=-1)
     leave = torch.full((b, hkv, total), q, dtype=torch.long, device=device)
@@ -406,25 +323,13 @@ def _steps_by_slot(layer: ReplayingLayer, query: torch.Tensor, used: torch.Tenso
     return out
 
 
-def _remember(statistics: Statistics, query: torch.Tensor, used: torch.Tensor, start: int, stop: int,
-              first_seen: int) -> int:
-    """Write the chunk's queries `start..stop-1` into the query window, in pieces no longer than the
-    window (so each lands in the slot a one-query step would write). Returns `stop`."""
-    size = statistics.window_size
-    if size:
-        for lo in range(start, stop, size):
-            hi = min(lo + size, stop)
-            statistics.remember(query[:, :, lo:hi], used[lo:hi], first_seen + hi)
-    return stop
-
-
 def _full_view(layer: ReplayingLayer, group: RowGroup, positions: torch.Tensor, stats: dict, seen: int,
                keys) -> SlotView:
     """`group`'s view of every slot of the chunk, in position order (for slot-local policies)."""
     return SlotView(
         positions=group.take(positions), seen=seen, budget=layer.budget, layer=layer.index,
         stats={name: group.take(stats[name]) for name in group.policy.stats},
-        keys=lambda: group.take(keys()),
+        keys=lambda: group.take(keys()), state=layer.state_of(group.policy),
     )
 
 
@@ -434,110 +339,11 @@ def _alive_view(layer: ReplayingLayer, group: RowGroup, positions: torch.Tensor,
     return SlotView(
         positions=group.take(positions).gather(-1, alive), seen=seen, budget=layer.budget, layer=layer.index,
         stats={name: group.take(stats[name]).gather(-1, alive) for name in group.policy.stats},
-        keys=lambda: _take_slots(group.take(keys()), alive),
+        keys=lambda: take_slots(group.take(keys()), alive), state=layer.state_of(group.policy),
     )
 
 
-def _window_mass(
-    layer: ReplayingLayer, group: RowGroup, view: SlotView, size: int, seen: int, total: int, scaling: float
-) -> torch.Tensor:
-    """The last `size` queries, rotated to where their tokens sit now (`window_queries`: in original positions
-    where they were rotated), over `view`'s keys. Both stepping algorithms and `_steps_by_slot` measure here."""
-    queries, q_pos = layer.statistics.window_queries(layer.settings.mode, size, seen, total)
-    return attention_mass(group.take(queries), q_pos, view.keys(), view.positions, scaling)
-
-
-class _Stepper:
-    """What both stepping algorithms share: the virtual slots, the policies' statistics at each
-    step, and the step's eviction. The algorithms differ only in how a step attends."""
-
-    def __init__(self, layer: ReplayingLayer, scaling: float) -> None:
-        self.layer, self.scaling = layer, scaling
-        storage, groups = layer.storage, layer.settings.layout.groups
-        n0, q = layer.n, layer.new
-        self.first_seen = layer.seen - q
-        self.vslot = torch.empty(layer.batch_size, layer.heads, layer.budget + 1, dtype=torch.long, device=layer.device)
-        self.vslot[:, :, :n0] = torch.arange(n0, device=layer.device)
-        self.k = n0  # entries a token-by-token run holds before the step
-        self.evicted = False
-        # Rows of static policies need no statistics and no calls per step: their scores
-        # over every slot of the chunk are computed once and read through the virtual slots.
-        self.stepping = [g for g in groups if not g.policy.static_scores]
-        self.fixed = None
-        if len(self.stepping) < len(groups):
-            self.fixed = _scores(layer, storage.pos[:, :, : n0 + q], self.first_seen + q, n0 + q, static_only=True)
-        self.wants_probs = any(g.policy.needs_attention for g in self.stepping)
-
-    def begin(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Step `i` arrives: its token takes the next virtual slot. Returns the slots alive `[B, H, total]`,
-        their positions, and the tokens seen after the step."""
-        layer = self.layer
-        self.vslot[:, :, self.k] = layer.n + i
-        slots = self.vslot[:, :, : self.k + 1]
-        return slots, layer.storage.pos.gather(-1, slots), self.first_seen + i + 1
-
-    def end(
-        self,
-        slots: torch.Tensor,
-        positions: torch.Tensor,
-        seen: int,
-        keys: torch.Tensor | None,
-        probs: torch.Tensor | None,
-        query: torch.Tensor,
-        query_positions: torch.Tensor,
-    ) -> torch.Tensor | None:
-        """The policies' statistics of the step, then its eviction. keys `[B, H, total, D]` as the step
-        sees them (None: the stored ones), probs `[B, H, g, total]` the step query's attention.
-        Returns the victim slot index `[B, H]` (into `slots`) when the step evicts one entry, else None:
-        a step that evicts several (the rows' schedule, `Policy.evict_to`: an engine's burst, whole
-        pages) compacts the virtual slots in positional order here, as a compaction does."""
-        layer, storage, budget = self.layer, self.layer.storage, self.layer.budget
-        total = slots.shape[-1]
-        layer.statistics.remember(query, query_positions, seen)
-        target = layer.settings.layout.evict_to(budget, total)
-        will_evict = target is not None
-        views = [_view(layer, g, positions, slots, seen, budget, storage, keys) for g in self.stepping]
-        for g, view in zip(self.stepping, views):
-            request = g.policy.request(view, will_evict)
-            if request is None:
-                continue
-            mass = measure(
-                request,
-                new=lambda g=g: g.take(probs.sum(dim=2)),  # one query per step: its attention is "new" and "last"
-                window=lambda size, g=g, view=view: _window_mass(layer, g, view, size, seen, total, self.scaling),
-                queries=lambda size, g=g: layer.statistics.query_batch(  # the step's query remembered above
-                    layer.settings.mode, size, layer.settings.mode.seq_length(total, seen), g.take
-                ),
-            )
-            stat = storage.stats[request.stat]
-            updated = g.policy.absorb(view, request, mass).to(stat.dtype)
-            g.put(stat, g.take(stat).scatter(-1, g.take(slots), updated))
-            view.stats[request.stat] = updated
-        layer.statistics.last_forward = None  # served: the step's query is not held past it
-        if not will_evict:
-            self.k += 1
-            return None
-        self.evicted = True
-        b, hkv = slots.shape[:2]
-        if self.fixed is None:
-            parts = [g.policy.scores(v) for g, v in zip(self.stepping, views)]
-            scores = layer.settings.layout.merge(parts, b, hkv, total)
-        else:
-            scores = self.fixed.gather(-1, slots)
-            for g, v in zip(self.stepping, views):
-                g.put(scores, g.policy.scores(v))
-        self.k = target
-        if target < total - 1:
-            keep = selection.keep_slots(scores, positions, target, ordered=False)
-            self.vslot[:, :, :target] = slots.gather(-1, keep)
-            layer.report_eviction(seen, positions.gather(-1, keep), None)
-            return None
-        victim = selection.victim(scores, positions, ordered=False)
-        layer.report_eviction(seen, None, positions.gather(-1, victim[..., None])[..., 0])
-        return victim
-
-
-def _steps_fixed_keys(layer: ReplayingLayer, query: torch.Tensor, used: torch.Tensor, scaling: float) -> torch.Tensor:
+def steps_fixed_keys(layer: ReplayingLayer, query: torch.Tensor, used: torch.Tensor, scaling: float) -> torch.Tensor:
     """Original positions: a stored key never changes, so every query's logits over every slot
     it could see are computed once for the chunk, each step reads its alive slots from them,
     and the output is one masked softmax at the end. A step that evicts moves the newest
@@ -547,7 +353,7 @@ def _steps_fixed_keys(layer: ReplayingLayer, query: torch.Tensor, used: torch.Te
     b, hq, _, d = query.shape
     hkv = layer.heads
     group = hq // hkv
-    step = _Stepper(layer, scaling)
+    step = Stepper(layer, scaling)
     total_all = n0 + q
     logits = torch.einsum(
         "bhgqd,bhnd->bhgqn", query.reshape(b, hkv, group, q, d), storage.keys[:, :, :total_all]
@@ -572,92 +378,3 @@ def _steps_fixed_keys(layer: ReplayingLayer, query: torch.Tensor, used: torch.Te
         layer.ordered = False
     layer.n = step.k
     return result
-
-
-def _steps_renumbered(layer: ReplayingLayer, query: torch.Tensor, used: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Position shift: the kept entries are renumbered `0..k-1` at every step, so each step
-    rotates the un-rotated keys to their slots and its query to `k`, and attends on its own.
-    A step that evicts compacts the virtual slots (positional order is kept)."""
-    storage, mode = layer.storage, layer.settings.mode
-    b, hq, q, d = query.shape
-    hkv = layer.heads
-    group = hq // hkv
-    step = _Stepper(layer, scaling)
-    raw_query = mode.rotary.unrotate(query, *mode.rotary.at(used))
-    window = layer.window_size()  # a sliding layer that runs an engine's schedule masks its band
-    outs = []
-    for i in range(q):
-        slots, positions, seen = step.begin(i)
-        total, k = slots.shape[-1], step.k
-        cos, sin = mode.rotary.table(total)
-        keys = mode.rotary.rotate(_take_slots(storage.raw, slots), cos, sin)
-        q_i = mode.rotary.rotate(raw_query[:, :, i : i + 1], cos[k : k + 1], sin[k : k + 1])
-        logit = torch.bmm(q_i.reshape(b * hkv, group, d), keys.reshape(b * hkv, total, d).transpose(1, 2))
-        if window is not None and total > window:  # a sliding layer under an engine's schedule: its band
-            logit[..., : total - window] = float("-inf")
-        probs = torch.softmax(logit.float().mul_(scaling), dim=-1).view(b, hkv, group, total)
-        values = _take_slots(storage.values, slots)
-        out = torch.bmm(probs.to(values.dtype).view(b * hkv, group, total), values.reshape(b * hkv, total, d))
-        outs.append(out.view(b, hq, 1, d))
-        victim = step.end(slots, positions, seen, keys, probs, q_i, torch.tensor([k], device=layer.device))
-        if victim is not None:  # compaction keeps positional order
-            keep = torch.arange(step.k, device=layer.device)
-            step.vslot[:, :, : step.k] = slots.gather(-1, keep + (keep >= victim[..., None]).long())
-    mode.compact(storage, step.vslot[:, :, : step.k], step.k)
-    layer.n = step.k
-    return torch.cat(outs, dim=2)
-
-
-def _take_slots(buffer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """`buffer` `[B, H, capacity, D]` at `slots` `[B, H, m]` -> `[B, H, m, D]`."""
-    return buffer.gather(2, slots[..., None].expand(-1, -1, -1, buffer.shape[-1]))
-
-
-def _view(
-    layer: ReplayingLayer,
-    group: RowGroup,
-    positions: torch.Tensor,
-    slots: torch.Tensor,
-    seen: int,
-    budget: int,
-    storage,
-    keys: torch.Tensor | None,
-) -> SlotView:
-    """What `group`'s policy sees at one step: the virtual slots, in token-by-token order."""
-    if keys is None:
-        def keys_now() -> torch.Tensor:
-            return group.take(_take_slots(storage.keys, slots))
-    else:
-        def keys_now() -> torch.Tensor:
-            return group.take(keys)
-    return SlotView(
-        positions=group.take(positions),
-        seen=seen,
-        budget=budget,
-        layer=layer.index,
-        stats={name: group.take(storage.stats[name]).gather(-1, group.take(slots)) for name in group.policy.stats},
-        keys=keys_now,
-        values=lambda: group.take(_take_slots(storage.values, slots)),
-    )
-
-
-def _scores(
-    layer: ReplayingLayer, pos: torch.Tensor, seen: int, total: int, static_only: bool = False
-) -> torch.Tensor:
-    """Scores of every group's rows over all `total` slots (static policies: the position or
-    the key of a token decides its score).
-
-    `static_only`: score the static groups only; the other rows hold zeros.
-    """
-    layout = layer.settings.layout
-    parts = [
-        None if static_only and not group.policy.static_scores
-        else group.policy.scores(
-            SlotView(
-                positions=group.take(pos), seen=seen, budget=layer.budget, layer=layer.index,
-                keys=lambda group=group: group.take(layer.storage.keys[:, :, :total]),  # `knorm`: fixed per key
-            )
-        )
-        for group in layout.groups
-    ]
-    return layout.merge(parts, layer.batch_size, layer.heads, total)

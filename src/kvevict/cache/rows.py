@@ -71,8 +71,6 @@ class RowLayout:
                 f"{len(self.policies)} policies given for a batch of {batch} rows: give one policy, or one per row"
             )
         self._group(policies)
-        for p in self.policies:
-            p.reset()
         return True
 
     def _group(self, policies: list[Policy]) -> None:

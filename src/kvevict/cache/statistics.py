@@ -14,16 +14,19 @@ attention already computed (`probs`), so nothing is computed twice.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import KvevictError
 from ..policies import AttentionRequest, Policy, QueryBatch, SlotView
-from .positions import PositionMode
 from .probabilities import attention_mass, decode_probs
 from .query_window import QueryWindow
 from .rows import RowLayout
 from .storage import SlotStorage
+
+if TYPE_CHECKING:
+    from .positions import PositionMode
 
 #: what a policy may ask for (`AttentionRequest.kind`)
 REQUEST_KINDS = ("new", "last", "window", "queries")

@@ -18,6 +18,7 @@ from rich.console import Console
 
 from ..errors import KvevictError
 from ..files import atomic_write
+from ..position_modes import DEFAULT_POSITIONS, POSITION_MODES, SHIFTED
 
 err = Console(stderr=True)
 
@@ -27,7 +28,10 @@ R = TypeVar("R")
 MODEL_HELP = "embedded name, local directory or HF id (resolved offline unless --allow-download)"
 DOWNLOAD_HELP = "let an HF id that is not in the local cache be downloaded (off: fail at once, no network)"
 DEVICE_HELP = "where the model runs: cpu, or cuda (cuda:N) where torch sees a CUDA device"
-POSITIONS_HELP = "original | cache (StreamingLLM's position shift); default: an engine preset's own, else original"
+POSITIONS_HELP = (
+    f"{' | '.join(POSITION_MODES)} ({SHIFTED.name}: StreamingLLM's position shift); "
+    f"default: an engine preset's own, else {DEFAULT_POSITIONS}"
+)
 DTYPE_HELP = ("what the weights and the KV cache are held in: float32, bfloat16 or float16 "
               "(left out: float32 on cpu, the checkpoint's own dtype on cuda)")
 
@@ -121,13 +125,12 @@ def parse_chunk(text: str) -> int:
 
 
 def check_positions(positions: str) -> None:
-    from ..cache import POSITION_MODES
+    from ..position_modes import check_positions as check
 
-    if positions not in POSITION_MODES:
-        raise KvevictError(f"--positions must be one of {', '.join(POSITION_MODES)}, got '{positions}'")
+    check(positions, "--positions")
 
 
-def check_policies(specs: list[str], budget: int | None, positions: str = "original") -> None:
+def check_policies(specs: list[str], budget: int | None, positions: str = DEFAULT_POSITIONS) -> None:
     """Every spec parses and can run at `budget` (None: parse only) in the position mode `positions`."""
     from ..policies import check_policy
 

@@ -24,6 +24,7 @@ from ..cache import EvictingCache
 from ..errors import KvevictError
 from ..policies import Policy
 from ..policies.budget import Budget, resolve_budget
+from ..position_modes import DEFAULT_POSITIONS
 from .forward import body, log_probs, logits
 
 
@@ -53,8 +54,8 @@ class Compressed:
             return logits(model, self.hidden).float()
 
     def keep_rows(self, rows: list[int]) -> None:
-        """Keep only the batch rows `rows` (a cache frozen for good: `EvictingCache.keep_rows`)."""
-        self.cache.keep_rows(rows)
+        """Keep only the batch rows `rows` (a cache frozen for good: `EvictingCache.batch_select_indices`)."""
+        self.cache.batch_select_indices(rows)
         if len(self.policies) == self.rows:
             self.policies = [self.policies[r] for r in rows]
         self.hidden = self.hidden[rows]
@@ -76,7 +77,7 @@ def compress(
     context: torch.Tensor,
     policies: str | Policy | Sequence[str | Policy],
     budget: Budget,
-    positions: str = "original",
+    positions: str = DEFAULT_POSITIONS,
 ) -> Compressed:
     """Prefill `context` in one forward and compress it to `budget`.
 
@@ -94,7 +95,7 @@ def compress(
         cache = EvictingCache(model, specs, budget=entries, positions=positions)
         ids = context.long().expand(len(specs), -1)
         hidden = body(model, ids, cache)
-        kept = max(layer.n for layer in cache.layers)
+        kept = cache.held_entries()
         bound = cache.budget  # None when every row is the full cache
         cache.freeze()
     names = [p.spec() for p in cache.policies]
@@ -106,7 +107,7 @@ def compress_prompt(
     prompt: torch.Tensor,
     policies: str | Policy | Sequence[str | Policy],
     budget: Budget,
-    positions: str = "original",
+    positions: str = DEFAULT_POSITIONS,
     split: int | None = None,
 ) -> Compressed:
     """Compress `prompt[:split]`, then read `prompt[split:]` through the compressed cache.
@@ -134,7 +135,7 @@ def continuation_nll(
     continuation: torch.Tensor,
     policies: str | Policy | Sequence[str | Policy],
     budget: Budget,
-    positions: str = "original",
+    positions: str = DEFAULT_POSITIONS,
 ) -> torch.Tensor:
     """`[rows, len(continuation)]` NLL of each continuation token after compressing `context`.
 
@@ -167,7 +168,7 @@ def greedy(model, state: Compressed, max_new_tokens: int, stop_ids: Sequence[int
 
     `release` (a cache frozen for good, `EvictingCache.freeze(final=True)`, whose state the
     caller will not use again): once a quarter of the rows still in the batch are done,
-    they leave it (`EvictingCache.keep_rows`), so the batch no longer decodes at its full
+    they leave it (`EvictingCache.batch_select_indices`), so the batch no longer decodes at its full
     width for as long as its longest answer. Each row computes what it computes in the
     full batch; only the batch's width changes, which may move the last bits of a matrix
     product (`tests/test_keep_rows.py` holds every row to its policy alone within 1e-4).

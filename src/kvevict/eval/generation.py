@@ -32,6 +32,7 @@ import torch
 from ..data import load_text, stream_start, tokenize
 from ..errors import KvevictError
 from ..policies.budget import Budget, budget_label, parse_budget
+from ..position_modes import DEFAULT_POSITIONS
 from ..progress import bars
 from .compress import compress_prompt, greedy
 from .needle import _batches, check_budgets, max_positions
@@ -126,7 +127,7 @@ def run_generation(
     max_new_tokens: int = 64,
     seed: int = 0,
     text: str = "pg-essays",
-    positions: str = "original",
+    positions: str = DEFAULT_POSITIONS,
     chat: bool = True,
     ngram: int = 4,
     progress: bool = True,

@@ -28,6 +28,7 @@ from ..data import load_text, tokenize
 from ..errors import KvevictError
 from ..policies import check_policy, shared_batches
 from ..policies.budget import Budget, budget_label, parse_budget, resolve_budget
+from ..position_modes import DEFAULT_POSITIONS
 from ..progress import bars
 from .compress import compress_prompt, greedy
 from .prompts import Frame, essay_span, frame, question_ids, sentence_start, stop_ids
@@ -160,7 +161,8 @@ def _batches(policies: Sequence[str], budgets: Sequence[Budget]) -> list[tuple[l
 
 
 def check_budgets(
-    policies: Sequence[str], budgets: Sequence[Budget], context_lengths: Sequence[int], positions: str = "original"
+    policies: Sequence[str], budgets: Sequence[Budget], context_lengths: Sequence[int],
+    positions: str = DEFAULT_POSITIONS,
 ) -> None:
     """Every bounded policy must be able to run at every budget, for every context length, in the
     position mode it will run in (an engine preset runs only in its engine's).
@@ -192,7 +194,7 @@ def run_needle(
     budgets: Sequence[Budget] = ("50%",),
     seed: int = 0,
     text: str = "pg-essays",
-    positions: str = "original",
+    positions: str = DEFAULT_POSITIONS,
     question_after: bool = False,
     max_new_tokens: int = MAX_NEW_TOKENS,
     progress: bool = True,

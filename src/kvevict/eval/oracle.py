@@ -14,6 +14,7 @@ import time
 import torch
 
 from ..errors import KvevictError
+from ..position_modes import DEFAULT_POSITIONS
 from ..progress import bars
 from .forward import log_probs
 from .streaming import Reference, RowResult
@@ -85,7 +86,7 @@ def recompute_oracle(
         bar.remove_task(task)
     mask = ~torch.isnan(nll)
     result = RowResult(
-        policy="oracle", budget=budget, positions="original", nll=nll, kl=kl, agree=agree,
+        policy="oracle", budget=budget, positions=DEFAULT_POSITIONS, nll=nll, kl=kl, agree=agree,
         max_kept=budget, mean_kept=budget, seconds=time.perf_counter() - t0, scored=mask, head=head,
     )
     # A strided sample's PPL is noisy: the full cache on the very same predictions is its fair baseline.

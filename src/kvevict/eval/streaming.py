@@ -28,6 +28,7 @@ from ..cache.observers import held_pinned_lost
 from ..defaults import DEFAULT_CHUNK
 from ..errors import KvevictError
 from ..policies.base import held_per_step
+from ..position_modes import DEFAULT_POSITIONS
 from ..progress import bars
 from .forward import body, log_probs
 from .sink_loss import sink_loss
@@ -255,7 +256,7 @@ def full_reference(model, tokens: torch.Tensor, progress=True, label: str = "str
         for lo, hi in blocks(steps, 1, vocab):
             nll[lo:hi] = -reference.log_probs(lo, hi).gather(-1, targets[lo:hi, None])[:, 0]
     reference.result = RowResult(
-        policy="full", budget=None, positions="original", nll=nll,
+        policy="full", budget=None, positions=DEFAULT_POSITIONS, nll=nll,
         kl=torch.zeros(steps), agree=torch.ones(steps, dtype=torch.bool),
         max_kept=kept.most, mean_kept=(steps + 2) / 2, seconds=lane.seconds,  # holds 1, 2, ... T tokens
     )
@@ -267,7 +268,7 @@ def compare(
     tokens: torch.Tensor,
     policies: Sequence[str],
     budget: int,
-    positions: str = "original",
+    positions: str = DEFAULT_POSITIONS,
     reference: bool | Reference = True,
     progress=True,
     label: str = "stream",
@@ -370,7 +371,7 @@ def streaming_ppl(
     tokens: torch.Tensor,
     policy: str = "streamingllm",
     budget: int = 256,
-    positions: str = "original",
+    positions: str = DEFAULT_POSITIONS,
     progress: bool = True,
     chunk: int = DEFAULT_CHUNK,
 ) -> RowResult:

@@ -15,6 +15,7 @@ from ..loading.dtypes import DTYPES
 from ..policies import check_policy
 from ..policies.budget import Budget, parse_budget, resolve_budget
 from ..policies.engine_defaults import run_positions, with_stream_start
+from ..position_modes import check_positions
 
 INSTALL = "pip install kvevict[lm-eval]"
 #: lm-eval `model_args` this model takes (anything else lm-eval passes is listed in `IGNORED`)
@@ -43,8 +44,6 @@ class Settings:
     @classmethod
     def parse(cls, args: dict) -> Settings:
         """`model_args` as lm-eval parsed them; a bad value is one `KvevictError` naming the fix."""
-        from ..cache import POSITION_MODES
-
         unknown = sorted(set(args) - set(ARGS) - set(IGNORED))
         if unknown and ":" in str(args.get("policy", "")):
             raise KvevictError(
@@ -72,9 +71,8 @@ class Settings:
             settings.dtype = None
         if settings.dtype is not None and settings.dtype not in DTYPES:
             raise KvevictError(f"model_args dtype must be one of {', '.join(DTYPES)}, got '{settings.dtype}'")
-        if settings.positions is not None and settings.positions not in POSITION_MODES:
-            raise KvevictError(f"model_args positions must be one of {', '.join(POSITION_MODES)}, "
-                               f"got '{settings.positions}'")
+        if settings.positions is not None:
+            check_positions(settings.positions, "model_args positions")
         settings.positions = run_positions([settings.policy], settings.positions)
         check_policy(settings.policy, settings.budget if isinstance(settings.budget, int) else None,
                      settings.positions)

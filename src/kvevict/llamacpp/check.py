@@ -24,6 +24,7 @@ import torch
 
 from ..cache import Eviction, Observer
 from ..eval.streaming import compare, full_reference
+from ..position_modes import SHIFTED
 from .stream import EngineStream, LlamaCppModel
 
 #: the per-token NLL correlation the shifted runs must reach
@@ -131,8 +132,8 @@ def engine_check(
     for keep in keeps:
         recorder = ShiftRecorder()
         rows, _ = compare(
-            model, tokens, [f"llamacpp:keep={keep},bos={bos}"], budget, "cache", reference=reference, progress=False,
-            chunk=chunk, observers=[recorder],
+            model, tokens, [f"llamacpp:keep={keep},bos={bos}"], budget, SHIFTED.name, reference=reference,
+            progress=False, chunk=chunk, observers=[recorder],
         )
         results.append(_result(model_name, budget, keep, bos, len(ids), engine_full, shifted[keep], full_nll,
                                rows[0].nll.double().numpy(), recorder.shifts))

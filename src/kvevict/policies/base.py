@@ -22,6 +22,7 @@ layer and the floor per head.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -77,6 +78,8 @@ class SlotView:
     `in_order` / `from_order` instead of sorting itself. `stats` holds the per-slot
     accumulators the policy declared, `[b, H_kv, n]` float32. `keys` is a callable so
     that policies that do not need keys never pay for slicing them out of the batch.
+    `state` is what this policy carries from one step of this layer to the next
+    (`Policy.new_state`), owned by the layer; None for a policy that carries nothing.
     """
 
     positions: torch.Tensor
@@ -91,12 +94,14 @@ class SlotView:
     arrival: torch.Tensor | None = None
     #: `[b, H_kv, n, D]` the slots' values, a callable like `keys` (LagKV and Expected Attention read them)
     values: Callable[[], torch.Tensor] | None = None
+    state: object | None = None
 
     def with_budget(self, budget: int) -> SlotView:
-        return SlotView(
-            self.positions, self.seen, budget, self.layer, self.stats, self.keys, self._order, arrival=self.arrival,
-            values=self.values,
-        )
+        return dataclasses.replace(self, budget=budget)
+
+    def with_state(self, state: object | None) -> SlotView:
+        """This view with another policy's state (a wrapper's inner policy, where the wrapper keeps its own)."""
+        return dataclasses.replace(self, state=state)
 
     def order(self) -> torch.Tensor:
         """`[b, H_kv, n]` slot indices sorted by position (computed once per view)."""
@@ -185,7 +190,7 @@ class Policy:
 
     @property
     def position_mode(self) -> str | None:
-        """The position mode the engine this policy reproduces uses (`"original"` or `"cache"`), or
+        """The position mode the engine this policy reproduces uses (a name in `position_modes.POSITION_MODES`), or
         None when the policy runs in either. `check_policy` refuses the other mode."""
         return None
 
@@ -244,8 +249,13 @@ class Policy:
         on each key alone, so computing it for one key or for many gives the same bits."""
         raise NotImplementedError
 
-    def reset(self) -> None:
-        """Forget per-run state (random generators, selection clocks)."""
+    def new_state(self, layer: int) -> object | None:
+        """A fresh state for one layer (`layer`: its index): what this policy carries from one step
+        of that layer to the next (SnapKV's last selection, SinkAuto's calibration, Random's
+        generator). The layer owns it, makes it at its first forward and forgets it at a reset,
+        and hands it back as `SlotView.state`; the policy object itself never changes during a
+        run, so one object serves every layer and every thread. None: nothing to carry."""
+        return None
 
     def __repr__(self) -> str:
         return f"<policy {self.spec()}>"

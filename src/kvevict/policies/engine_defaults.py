@@ -11,10 +11,11 @@ refused (`check_policy`); a preset option left at "the model's" is read from the
 from __future__ import annotations
 
 from ..errors import KvevictError
+from ..position_modes import DEFAULT_POSITIONS
 from .registry import parse_policy
 
 #: a run with no preset among its policies, and no --positions, keeps the stream's own positions
-PLAIN_POSITIONS = "original"
+PLAIN_POSITIONS = DEFAULT_POSITIONS
 
 
 def run_positions(specs: list[str], positions: str | None) -> str:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..position_modes import SHIFTED
 from .base import Policy, SlotView, recency
 
 
@@ -24,7 +25,7 @@ class EnginePreset(Policy):
     preset = True
     own_schedule = True
     #: the engine's position mode; a subclass whose engine has a switch overrides `position_mode`
-    engine_positions = "cache"
+    engine_positions = SHIFTED.name
 
     @property
     def position_mode(self) -> str | None:

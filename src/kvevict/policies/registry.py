@@ -20,6 +20,7 @@ import re
 from collections.abc import Callable
 
 from ..errors import KvevictError
+from ..position_modes import ORIGINAL, check_positions
 from .adakv import AdaKV
 from .base import Policy
 from .expected_attention import ExpectedAttention
@@ -70,7 +71,6 @@ _ADAKV = "adakv"
 _QUANT = re.compile(r"^q(\d+)(?::([^+]*))?\+(.+)$")
 # page-granular eviction, an option of the whole spec wherever it is written (`sink4+snapkv:page=32`)
 _PAGE_OPTION = re.compile(r"(?<=[:,;])(page|pagescore)=([^,;:+]*)")
-_MODE_WORDS = {"original": "the stream's own (original)", "cache": "renumbered within the cache (cache)"}
 
 
 def register(name: str, factory: Callable[..., Policy]) -> None:
@@ -167,16 +167,18 @@ def check_policy(spec: str | Policy, budget: int | None, positions: str) -> Poli
     sweep planner, so every entry point refuses the same inputs with the same words.
     """
     policy = parse_policy(spec)
-    engine = policy.position_mode
-    if engine is not None and positions != engine:
+    mode = check_positions(positions)
+    engine = None if policy.position_mode is None else check_positions(policy.position_mode)
+    if engine is not None and mode != engine:
         raise KvevictError(
-            f"'{policy.spec()}' reproduces an engine whose positions are {_MODE_WORDS[engine]}: the engine decides "
-            f"positions, so run it with positions='{engine}' (leave --positions out, or give --positions {engine})"
+            f"'{policy.spec()}' reproduces an engine whose positions are {engine.words}: the engine decides "
+            f"positions, so run it with positions='{engine.name}' (leave --positions out, or give --positions "
+            f"{engine.name})"
         )
-    if policy.varies_by_head and positions != "original":
+    if policy.varies_by_head and not mode.per_head:
         raise KvevictError(
             f"'{policy.spec()}' gives each KV head its own number of entries, so positions='{positions}' would "
-            "need a position per head for every query: use positions='original' (--positions original)"
+            f"need a position per head for every query: use positions='{ORIGINAL.name}' (--positions {ORIGINAL.name})"
         )
     if budget is not None and not policy.unbounded:
         if budget < 1:

@@ -11,7 +11,7 @@ the remaining `budget - n` slots, exactly as in `sinkN+P`.
 Nothing is evicted before the cache is full, so during calibration slot i holds position
 i and the accumulator can be indexed by position. If an eviction comes before `calib`
 tokens were seen (a budget below `calib`), calibration ends at that step with what it
-has. The accumulator is the policy's own, not a cache statistic: when P asks for
+has. The accumulator is the layer's state for this policy (`Calibration`), not a cache statistic: when P asks for
 attention at a calibration step (H2O always does), the same measurement feeds both.
 
 Spec: `sinkauto+P` (4 sinks) or `sinkautoN+P`.
@@ -28,6 +28,16 @@ from .base import AttentionRequest, QueryBatch, SlotView
 from .sinks import SinkWrapper
 
 STAT = "sinkauto_mass"
+
+
+@dataclass
+class Calibration:
+    """One layer's calibration: the attention each position received so far, then the sinks it chose."""
+
+    inner: object | None  # the inner policy's state
+    mass: torch.Tensor | None = None  # [b, H_kv, calib] attention received by position, until it closes
+    sinks: torch.Tensor | None = None  # [b, H_kv, n] pinned positions, once it closed
+    closing: bool = False  # calibration ends after this step
 
 
 @dataclass(eq=False)
@@ -48,7 +58,6 @@ class SinkAuto(SinkWrapper):
                 f"sinkauto's calibration prefix ({self.calib}) must be at least its {self.n_sinks} sinks"
             )
         super().__post_init__()
-        self.reset()
 
     @property
     def stats(self) -> tuple[str, ...]:
@@ -61,61 +70,58 @@ class SinkAuto(SinkWrapper):
     def prefix(self) -> str:
         return f"sinkauto{self.n_sinks}"
 
-    def reset(self) -> None:
-        self.inner.reset()
-        self._mass: dict[int, torch.Tensor] = {}  # layer -> [b, H_kv, calib] attention received by position
-        self._sinks: dict[int, torch.Tensor] = {}  # layer -> [b, H_kv, n] pinned positions
-        self._closing: dict[int, bool] = {}  # layer -> calibration ends after this step
+    def new_state(self, layer: int) -> Calibration:
+        return Calibration(inner=self.inner.new_state(layer))
 
-    def sinks(self, layer: int) -> torch.Tensor | None:
-        """`[b, H_kv, n]` positions pinned in `layer` (None before calibration ended)."""
-        return self._sinks.get(layer)
+    def inner_view(self, view: SlotView) -> SlotView:
+        return view.with_budget(view.budget - self.n_sinks).with_state(view.state.inner)
 
     # --- calibration -------------------------------------------------------------
     def request(self, view: SlotView, will_evict: bool) -> AttentionRequest | None:
         inner = super().request(view, will_evict)
-        if view.layer in self._sinks:
+        state = view.state
+        if state.sinks is not None:
             return inner
-        self._closing[view.layer] = will_evict or view.seen >= self.calib
+        state.closing = will_evict or view.seen >= self.calib
         return inner if inner is not None else AttentionRequest(kind="new", stat=STAT, accumulate=True)
 
     def absorb(self, view: SlotView, request: AttentionRequest, mass: torch.Tensor | QueryBatch) -> torch.Tensor:
         # an inner policy that reads the queries (expected-attention) measures no attention to calibrate on:
         # the steps before its first eviction calibrate, or the first N tokens stand in (`pinned_mask`)
-        if view.layer not in self._sinks and not isinstance(mass, QueryBatch):
+        if view.state.sinks is None and not isinstance(mass, QueryBatch):
             self._record(view, mass)
         if request.stat == STAT:
             return view.stats[STAT] + mass
         return super().absorb(view, request, mass)
 
     def _record(self, view: SlotView, mass: torch.Tensor) -> None:
-        acc = self._mass.get(view.layer)
-        if acc is None:
-            acc = torch.zeros(*mass.shape[:2], self.calib, dtype=torch.float64, device=mass.device)
-            self._mass[view.layer] = acc
+        state = view.state
+        if state.mass is None:
+            state.mass = torch.zeros(*mass.shape[:2], self.calib, dtype=torch.float64, device=mass.device)
         # padded views of ragged per-head storage (adakv) mark empty slots with position -1
         inside = (view.positions >= 0) & (view.positions < self.calib)
         index = view.positions.clamp(0, self.calib - 1)
-        acc.scatter_add_(2, index, torch.where(inside, mass.to(torch.float64), 0.0))
-        if self._closing.get(view.layer):
-            self._close(view.layer, min(self.calib, view.seen))
+        state.mass.scatter_add_(2, index, torch.where(inside, mass.to(torch.float64), 0.0))
+        if state.closing:
+            self._close(state, min(self.calib, view.seen))
 
-    def _close(self, layer: int, seen: int) -> None:
-        acc = self._mass.pop(layer)[..., :seen]
+    def _close(self, state: Calibration, seen: int) -> None:
+        acc = state.mass[..., :seen]
+        state.mass = None
         count = min(self.n_sinks, seen)
         # ties (e.g. no attention measured) go to the earliest positions, as sinkN would pin
         order = torch.sort(acc, dim=-1, descending=True, stable=True).indices
-        self._sinks[layer] = order[..., :count]
+        state.sinks = order[..., :count]
 
     # --- selection -----------------------------------------------------------------
     def pinned_mask(self, view: SlotView) -> torch.Tensor:
-        sinks = self._sinks.get(view.layer)
+        sinks = view.state.sinks
         if sinks is None:
             # evicting before any attention was measured: fall back to the first N tokens
             return view.positions < self.n_sinks
         return (view.positions[..., :, None] == sinks[..., None, :].to(view.positions.device)).any(-1)
 
     def scores(self, view: SlotView) -> torch.Tensor:
-        if view.layer not in self._sinks and view.layer in self._mass:
-            self._close(view.layer, min(self.calib, view.seen))
+        if view.state.sinks is None and view.state.mass is not None:
+            self._close(view.state, min(self.calib, view.seen))
         return super().scores(view)

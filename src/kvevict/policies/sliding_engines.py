@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import KvevictError
+from ..position_modes import ORIGINAL, SHIFTED
 from .engine_preset import EnginePreset
 
 
@@ -51,7 +52,7 @@ class TrtLlm(SlidingWindowPreset):
 
     @property
     def position_mode(self) -> str | None:
-        return "cache" if self.streamingllm else "original"
+        return (SHIFTED if self.streamingllm else ORIGINAL).name
 
     def spec(self) -> str:
         return f"trtllm:sink={self.sink}" + (",streamingllm=1" if self.streamingllm else "")
@@ -90,7 +91,7 @@ class HfSinkCache(SlidingWindowPreset):
 
 @dataclass(eq=False)
 class VllmSlidingWindow(SlidingWindowPreset):
-    engine_positions = "original"
+    engine_positions = ORIGINAL.name
 
     def spec(self) -> str:
         return "vllm-swa"

@@ -25,6 +25,13 @@ from .base import AttentionRequest, Policy, SlotView, recent_mask
 STAT = "snapkv_score"
 
 
+@dataclass
+class Selection:
+    """One layer's selection clock: the tokens seen at its last selection (None: none yet)."""
+
+    at: int | None = None
+
+
 @dataclass(eq=False)
 class SnapKV(Policy):
     window: int = 32
@@ -47,7 +54,6 @@ class SnapKV(Policy):
             raise KvevictError(f"snapkv:interval must be >= 1, got {self.interval}")
         if self.interval is None:
             self.interval = self.window
-        self.reset()
 
     @property
     def query_window(self) -> int:  # the cache remembers the observation window's queries
@@ -63,16 +69,16 @@ class SnapKV(Policy):
                 f"use a window in [1, {budget - 1}] or raise the budget"
             )
 
-    def reset(self) -> None:
-        self._selected_at: dict[int, int] = {}  # layer -> tokens seen at its last selection
+    def new_state(self, layer: int) -> Selection:
+        return Selection()
 
     def request(self, view: SlotView, will_evict: bool) -> AttentionRequest | None:
         if not will_evict:
             return None
-        last = self._selected_at.get(view.layer)
-        if last is not None and view.seen - last < self.interval:
+        state = view.state
+        if state.at is not None and view.seen - state.at < self.interval:
             return None
-        self._selected_at[view.layer] = view.seen
+        state.at = view.seen
         return AttentionRequest(kind="window", stat=STAT, size=self.window, accumulate=False)
 
     def absorb(self, view: SlotView, request: AttentionRequest, mass: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ with the first question read after it, so a policy ranking by attention is guide
 question, and then serves later questions from the compressed context *without* it (a
 prefix cache holds the context, not the first request). To take the question back out,
 every row and KV head must hold all of its tokens: then removing them
-(`EvictingCache.drop_latest`) leaves every head the same number of context entries, which
+(`EvictingCache.crop`) leaves every head the same number of context entries, which
 slot storage needs. So the question's span is pinned (`+inf`, like a sink) and the inner
 policy keeps its own budget among the context, exactly as it would with the span beside it.
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..position_modes import ORIGINAL, SHIFTED
 from .base import Policy, SlotView, recency
 
 
@@ -25,7 +26,7 @@ class KeepTail(Policy):
 
     @property
     def position_mode(self) -> str | None:
-        return "cache"
+        return SHIFTED.name
 
     def spec(self) -> str:
         return "vllm-truncate"
@@ -41,7 +42,7 @@ class KeepHead(Policy):
 
     @property
     def position_mode(self) -> str | None:
-        return "original"
+        return ORIGINAL.name
 
     def spec(self) -> str:
         return "sglang-truncate"

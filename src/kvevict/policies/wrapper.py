@@ -17,7 +17,7 @@ from .base import AttentionRequest, Policy, SlotView
 
 
 class Wrapper(Policy):
-    """Forwards every declaration, the per-step hooks and the per-run state to `self.inner`."""
+    """Forwards every declaration, the per-step hooks and the per-layer state to `self.inner`."""
 
     @property
     def stats(self) -> tuple[str, ...]:
@@ -91,5 +91,5 @@ class Wrapper(Policy):
     def scores(self, view: SlotView) -> torch.Tensor:
         return self.inner.scores(view)
 
-    def reset(self) -> None:
-        self.inner.reset()
+    def new_state(self, layer: int) -> object | None:
+        return self.inner.new_state(layer)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ..cache.model_info import layer_kinds, text_config
 from ..errors import KvevictError
+from ..position_modes import DEFAULT_POSITIONS
 
 #: bytes per element of the dtypes a KV cache is stored in
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -169,7 +170,7 @@ def named_configs(text: str, context: int) -> list[tuple[str, int | None]]:
         if not at:
             spec, budget = item, "full"
         entries = budget_at(budget, context)
-        if not check_policy(spec, entries, "original").unbounded and entries is None:
+        if not check_policy(spec, entries, DEFAULT_POSITIONS).unbounded and entries is None:
             raise KvevictError(f"configuration '{item}' bounds nothing: write it as POLICY@BUDGET, e.g. window@4096")
         out.append((item, entries))
     if not out:

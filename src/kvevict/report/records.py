@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 from ..errors import KvevictError
 from ..eval.sink_loss import SinkLoss, sink_loss
+from ..position_modes import DEFAULT_POSITIONS
 
 #: kinds of perplexity rows: the full cache, the recompute oracle, a policy, a sink-count sweep row
 PPL_KINDS = ("full", "oracle", "policy", "sinks")
@@ -64,7 +65,7 @@ class PplRecord:
     budget: int | None
     ppl: float
     label: str | None = None
-    positions: str = "original"
+    positions: str = DEFAULT_POSITIONS
     n_predictions: int = 0
     nll_mean: float | None = None
     max_kept: int | None = None

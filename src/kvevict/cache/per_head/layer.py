@@ -64,13 +64,14 @@ class RaggedLayer(EvictingLayer):
         if self.storage is not None:
             self.storage.reset()
 
-    def keep_rows(self, index: torch.Tensor) -> None:
-        super().keep_rows(index)
+    def batch_select_indices(self, index: torch.Tensor) -> None:
+        super().batch_select_indices(index)
         self._floor_cache = None  # per row
 
-    def drop_latest(self, count: int) -> None:
-        """`EvictingLayer.drop_latest` on ragged segments: the latest `count` tokens become holes in every
-        head (each must hold them all), which keeps its share of the rest."""
+    def crop(self, tokens_to_remove: int) -> None:
+        """`EvictingLayer.crop` on ragged segments: the latest `-tokens_to_remove` tokens become holes in
+        every head (each must hold them all), which keeps its share of the rest."""
+        count = -tokens_to_remove
         if count <= 0 or not self.is_initialized:
             return
         storage = self.storage
@@ -253,6 +254,7 @@ class RaggedLayer(EvictingLayer):
             stats={name: storage.per_head(group.take(storage.stats[name]), mask, 0.0) for name in group.policy.stats},
             keys=keys,
             values=values,
+            state=self.state_of(group.policy),
         )
 
     def _attend(

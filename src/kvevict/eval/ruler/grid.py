@@ -20,6 +20,7 @@ from ...errors import KvevictError
 from ...policies import check_policy, shared_batches
 from ...policies.budget import Budget, budget_label, parse_budget, resolve_budget
 from ...policies.engine_defaults import with_stream_start
+from ...position_modes import DEFAULT_POSITIONS
 from .framing import framing
 from .protocols import answer_budgets, check_aware, check_protocol, full_shares_prefill, reads_question
 from .qa import QaFile
@@ -41,7 +42,7 @@ class RulerGrid:
     protocol: str = "agnostic"
     form: str = "requests"
     seed: int = 0
-    positions: str = "original"
+    positions: str = DEFAULT_POSITIONS
     text: str = "pg-essays"
     qa: QaFile | None = None
     max_new_tokens: int | None = None  # None: RULER's answer length of each task

@@ -21,7 +21,7 @@
   context compressed with it, the question pinned whole beside the budget
   (`policies/span.py`); the first request reads on from there, and every later one starts
   from the compressed context with the first question taken back out
-  (`EvictingCache.drop_latest`), as a prefix cache holding the context would serve it.
+  (`EvictingCache.crop`), as a prefix cache holding the context would serve it.
   What a query-aware policy kept for the first question is all the later ones get; the
   budget is a share of the context, as in `requests`. Like `aware`, it runs only
   policies that rank by attention, and not on a model with sliding-window layers
@@ -45,11 +45,9 @@ those repeats stay in its dialogue.
 
 from __future__ import annotations
 
-import copy
-import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -59,6 +57,7 @@ from ...defaults import DEFAULT_CHUNK
 from ...errors import KvevictError
 from ...policies import parse_policy
 from ...policies.span import pin_span
+from ...position_modes import DEFAULT_POSITIONS
 from ..compress import Compressed, greedy
 from ..forward import body
 from ..prompts import stop_ids
@@ -98,7 +97,7 @@ def check_aware(specs: Sequence[str], protocol: str = "aware", form: str = "requ
 
 def check_model_form(model, protocol: str, form: str) -> None:
     """`multi --form aware-requests` takes the first question back out of the compressed state
-    (`EvictingCache.drop_latest`); a sliding-window layer holds only the model's last `W - 1` tokens,
+    (`EvictingCache.crop`); a sliding-window layer holds only the model's last `W - 1` tokens,
     so reading the question pushed context out of it that the later requests would have seen."""
     if not (protocol == "multi" and form == "aware-requests"):
         return
@@ -145,7 +144,7 @@ def prefill(model, ids: torch.Tensor, specs: list[str], entries: int | None, pos
         for start in range(head, ids.numel(), chunk):
             piece = ids[start : start + chunk].long()
             hidden = body(model, piece[None].expand(rows, -1), cache)[:, -1]
-        kept = max(layer.n for layer in cache.layers)
+        kept = cache.held_entries()
     return Compressed(cache, hidden.expand(rows, -1).clone(), ids.numel(), cache.budget,
                       [p.spec() for p in cache.policies], kept)
 
@@ -156,25 +155,14 @@ def compress_at(state: Compressed, entries: int) -> Compressed:
         state.cache.budget = entries
         state.cache.evict_deferred()
     state.budget = state.cache.budget
-    state.kept = max(layer.n for layer in state.cache.layers)
+    state.kept = state.cache.held_entries()
     return state
 
 
-def snapshot(model, state: Compressed) -> Compressed:
-    """An independent copy of a compressed state (its tensors copied), sharing the model.
-
-    The model's modules, parameters and whatever the attention modules carry (the
-    cache's thread-local hand-off slot) are shared, not copied: they are the model's.
-    """
-    memo: dict[int, object] = {}
-    for module in model.modules():
-        memo[id(module)] = module
-        for value in module.__dict__.values():
-            if isinstance(value, threading.local):
-                memo[id(value)] = value
-    for tensor in [*model.parameters(), *model.buffers()]:
-        memo[id(tensor)] = tensor
-    return copy.deepcopy(state, memo)
+def snapshot(state: Compressed) -> Compressed:
+    """An independent copy of a compressed state: its cache copied (`EvictingCache.copy`, which shares
+    what is the model's), its hidden state cloned."""
+    return replace(state, cache=state.cache.copy(), hidden=state.hidden.clone(), policies=list(state.policies))
 
 
 def _line_done(text: str) -> bool:
@@ -216,7 +204,7 @@ def shares_prefill(protocol: str, form: str) -> bool:
 
 
 def answer(model, tokenizer, prompt: Prompt, specs: list[str], entries: int | None, protocol: str,
-           form: str = "requests", positions: str = "original", max_new_tokens: int | None = None,
+           form: str = "requests", positions: str = DEFAULT_POSITIONS, max_new_tokens: int | None = None,
            stream_chunk: int = DEFAULT_CHUNK) -> list[Answer]:
     """Every row's answers to `prompt` under `protocol`: one per row (or per row and question in `multi`)."""
     [answers] = answer_budgets(model, tokenizer, prompt, specs, [entries], protocol, form, positions,
@@ -236,7 +224,7 @@ def full_shares_prefill(protocol: str, form: str, specs: Sequence[str] = ()) -> 
 
 
 def answer_budgets(model, tokenizer, prompt: Prompt, specs: list[str], budgets: Sequence[int | None],
-                   protocol: str, form: str = "requests", positions: str = "original",
+                   protocol: str, form: str = "requests", positions: str = DEFAULT_POSITIONS,
                    max_new_tokens: int | None = None, stream_chunk: int = DEFAULT_CHUNK) -> list[list[Answer]]:
     """`answer` at each of `budgets` (entries), one list per budget; `None` is the full cache, whose
     answers are named `full` (the rows' specs are the bounded budgets').
@@ -272,7 +260,7 @@ def answer_budgets(model, tokenizer, prompt: Prompt, specs: list[str], budgets: 
             share = (time.perf_counter() - t0) / len(served)
             for n, i in enumerate(served):
                 t1 = time.perf_counter() - share
-                copy_state = snapshot(model, state) if n < len(served) - 1 else state
+                copy_state = snapshot(state) if n < len(served) - 1 else state
                 if budgets[i] is None:
                     whole(copy_state)
                 else:
@@ -303,7 +291,7 @@ def whole(state: Compressed) -> Compressed:
         state.cache.freeze(final=True)
         state.keep_rows([0])
     state.policies, state.budget = ["full"], None
-    state.kept = max(layer.n for layer in state.cache.layers)
+    state.kept = state.cache.held_entries()
     return state
 
 
@@ -351,19 +339,19 @@ def _answers(model, tokenizer, prompt: Prompt, state: Compressed, protocol: str,
             state.cache.freeze(final=True)
             span = pinned_span(prompt, protocol, form)
             kept = state.kept - span  # the context's entries: the question is the request's, as in `requests`
-            later = snapshot(model, state) if len(prompt.per_key) > 1 else None
+            later = snapshot(state) if len(prompt.per_key) > 1 else None
             state.feed(model, prompt.per_key[0][-1:])
             results.append((0, decode(model, tokenizer, state, limit, stops, one_line(prompt, protocol, 0)), kept))
             for q in range(1, len(prompt.per_key)):
-                copy_state = snapshot(model, later) if q < len(prompt.per_key) - 1 else later
-                copy_state.cache.drop_latest(span)  # the first question out: the context as it compressed it
+                copy_state = snapshot(later) if q < len(prompt.per_key) - 1 else later
+                copy_state.cache.crop(-span)  # the first question out: the context as it compressed it
                 copy_state.feed(model, prompt.per_key[q])
                 results.append((q, decode(model, tokenizer, copy_state, limit, stops, one_line(prompt, protocol, q)),
                                 kept))
         elif form == "requests":
             state.cache.freeze(final=True)
             for q, ids in enumerate(prompt.per_key):
-                copy_state = snapshot(model, state) if q < len(prompt.per_key) - 1 else state
+                copy_state = snapshot(state) if q < len(prompt.per_key) - 1 else state
                 copy_state.feed(model, ids)
                 results.append((q, decode(model, tokenizer, copy_state, limit, stops, one_line(prompt, protocol, q)),
                                 state.kept))
