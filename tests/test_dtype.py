@@ -17,11 +17,11 @@ from kvevict.errors import KvevictError
 from conftest import make_tiny, random_tokens
 from helpers import cli, cli_error, one_line_error
 
-MODEL_COMMANDS = ["ppl", "compare", "ab", "demo", "needle", "generation", "sinks", "ruler"]
+MODEL_COMMANDS = ["ppl", "compare", "ab", "demo", "needle", "generation", "sinks", "ruler", "envelope", "engine-check"]
 
 
 def _out(command: str, tmp_path) -> list[str]:
-    return ["--out", str(tmp_path)] if command in ("ab", "demo", "ruler") else []
+    return ["--out", str(tmp_path)] if command in ("ab", "demo", "ruler", "envelope") else []
 
 
 @pytest.mark.parametrize("command", MODEL_COMMANDS)

@@ -41,10 +41,12 @@ def test_envelope_counts_bytes_in_the_loaded_dtype(tmp_path, dtype, number):
     `number` bytes a parameter."""
     text = tmp_path / "text.txt"
     text.write_text("It was the best of times, it was the worst of times. " * 4)
+    name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
     config = EnvelopeConfig(text=str(text), tokens=TOKENS, policies=["window"], floor=FLOOR, resolution=1.5,
-                            max_ppl_ratio=1.2, out=str(tmp_path / "runs"), name="e")
+                            max_ppl_ratio=1.2, out=str(tmp_path / "runs"), name="e", dtype=name)
     model = _in(dtype)
     _, records = run_envelope(config, model=model, tokenizer=CharTokenizer(), progress=False)
+    assert {r.dtype for r in records} == {name}
     full = next(r for r in records if r.kind == "full")
     per_token = LAYERS * KV_HEADS * 2 * HEAD_DIM * number  # keys and values of every layer and KV head
     shape = KvShape(**full.extra["kv_shape"])
@@ -77,3 +79,12 @@ def test_quantized_storage_holds_its_floats_in_the_loaded_dtype():
     memory = cache.memory()
     assert memory.kv_bytes == LAYERS * KV_HEADS * budget * per_entry + ring
     assert memory.kv_bytes_bf16 == memory.kv_bytes
+
+
+def test_a_model_in_another_dtype_than_the_search_says_is_refused(tmp_path):
+    """Records name the dtype that ran: a bf16 model handed to a search that says float32 is one line."""
+    from kvevict.errors import KvevictError
+
+    config = EnvelopeConfig(tokens=TOKENS, policies=["window"], floor=FLOOR, out=str(tmp_path / "runs"))
+    with pytest.raises(KvevictError, match="pass EnvelopeConfig\\(dtype='bfloat16'\\)"):
+        run_envelope(config, model=_in(torch.bfloat16), tokenizer=CharTokenizer(), progress=False)

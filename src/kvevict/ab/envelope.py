@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 from ..defaults import DEFAULT_CHUNK
 from ..errors import KvevictError
+from ..loading.dtypes import dtype_name
 from ..policies import check_policy, shared_batches
 from ..position_modes import DEFAULT_POSITIONS
 from ..report.capacity import KvShape, shape_of
@@ -124,6 +125,9 @@ def run_envelope(
     loaded only when a probe is missing, so a finished search redraws without it.
     `on_batch` is told of each batch before it runs."""
     cells = configurations(config)
+    if model is not None and dtype_name(model.dtype) != config.dtype:
+        raise KvevictError(f"the model given is held in {model.dtype}, the search says dtype '{config.dtype}': "
+                           f"pass EnvelopeConfig(dtype='{dtype_name(model.dtype)}') so its records name what ran")
     sweep = config.sweep()
     store = open_run_folder(sweep.folder, {**sweep.identity(), "search": "envelope"}, asdict(config),
                             "envelope probes")

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from ..errors import KvevictError
 from ..eval.ruler.grid import RulerGrid, compressed_length, preflight, prompts, run_grid
 from ..eval.ruler.registry import get_task
+from ..loading.dtypes import dtype_name
 from ..policies import check_policy
 from ..position_modes import DEFAULT_POSITIONS
 from ..report.records import RulerRecord, load
@@ -131,6 +132,9 @@ def run_task_envelope(config: TaskEnvelopeConfig, model, tokenizer,
     """Search every configuration to its resolution on the task; returns the store and its records.
     `on_round` is told of each round's requests, (budget, samples) -> configurations, before they run."""
     specs = config.check()
+    if model is not None and hasattr(model, "dtype") and dtype_name(model.dtype) != config.dtype:
+        raise KvevictError(f"the model given is held in {model.dtype}, the search says dtype '{config.dtype}': "
+                           f"pass TaskEnvelopeConfig(dtype='{dtype_name(model.dtype)}') so its records name what ran")
     store = open_run_folder(run_folder(config.out, config.name), config.identity(), asdict(config), "answers")
     limit = max_positions(model)
     top = context_top(config, tokenizer, limit)

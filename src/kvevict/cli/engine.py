@@ -10,7 +10,7 @@ import typer
 from ..defaults import DEFAULT_CHUNK
 from ..errors import KvevictError
 from ..report.columns import Column, Table
-from .common import CHUNK_HELP, one_line_errors, parse_chunk, parse_ints
+from .common import CHUNK_HELP, check_dtype, one_line_errors, parse_chunk, parse_ints
 from .tables import show
 
 #: one row per (model, keep): both sides' PPL against their own full cache, and the three checks
@@ -54,12 +54,15 @@ def engine_check(
         False, "--llamacpp-only", help="only llama.cpp's side: its PPL per --keep against its own full cache"
     ),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object as the last line"),
+    dtype: str | None = typer.Option(None, help="what kvevict's side holds the weights and KV cache in: float32, "
+                                     "bfloat16 or float16 (default float32; llama.cpp's side runs as llama.cpp does)"),
 ) -> None:
     """Stream the same tokens through llama.cpp (context shift as llama-server does it) and kvevict's
     llamacpp preset; check the same shift points, PPL ratio and per-token NLL (exit 1 if any fails)."""
     from ..llamacpp import require
 
-    require()  # the extra first: a missing install is named before any model loads
+    check_dtype(dtype)  # bad input first, then the extra: a missing install is named before any model loads
+    require()
     from ..data import load_tokens
     from ..llamacpp.check import engine_check as run_check
     from ..llamacpp.check import engine_side
@@ -85,7 +88,7 @@ def engine_check(
         if llamacpp_only:
             rows += engine_side(name, gguf, ids, budget, keeps, threads)
             continue
-        lm, _ = load_model(name)
+        lm, _ = load_model(name, dtype=dtype)
         rows += [r.summary() for r in run_check(name, gguf, lm, ids, budget, keeps, chunk_size, threads)]
     if llamacpp_only:
         if as_json:
