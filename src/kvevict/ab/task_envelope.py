@@ -128,9 +128,9 @@ def context_top(config: TaskEnvelopeConfig, tokenizer, limit: int | None) -> int
 
 
 def run_task_envelope(config: TaskEnvelopeConfig, model, tokenizer,
-                      on_round: Callable[[dict], None] | None = None) -> tuple[ResultStore, list]:
+                      on_step: Callable[[dict], None] | None = None) -> tuple[ResultStore, list]:
     """Search every configuration to its resolution on the task; returns the store and its records.
-    `on_round` is told of each round's requests, (budget, samples) -> configurations, before they run."""
+    `on_step` is told of each step's requests, (budget, samples) -> configurations, before they run."""
     specs = config.check()
     if model is not None and hasattr(model, "dtype") and dtype_name(model.dtype) != config.dtype:
         raise KvevictError(f"the model given is held in {model.dtype}, the search says dtype '{config.dtype}': "
@@ -145,8 +145,8 @@ def run_task_envelope(config: TaskEnvelopeConfig, model, tokenizer,
         wanted = next_requests(config, specs, records, top)
         if not wanted:
             return store, records
-        if on_round is not None:
-            on_round(dict(wanted))
+        if on_step is not None:
+            on_step(dict(wanted))
         for (budget, samples), group in sorted(wanted.items()):
             done = store.done()
             run_grid(model, tokenizer, config.grid(group, [budget], samples), done, keeper(store, done, config.dtype),

@@ -61,7 +61,7 @@ def run_tasks(options: TaskOptions, allow_download: bool, device: str) -> None:
     model, tokenizer = load_model(options.model, device=device, allow_download=allow_download, dtype=options.dtype)
     for config in configs:
         specs = config.check()
-        store, records = run_task_envelope(config, model, tokenizer, on_round=_say_round(config))
+        store, records = run_task_envelope(config, model, tokenizer, on_step=_say_round(config))
         context = context_top(config, tokenizer, max_positions(model))
         rows = task_rows(specs, dict(zip(specs, config.policies)), config.looks(), config.tolerance(), records,
                          context)
