@@ -332,6 +332,11 @@ class EvictingCache(Cache):
         """The most entries any layer holds now (each row and head counted; per-head layers: their longest)."""
         return max(layer.n for layer in self.layers)
 
+    def sliding_windows(self) -> list[int | None]:
+        """Per layer, the model's sliding window where the layer is a sliding-window one (it keeps the
+        model's own window, whatever the budget), else None."""
+        return [layer.window if layer.is_sliding else None for layer in self.layers]
+
     def copy(self) -> EvictingCache:
         """An independent copy: every tensor and record the cache holds is copied; what is the model's
         (its config, its rotary modules, the hand-off slots on its attention modules) is shared."""

@@ -11,14 +11,16 @@ Two ways to know the alive sets:
 * **Closed form** (`replay_static`): when every row's policy declares `static_scores`
   (`window`, `sinkN+window`: a token's score is fixed on arrival), the kept set after
   any step is the top-`budget` of all tokens seen, so every query's alive set follows
-  from one ranking; one masked attention for the chunk. Original positions only.
+  from one ranking; one masked attention for the chunk (the position mode's
+  `static_attention`: here for original positions, the shift's shortcut in `positions.py`).
 * **Stepping** (`replay_steps`): otherwise (attention-driven policies, random draws,
   position-shift mode) the layer steps through the chunk's queries, doing only what a
   decode step does to the cache: the query's attention over its alive set, the
   policies' statistics, the victim, the hole it leaves. Rows and heads are vectorised.
-  Two algorithms share the bookkeeping (`_Stepper`): with fixed keys (original
-  positions) the logits are computed once per chunk and each step reads its alive
-  slots; with renumbered keys (position shift) each step rotates its keys and attends.
+  The algorithms share the bookkeeping (`stepping.Stepper`): with fixed keys (original
+  positions, here) the logits are computed once per chunk and each step reads its alive
+  slots; with renumbered keys (position shift, `positions.py`) each step rotates its keys
+  and attends.
 
 Both keep a *virtual* slot layout, `vslot` `[B, H, budget + 1]` (storage slot of each
 slot a token-by-token run would use), so policies see the same views, random draws

@@ -331,9 +331,10 @@ def compare(
                 if on_step is not None:
                     on_step(stop)
             bar.remove_task(task)
-        lost_at = sinks.lost_at(len(cache.layers), cache.layers[0].heads)  # [layers, rows, heads]
-        sliding = [layer.is_sliding for layer in cache.layers]  # bounded by the model's window, not the budget
-        window = next((layer.window for layer in cache.layers if layer.is_sliding), None)
+        lost_at = cache.sink_lost_at()  # [layers, rows, heads]
+        windows = cache.sliding_windows()  # a sliding layer is bounded by the model's window, not the budget
+        sliding = [w is not None for w in windows]
+        window = next((w for w in windows if w is not None), None)
         grids = [[None if slides else at[row].tolist() for slides, at in zip(sliding, lost_at)] for row in range(rows)]
         pinned_lost = held_pinned_lost(cache.kept_positions(), [p.pinned for p in cache.row_policies()])
         memory = cache.memory()
