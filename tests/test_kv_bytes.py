@@ -103,7 +103,8 @@ def test_equal_bytes_groups_rows_within_five_percent_across_widths():
     four = next(v for v in group.others if v.record.policy == "q4+sink4+window")
     assert four.ratio == pytest.approx(math.exp(0.03))
     assert four.interval.low < 1 < four.interval.high and not group.separated  # the noisy row is not told apart
-    assert "not told apart" in group.sentence() and "q8+sink4+window at 1780" in group.sentence()
+    assert "lowest PPL q8+sink4+window at 1780 (" in group.sentence()
+    assert "not told apart from q4+sink4+window at 3200;" in group.sentence()
 
 
 def test_plan_keeps_a_quantized_full_cache_as_a_row_of_its_own_batch():
