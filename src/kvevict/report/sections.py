@@ -33,7 +33,9 @@ PPL_INTRO = (
     "compares it with the full cache on the very same "
     "tokens. <em>batch seconds</em> is the wall time of the batch a row ran in (the policies of one budget share a "
     "batch), <em>tokens/s</em> the stream tokens that batch read per second, and <em>peak MB</em> the peak "
-    "resident memory of the process (the sweep, or its Ray worker) while the batch ran.</p>"
+    "resident memory of the process (the sweep, or its Ray worker) while the batch ran. <em>KV MiB/seq</em> is "
+    "the keys and values a sequence held at the end of the stream, as held (the run's dtype), and <em>bf16</em> the "
+    "same with every float at 2 bytes (the deployment dtype; a quantized row's codes keep their size).</p>"
 )
 
 
