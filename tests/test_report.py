@@ -17,7 +17,7 @@ from kvevict.report.html import render
 from kvevict.report.records import DoneMarker, PplRecord, SinkMapRecord, TaskRecord, cell_key, from_dict, load
 from kvevict.report.sections import SECTIONS
 from kvevict.report.store import ResultStore
-from kvevict.report.tables import COST_COLUMNS, SUMMARY, sinks_table, summary_rows, summary_table
+from kvevict.report.tables import BYTES_COLUMNS, COST_COLUMNS, SUMMARY, sinks_table, summary_rows, summary_table
 
 from helpers import close, series
 
@@ -115,9 +115,10 @@ def test_one_column_spec_feeds_markdown_html_and_terminal(demo):
     from kvevict.report.markup import table_html
 
     table = summary_table(demo)
-    # the demo records predate cost measurement and mean_kept: those columns are left out, the rest keep their order
-    spec = [c for c in SUMMARY if c.header not in (*COST_COLUMNS, MEAN_KEPT)]
-    assert len(spec) == len(SUMMARY) - 3
+    # the demo records predate cost measurement, mean_kept and bf16 bytes: those columns are left out, the rest keep
+    # their order
+    spec = [c for c in SUMMARY if c.header not in (*COST_COLUMNS, MEAN_KEPT, *BYTES_COLUMNS)]
+    assert len(spec) == len(SUMMARY) - 5
     assert table.headers == [c.header for c in spec] and table.aligns[0] == "left"
     markdown = table.markdown().splitlines()
     assert markdown[0] == "| " + " | ".join(c.header for c in spec) + " |"

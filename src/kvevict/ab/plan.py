@@ -152,8 +152,9 @@ def plan(config: SweepConfig) -> list[Cell]:
             cells.append(Cell("oracle", "oracle", "oracle", budget))
         seen = set()
         for label in config.policies:
-            if check_policy(label, budget, config.positions).unbounded:
-                continue  # the full cache is always a row of the table
+            checked = check_policy(label, budget, config.positions)
+            if checked.unbounded and checked.kv_storage is None:
+                continue  # the full cache is always a row of the table; a quantized one (`q4+full`) is a row of its own
             spec = canonical(label, config.seed)
             if spec not in seen:
                 seen.add(spec)

@@ -54,6 +54,7 @@ def run_ab(config, allow_download: bool = False, executor=None, device: str = "c
     recorded in `run.json`."""
     from ..ab import run_sweep
     from ..ab.executors import LocalExecutor
+    from ..report.kv_bytes import equal_bytes
     from ..report.records import ppl_records
     from ..report.runs import load_run, record_tolerance
     from ..report.tables import summary_table
@@ -78,6 +79,8 @@ def run_ab(config, allow_download: bool = False, executor=None, device: str = "c
     print(f"tolerance: {tolerance.describe()}")
     for found in verdict(records, tolerance):
         print(found.sentence)
+    for group in equal_bytes(ppl_records(records)):  # rows of different KV widths at the same memory
+        print(group.sentence())
     for note in run.notes():
         print(f"Note: {note}.")
     for batch, reason in executor.failed:

@@ -8,7 +8,8 @@ import typer
 
 from ..defaults import DEFAULT_CHUNK
 from ..errors import KvevictError
-from ..report.columns import MEAN_KEPT, Column, Table, mean_kept
+from ..report.columns import KV_BF16, KV_HELD, MEAN_KEPT, Column, Table, mean_kept
+from ..report.kv_bytes import mib, summary_bytes
 from .common import (
     CHUNK_HELP,
     DEVICE_HELP,
@@ -27,7 +28,7 @@ from .common import (
 from .tables import show
 
 #: the `ppl` / `compare` table over `RowResult.summary()` rows; narrow terminals drop s, positions, kept, top1,
-#: sink_loss, kl_to_full in that order (mean kept goes with kept)
+#: sink_loss, kl_to_full, the KV bytes per sequence in that order (mean kept goes with kept)
 PPL: list[Column[dict]] = [
     Column("policy", lambda r: r["policy"], align="left"),
     Column("budget", lambda r: str(r["budget"] if r["budget"] is not None else "-")),
@@ -38,8 +39,15 @@ PPL: list[Column[dict]] = [
     Column("sink_loss", lambda r: f"{r.get('sink_loss', 0.0):.2f}", drop=5),
     Column("kept", lambda r: str(r["max_kept"]), drop=3),
     Column(MEAN_KEPT, lambda r: mean_kept(r.get("mean_kept")), drop=3),
+    Column(KV_HELD, lambda r: mib(r["kv"].held), drop=7),
+    Column(KV_BF16, lambda r: mib(r["kv"].bf16), drop=8),
     Column("s", lambda r: f"{r['seconds']:.1f}", drop=1),
 ]
+
+
+def _with_bytes(summaries: list[dict]) -> list[dict]:
+    """The rows with their KV bytes per sequence (`report.kv_bytes.summary_bytes`: the full row's from the others)."""
+    return [{**s, "kv": b} for s, b in zip(summaries, summary_bytes(summaries))]
 
 
 def note_unreached(budget: int, tokens: int) -> None:
@@ -94,7 +102,7 @@ def ppl(
     if as_json:
         print(json.dumps(summary))
         return
-    show(Table.of(PPL, [summary]), f"streaming perplexity, {model} ({held}) on {text}, {tokens} tokens")
+    show(Table.of(PPL, _with_bytes([summary])), f"streaming perplexity, {model} ({held}) on {text}, {tokens} tokens")
     for w in summary.get("ppl_windows", []):
         print(f"  predictions {w['start']}-{w['end']}: ppl {w['ppl']:.2f}")
 
@@ -136,18 +144,19 @@ def compare(
     if as_json:
         print(json.dumps({"model": model, "dtype": held, "rows": summaries}))
         return
-    show(Table.of(PPL, summaries),
+    show(Table.of(PPL, _with_bytes(summaries)),
          f"streaming perplexity, {model} ({held}) on {text}, {tokens} tokens, budget {budget}")
 
 
 def _compare_in_batches(lm, ids, specs: list[str], budget: int, positions: str, chunk: int):
     """`compare` over the batches `specs` can share (`shared_batches`: a policy with its own per-layer
     budgets, per-head budgets or eviction schedule runs alone), against one full-cache reference."""
+    from ..ab.worker import full_apart
     from ..eval.streaming import compare as run_compare
     from ..eval.streaming import full_reference
     from ..policies import shared_batches
 
-    batches = shared_batches(specs)
+    batches = full_apart(shared_batches(specs))
     if len(batches) == 1:
         return run_compare(lm, ids, specs, budget, positions, chunk=chunk)
     reference = full_reference(lm, ids)

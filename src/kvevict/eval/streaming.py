@@ -150,6 +150,9 @@ class RowResult:
             data["held_per_layer_kind"] = self.memory["held"]
             data["kv_bytes"] = self.memory["kv_bytes"]
             data["full_kv_bytes"] = self.memory["full_kv_bytes"]
+            for key in ("kv_bytes_bf16", "full_kv_bytes_bf16"):  # bytes per sequence with floats at 2 bytes
+                if key in self.memory:
+                    data[key] = self.memory[key]
             if "held_per_head" in self.memory:  # adakv: [layer][KV head] entries each head holds
                 data["held_per_head"] = self.memory["held_per_head"]
         if self.baseline_nll is not None:
@@ -339,7 +342,10 @@ def compare(
         pinned_lost = held_pinned_lost(cache.kept_positions(), [p.pinned for p in cache.row_policies()])
         memory = cache.memory()
         per_row = {
-            "held": memory.held, "kv_bytes": memory.kv_bytes // rows, "full_kv_bytes": memory.full_kv_bytes // rows
+            "held": memory.held, "kv_bytes": memory.kv_bytes // rows, "full_kv_bytes": memory.full_kv_bytes // rows,
+            # the same at the deployment dtype: every float at 2 bytes (a full cache holds floats alone)
+            "kv_bytes_bf16": memory.kv_bytes_bf16 // rows,
+            "full_kv_bytes_bf16": memory.full_kv_bytes * 2 // model.dtype.itemsize // rows,
         }
         per_head = memory.per_head  # adakv: per layer [B][H_kv] entries each head holds
         results = [

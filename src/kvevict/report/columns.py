@@ -73,6 +73,11 @@ def number(value: object, digits: int = 2) -> str:
     return str(value)
 
 
+#: the headers of KV bytes per sequence at the end of the stream, as held (the run's dtype) and with every float at
+#: 2 bytes (bf16, the deployment dtype), in MiB (`report.kv_bytes`)
+KV_HELD = "KV MiB/seq"
+KV_BF16 = "KV MiB/seq bf16"
+
 #: the header of the entries a layer held on average over the stream; under burst eviction (an engine's
 #: context shift, whole pages) it stays below "kept", the most ever held: the memory a policy actually saves
 MEAN_KEPT = "mean kept"

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .compare import compare_table
+from .kv_bytes import equal_bytes
 from .records import Record, ppl_records, ruler_records
 from .ruler import cells as ruler_cells
 from .ruler import ruler_table
@@ -25,6 +26,7 @@ def run_markdown(records: Sequence[Record], title: str = "Verdict", tolerance: T
     (`notes`, `runs.run_notes`), the summary table, then the sink and per-layer tables it holds."""
     rows = ppl_records(records)
     parts = [verdict_markdown(verdict(records, tolerance), title)] + [f"Note: {note}." for note in notes]
+    parts += [group.sentence() for group in equal_bytes(rows)]  # fewer entries against fewer bits, same memory
     if rows:  # a run of tasks alone has no perplexity table (as in the HTML report)
         parts.append(summary_table(rows).markdown())
     parts += [extra.markdown() for extra in (sinks_table(rows), layer_budget_table(rows)) if extra]

@@ -109,6 +109,10 @@ class PplRecord:
     held_per_layer_kind: dict[str, int] | None = None
     kv_bytes: int | None = None
     full_kv_bytes: int | None = None
+    #: `kv_bytes` and `full_kv_bytes` with every float counted at 2 bytes (bf16, the deployment dtype): what
+    #: a quantized row's codes, scales and zero points would take on an accelerator
+    kv_bytes_bf16: int | None = None
+    full_kv_bytes_bf16: int | None = None
     held_per_head: list | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -119,6 +123,7 @@ class PplRecord:
         "kl_curve", "sink_lost_at", "sliding_window", "model", "dtype", "text", "tokens", "full_ppl_same_tokens",
         "kl_to_full", "top1_agreement",
         "layer_budgets", "held_per_layer_kind", "kv_bytes", "full_kv_bytes", "held_per_head",
+        "kv_bytes_bf16", "full_kv_bytes_bf16",
     )
 
     @classmethod

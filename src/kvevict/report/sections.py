@@ -15,6 +15,7 @@ from ..eval.generation import GenerationResult
 from ..eval.needle import NeedleResult
 from . import plots, ruler_plots, task_plots, verdict
 from . import ruler as ruler_report
+from .kv_bytes import EQUAL_BYTES, equal_bytes
 from .markup import image_html, table_html
 from .records import Record, SinkMapRecord, ppl_records, ruler_records, task_records
 from .tables import generation_table, layer_budget_table, needle_table, sinks_table, summary_table
@@ -32,7 +33,9 @@ PPL_INTRO = (
     "compares it with the full cache on the very same "
     "tokens. <em>batch seconds</em> is the wall time of the batch a row ran in (the policies of one budget share a "
     "batch), <em>tokens/s</em> the stream tokens that batch read per second, and <em>peak MB</em> the peak "
-    "resident memory of the process (the sweep, or its Ray worker) while the batch ran.</p>"
+    "resident memory of the process (the sweep, or its Ray worker) while the batch ran. <em>KV MiB/seq</em> is "
+    "the keys and values a sequence held at the end of the stream, as held (the run's dtype), and <em>bf16</em> the "
+    "same with every float at 2 bytes (the deployment dtype; a quantized row's codes keep their size).</p>"
 )
 
 
@@ -40,6 +43,17 @@ def decision(records: Sequence[Record]) -> tuple[str, str] | None:
     """The verdict first: what to ship at each budget, and what to avoid (see `verdict`)."""
     found = verdict.verdict(records)
     return ("Verdict", verdict.section_html(found)) if found else None
+
+
+def at_equal_bytes(records: Sequence[Record]) -> tuple[str, str] | None:
+    """Rows of different KV widths that hold equal bytes, compared paired (see `kv_bytes`); absent without them."""
+    found = equal_bytes(ppl_records(records))
+    if not found:
+        return None
+    intro = (f"<p>Rows whose KV bytes per sequence at bf16 lie within {EQUAL_BYTES:.0%} of each other, across "
+             "budgets and widths: fewer entries against fewer bits at the same memory. Each row's PPL against the "
+             "group's lowest, with its paired 95% interval over the same blocks of tokens.</p>")
+    return "At equal bytes", intro + "".join(f"<p>{html.escape(g.sentence())}</p>" for g in found)
 
 
 def perplexity(records: Sequence[Record]) -> tuple[str, str] | None:
@@ -149,6 +163,7 @@ SECTIONS: list[Section] = [
     perplexity,
     sinks,
     layer_budgets,
+    at_equal_bytes,
     _figure("Perplexity along the stream", plots.ppl_vs_position),
     _figure("Perplexity vs budget", plots.ppl_vs_budget),
     _figure("Perplexity vs number of sinks", plots.ppl_vs_sinks),

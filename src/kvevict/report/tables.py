@@ -3,7 +3,9 @@
 `SUMMARY` is the A/B summary (`kvevict ab`, the report's first table, `kvevict report
 --markdown`). Its `drop` numbers are the documented order in which a narrow terminal
 leaves columns out: peak MB, ppl 95% CI, tokens/s, batch seconds, kept, mean kept, top-1
-agree, sink loss, KL to full, ppl / full; policy, budget and ppl always stay. "kept" is the
+agree, sink loss, KL to full, ppl / full, KV MiB/seq, KV MiB/seq bf16; policy, budget and
+ppl always stay. The KV bytes per sequence, as held and at bf16 (`kv_bytes`), are shown
+where the records carry the bf16 figure. "kept" is the
 most a layer held, "mean kept" what it held on average (`MEAN_KEPT`, shown when the records
 carry it: run folders written before it lack the figure). An oracle row
 with fewer than `MIN_ORACLE_PREDICTIONS` re-computed predictions shows "n too small".
@@ -15,7 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from . import traits
-from .columns import MEAN_KEPT, Column, Table, mean_kept, number
+from .columns import KV_BF16, KV_HELD, MEAN_KEPT, Column, Table, mean_kept, number
+from .kv_bytes import RowBytes, mib, row_bytes
 from .records import PplRecord
 from .uncertainty import blocks, mean_interval
 
@@ -24,10 +27,12 @@ KIND_ORDER = {"full": 0, "oracle": 1, "policy": 2, "sinks": 3}
 
 @dataclass(frozen=True)
 class SummaryRow:
-    """One row of the summary: a perplexity cell, and the full cache's PPL to compare it with."""
+    """One row of the summary: a perplexity cell, the full cache's PPL to compare it with, and its KV bytes per
+    sequence (`kv_bytes.row_bytes`)."""
 
     record: PplRecord
     full_ppl: float | None
+    kv: RowBytes = RowBytes(None, None)
 
     @property
     def ppl_over_full(self) -> float | None:
@@ -62,12 +67,16 @@ SUMMARY: list[Column[SummaryRow]] = [
     Column("sink loss", lambda s: number(s.record.sink_share), drop=5),
     Column("kept", lambda s: number(s.record.max_kept), drop=3),
     Column(MEAN_KEPT, lambda s: mean_kept(s.record.mean_kept), drop=3),  # left out right after "kept"
+    Column(KV_HELD, lambda s: mib(s.kv.held), drop=8),
+    Column(KV_BF16, lambda s: mib(s.kv.bf16), drop=9),
     Column("batch seconds", lambda s: number(s.record.batch_seconds, 1), drop=2),
     Column("tokens/s", lambda s: number(s.record.tokens_per_s, 0), drop=1),
     Column("peak MB", lambda s: number(s.record.peak_mb, 0), drop=-1),
 ]
 #: what a cell cost, recorded since timing and memory joined the records: left out for older run folders
 COST_COLUMNS = ("tokens/s", "peak MB")
+#: KV bytes per sequence, shown where the records carry the bf16 figure (older run folders lack it)
+BYTES_COLUMNS = (KV_HELD, KV_BF16)
 
 
 def summary_rows(records: Sequence[PplRecord]) -> list[SummaryRow]:
@@ -84,15 +93,17 @@ def summary_rows(records: Sequence[PplRecord]) -> list[SummaryRow]:
             continue
         unique[r.key] = r
     ordered = sorted(unique.values(), key=lambda r: (r.budget or 0, KIND_ORDER[r.kind], r.name))
-    return [SummaryRow(r, base) for r in ordered]
+    return [SummaryRow(r, base, row_bytes(r, records)) for r in ordered]
 
 
 def summary_table(records: Sequence[PplRecord]) -> Table:
     rows = summary_rows(records)
     measured = any(r.record.peak_mb is not None for r in rows)
     held = any(r.record.mean_kept is not None for r in rows)
+    sized = any(r.kv.bf16 is not None for r in rows)
     return Table.of(
-        [c for c in SUMMARY if (measured or c.header not in COST_COLUMNS) and (held or c.header != MEAN_KEPT)], rows
+        [c for c in SUMMARY if (measured or c.header not in COST_COLUMNS) and (held or c.header != MEAN_KEPT)
+         and (sized or c.header not in BYTES_COLUMNS)], rows
     )
 
 

@@ -50,3 +50,9 @@ def is_preset(spec: str) -> bool:
     """The policy is a serving engine's own rule (`llamacpp`, `trtllm`, ...): a sink wrapper refuses it, so
     its sinks are set through the engine's own option."""
     return bool(_policy(spec).preset)
+
+
+def kv_bits(spec: str) -> int | None:
+    """Bits per code of a quantized row (`q4+h2o`: 4); None where entries are held unquantized."""
+    storage = _policy(spec).kv_storage
+    return None if storage is None else int(storage.bits)

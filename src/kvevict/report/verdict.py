@@ -9,7 +9,8 @@ data (`tolerance.judge_ppl`, `judge_kl`, `judge_accuracy`: paired intervals) on 
 the run holds: PPL, KL where `max_kl` is stated, RULER task answers, pass-key trials. Per
 budget the verdict names, from the records alone:
 
-* *ship*: the cheapest policy inside the tolerance on every metric (no attention statistics,
+* *ship*: the cheapest policy inside the tolerance on every metric (fewest KV bytes where the
+  budget's rows differ in storage width, then no attention statistics,
   then fewest pinned slots, then closest to the full cache);
 * *undecided*, where none is inside and some straddle a limit: the closest of those, and
   about how many more samples would decide it;
@@ -38,11 +39,12 @@ from functools import cached_property
 
 from ..eval.sink_loss import unbounded_note
 from .columns import number
+from .kv_bytes import mib
 from .records import PplRecord, Record, ppl_records, ruler_records, task_records
 from .ruler import FLOOR, TaskScore, beyond, judged, rank_agreement
 from .tables import budget_order
 from .tolerance import Judgement, Tolerance, judge_accuracy, judge_kl, judge_pair, judge_ppl
-from .traits import is_preset, needs_attention, pinned
+from .traits import is_preset, kv_bits, needs_attention, pinned
 from .uncertainty import Blocks, Interval, blocks, mean_interval, paired_difference, wilson
 
 #: outside and collapsed: the whole paired PPL ratio interval at or above this
@@ -57,8 +59,9 @@ HOW = (
     "pass-key accuracy by the exact interval on the answers only one side got right (McNemar's exact test). "
     "Inside: the whole interval within the stated tolerance; outside: the whole interval past it (collapsed: "
     "past 2× the full cache's PPL or below half its accuracy); undecided otherwise, with the samples that would "
-    "decide it. Ship: the cheapest policy inside on every metric (no attention statistics, then fewest pinned "
-    "slots); tied: inside the tolerance of each other both ways. Tasks are judged on one protocol (agnostic "
+    "decide it. Ship: the cheapest policy inside on every metric (fewest KV bytes where the budget's rows differ "
+    "in storage width, then no attention statistics, then fewest pinned slots); "
+    "tied: inside the tolerance of each other both ways. Tasks are judged on one protocol (agnostic "
     f"first), on the answers every policy gave, within the model's reach (full cache ≥ {FLOOR:.0%}). Where the full "
     "cache itself is worse beyond the noise, policies are ranked by PPL."
 )
@@ -101,6 +104,9 @@ class Candidate:
     preset: bool = False  # a serving engine's rule: its sinks are its engine's option, not a sinkN+ wrapper
     judgements: tuple[tuple[str, Judgement], ...] = ()
     missing: tuple[str, ...] = ()  # metrics the run states but this row cannot be judged on (no per-block data)
+    #: KV bytes per sequence at bf16, set where rows of the budget differ in storage width (`q4+...`): there the
+    #: entries are no measure of memory (None: every row holds its entries at one width, bytes follow the budget)
+    kv_bf16: int | None = None
 
     @property
     def rank(self) -> tuple[float, float]:
@@ -121,10 +127,11 @@ class Candidate:
         return None if self.kl_blocks is None else mean_interval(self.kl_blocks)
 
     @property
-    def cost(self) -> tuple[bool, int]:
-        """What serving it costs beyond a window: attention statistics first (they rule out a fused attention
-        kernel and cost a pass per step), then pinned slots (a few entries of memory)."""
-        return (self.reads_attention, self.pins)
+    def cost(self) -> tuple[int, bool, int]:
+        """What serving it costs beyond a window: KV bytes first where rows of the budget differ in width (a
+        `q8+full` row holds more than a plain one at the budget), then attention statistics (they rule out a fused
+        attention kernel and cost a pass per step), then pinned slots (a few entries of memory)."""
+        return (self.kv_bf16 or 0, self.reads_attention, self.pins)
 
     @property
     def outcome(self) -> str:
@@ -201,8 +208,10 @@ def _candidates(records: list[PplRecord], budget: int, needle: dict[tuple[str, s
                 tasks: dict[tuple[str, str], TaskScore]) -> list[Candidate]:
     """The policy rows at `budget` (a sink-sweep row that repeats a policy row counts once)."""
     seen: dict[str, Candidate] = {}
-    for r in records:
-        if r.budget != budget or r.kind not in ("policy", "sinks") or r.policy in seen:
+    here = [r for r in records if r.budget == budget and r.kind in ("policy", "sinks")]
+    widths = len({kv_bits(r.policy) for r in here}) > 1  # bytes, not entries, tell the rows' memory apart
+    for r in here:
+        if r.policy in seen:
             continue
         sink = r.sink()
         seen[r.policy] = Candidate(
@@ -210,6 +219,7 @@ def _candidates(records: list[PplRecord], budget: int, needle: dict[tuple[str, s
             sink.lost if sink else 0, sink.bounded if sink else 0,
             pinned(r.policy), needs_attention(r.policy), blocks(r.curve, "ppl"), blocks(r.kl_curve, "kl"),
             unbounded_note(sink, r.sliding_window), tasks.get((r.name, str(budget))), preset=is_preset(r.policy),
+            kv_bf16=r.kv_bytes_bf16 if widths else None,
         )
     return list(seen.values())
 
@@ -369,7 +379,8 @@ def _scores(c: Candidate) -> str:
 
 def _cost_text(c: Candidate) -> str:
     pins = "no pinned slots" if not c.pins else f"{c.pins} pinned slot{'s' if c.pins > 1 else ''}"
-    return pins + (", attention statistics" if c.reads_attention else ", no attention statistics")
+    held = "" if c.kv_bf16 is None else f"{mib(c.kv_bf16)} MiB KV per sequence at bf16, "
+    return held + pins + (", attention statistics" if c.reads_attention else ", no attention statistics")
 
 
 def _task_scores(c: Candidate) -> str:
