@@ -21,7 +21,7 @@ from kvevict.report.html import render
 from kvevict.report.records import PplRecord
 
 from conftest import make_tiny
-from helpers import attn, band_sink_nll, cli
+from support import attn, band_sink_nll, cli
 
 
 class CharTokenizer:

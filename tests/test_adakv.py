@@ -12,7 +12,7 @@ from kvevict.cache.per_head.allocation import allocate
 from kvevict.eval.forward import body
 
 from conftest import make_tiny, random_tokens
-from helpers import attn
+from support import attn
 
 
 def reference_keep(alive: list[list[int]], score, total: int, floor: int) -> list[set[int]]:

@@ -23,7 +23,7 @@ from architectures import ARCHS, GEMMA_WINDOW, VOCAB
 from kvevict import EvictingCache, attach, compare
 from kvevict.errors import KvevictError
 
-from helpers import attn, nll_from_logits, plain_nll
+from support import attn, nll_from_logits, plain_nll
 
 BUDGET = 12
 

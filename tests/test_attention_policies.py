@@ -13,7 +13,7 @@ from kvevict.cache.probabilities import attention_mass
 from kvevict.eval.forward import body
 
 from conftest import make_tiny, random_tokens
-from helpers import attn, logits_through
+from support import attn, logits_through
 
 
 class H2OReference:

@@ -17,7 +17,7 @@ from kvevict.eval.forward import body
 from kvevict.loading import load_tokenizer
 
 from conftest import make_tiny, random_tokens
-from helpers import cli, cli_error, one_line_error
+from support import cli, cli_error, one_line_error
 
 runner = CliRunner()
 
@@ -345,7 +345,14 @@ def test_ppl_table_fits_80_columns_without_cutting_numbers(tiny_dir):
             assert all(len(line) <= 80 for line in result.stdout.splitlines())
             assert "left out s, positions" in result.stderr
         else:
-            assert len(rows[0]) == 10 and "left out" not in result.stderr
+            assert len(rows[0]) == 12 and "left out" not in result.stderr
+            # the KV bytes a sequence holds at the end: 16 entries × layers × KV heads × head_dim × K and V,
+            # at 4 bytes (float32) as held and 2 at bf16, counted by hand from the model's config
+            config = json.loads((tiny_dir / "config.json").read_text())
+            per_entry = (config["num_hidden_layers"] * config["num_key_value_heads"] * config["head_dim"] * 2)
+            held, bf16 = (float(cell) for cell in rows[0][9:11])
+            assert held == pytest.approx(16 * per_entry * 4 / 2**20, rel=1e-3)
+            assert bf16 == pytest.approx(16 * per_entry * 2 / 2**20, rel=1e-3)
 
 
 def test_real_process_exit_code_and_no_traceback():

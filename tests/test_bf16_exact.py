@@ -26,7 +26,7 @@ from architectures import ARCHS, VOCAB
 from kvevict import EvictingCache, compare
 from test_architectures import BUDGET, CACHE_KWARG, SINKS, TOKENS, Reference, reference_nll
 
-from helpers import attn
+from support import attn
 
 BAND = {"window": ("band", 0), f"sink{SINKS}+window": ("band", SINKS)}
 CASES = [(a, p) for a in ARCHS for p in a.positions]

@@ -12,7 +12,7 @@ from kvevict.errors import KvevictError
 from kvevict.eval.forward import body
 
 from conftest import make_tiny, random_tokens
-from helpers import band_sink_nll, plain_nll
+from support import band_sink_nll, plain_nll
 
 
 def rel_close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-4) -> None:

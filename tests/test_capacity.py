@@ -10,7 +10,7 @@ from transformers import AutoConfig
 from kvevict import KvevictError
 from kvevict.report.capacity import concurrent, parse_size, read_config, shape_of
 
-from helpers import cli, cli_error
+from support import cli, cli_error
 
 LLAMA3_8B = str(Path(__file__).parent / "fixtures" / "llama3-8b-config.json")
 

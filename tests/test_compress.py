@@ -15,7 +15,7 @@ from kvevict.eval.compress import (
 from kvevict.policies.budget import parse_budget, resolve_budget
 
 from conftest import random_tokens
-from helpers import attn, nll_from_logits
+from support import attn, nll_from_logits
 
 
 def kept_mask_nll(model, tokens: torch.Tensor, context: int, kept: set[int]) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 
 from kvevict.errors import KvevictError
 
-from helpers import cli, cli_error
+from support import cli, cli_error
 
 MODEL_COMMANDS = ["ppl", "compare", "ab", "demo", "needle", "generation", "sinks", "ruler"]
 

@@ -15,7 +15,7 @@ from kvevict import EvictingCache, compare
 from kvevict.errors import KvevictError
 
 from conftest import make_tiny, random_tokens
-from helpers import cli, cli_error, one_line_error
+from support import cli, cli_error, one_line_error
 
 MODEL_COMMANDS = ["ppl", "compare", "ab", "demo", "needle", "generation", "sinks", "ruler", "envelope", "engine-check"]
 

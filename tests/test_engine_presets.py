@@ -306,7 +306,7 @@ def test_compare_runs_a_preset_in_its_own_batch(tiny_dir):
     its own, against the same full cache, and gives what `kvevict ppl` gives for it alone."""
     import json
 
-    from helpers import cli
+    from support import cli
 
     common = ["--model", str(tiny_dir), "--tokens", "48", "--budget", "12", "--positions", "cache"]
     out = cli("compare", *common, "--policies", "llamacpp:keep=2,window:page=3", "--json")
@@ -352,7 +352,7 @@ def test_ab_records_and_reports_what_a_burst_preset_holds_on_average(tiny_dir, t
     11 - 1 = 10 between tokens, and 10.35 for a window of 12 (1..12, then 12: 414 / 40)."""
     import json
 
-    from helpers import cli
+    from support import cli
 
     assert sum(llama_server_held(12, 2, 40)) == 308  # the loop above agrees with the hand count
     run = tmp_path / "runs" / "burst"
@@ -384,7 +384,7 @@ def test_needle_runs_a_preset_in_its_engines_position_mode(tiny_dir):
     names the fix."""
     import json
 
-    from helpers import cli
+    from support import cli
 
     common = ["needle", "--model", str(tiny_dir), "--lengths", "120", "--depths", "0.5", "--trials", "1",
               "--policies", "llamacpp:keep=2", "--budgets", "32"]

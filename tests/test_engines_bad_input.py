@@ -9,7 +9,7 @@ import pytest
 from kvevict import KvevictError
 from kvevict.policies import check_policy, parse_policy
 
-from helpers import cli_error
+from support import cli_error
 
 
 @pytest.mark.parametrize(

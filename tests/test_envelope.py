@@ -21,7 +21,7 @@ from kvevict.report.tolerance import Tolerance, judge_ppl
 from kvevict.report.uncertainty import blocks
 
 from conftest import make_tiny
-from helpers import cli, cli_error
+from support import cli, cli_error
 
 TEXT = "It was the best of times, it was the worst of times, it was the age of wisdom. " * 40
 SEED, TOKENS, FLOOR, RATIO = 3, 128, 8, 1.2

@@ -11,7 +11,7 @@ from kvevict.cli import app
 from kvevict.eval.generation import GenPromptMaker, repetition_rate, run_generation
 from kvevict.loading import load_model, load_tokenizer
 
-from helpers import cli_error
+from support import cli_error
 
 runner = CliRunner()
 

@@ -17,7 +17,7 @@ import torch
 
 from kvevict.errors import KvevictError
 
-from helpers import attn, cli, cli_error
+from support import attn, cli, cli_error
 
 pytestmark = pytest.mark.skipif(find_spec("lm_eval") is None,
                                 reason="the lm-eval extra is not installed: pip install kvevict[lm-eval]")

@@ -13,8 +13,8 @@ from kvevict.cli import app
 from kvevict.eval.needle import NeedleResult, PromptMaker, check_grid, run_needle
 from kvevict.loading import load_tokenizer
 
-from helpers import close
-from helpers import one_line_error as _one_line_error
+from support import close
+from support import one_line_error as _one_line_error
 
 runner = CliRunner()
 

@@ -17,7 +17,7 @@ from kvevict.eval.forward import body
 from kvevict.policies import check_policy, parse_policy
 
 from conftest import make_tiny, random_tokens
-from helpers import attn, logits_through
+from support import attn, logits_through
 
 
 def tova_victim(probs, keys, alive, candidates, head, group, per_group):

@@ -29,8 +29,8 @@ from kvevict.ab.executors import LocalExecutor
 
 import netns
 from guarded import Host
-from helpers import cli, cli_error
 from netguard import is_loopback
+from support import cli, cli_error
 
 TESTS = Path(__file__).resolve().parent
 SRC = str(TESTS.parent / "src")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import cli
+from support import cli
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 MODELS = ("smollm2-135m", "gemma3-270m")

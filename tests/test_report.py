@@ -19,7 +19,7 @@ from kvevict.report.sections import SECTIONS
 from kvevict.report.store import ResultStore
 from kvevict.report.tables import BYTES_COLUMNS, COST_COLUMNS, SUMMARY, sinks_table, summary_rows, summary_table
 
-from helpers import close, series
+from support import close, series
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
@@ -79,7 +79,7 @@ def test_cell_key_is_what_the_store_holds(demo):
 def test_old_run_folder_redraws_the_readme_demo_table(tmp_path, demo):
     """`kvevict report --markdown` on the committed demo results prints a row per record, with the record's
     own numbers (recomputed here from the JSON lines, not copied from anywhere)."""
-    from helpers import cli
+    from support import cli
 
     run = tmp_path / "demo"
     run.mkdir()
@@ -393,7 +393,7 @@ def test_the_report_ab_writes_is_the_report_that_report_redraws(tmp_path, tiny_d
     """`kvevict ab` and `kvevict report` draw from the same recorded run metadata (stream start included)."""
     import re
 
-    from helpers import cli
+    from support import cli
     from test_ab import TEXT
 
     text_file = tmp_path / "t.txt"
@@ -414,7 +414,7 @@ def test_the_report_ab_writes_is_the_report_that_report_redraws(tmp_path, tiny_d
 
 
 def test_a_line_of_unknown_kind_is_refused(tmp_path):
-    from helpers import cli, one_line_error
+    from support import cli, one_line_error
 
     folder = tmp_path / "run"
     folder.mkdir()

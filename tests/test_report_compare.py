@@ -13,7 +13,7 @@ import pytest
 from kvevict.report.records import PplRecord, TaskRecord
 from kvevict.report.store import ResultStore
 
-from helpers import cli, one_line_error
+from support import cli, one_line_error
 
 # run A: 2 layers x 2 KV heads, with a needle test; run B: 3 layers x 2 KV heads, no needle test
 A_FULL, B_FULL = 20.0, 10.0

@@ -21,7 +21,7 @@ from kvevict.eval.ruler.sample import Prompt, Question, Sample
 from kvevict.policies.span import pin_span
 
 from conftest import make_tiny, random_tokens
-from helpers import attn
+from support import attn
 
 SPECS = ["window", "streamingllm", "h2o", "snapkv:window=8"]
 

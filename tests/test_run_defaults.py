@@ -13,7 +13,7 @@ import torch
 from architectures import BUILDERS, GEMMA_WINDOW
 
 from conftest import make_tiny
-from helpers import cli, cli_error
+from support import cli, cli_error
 
 
 @pytest.fixture(scope="module")

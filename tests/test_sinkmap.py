@@ -11,7 +11,7 @@ from kvevict.eval.sinkmap import sink_map
 from kvevict.policies.sinkauto import SinkAuto
 
 from conftest import make_tiny, random_tokens
-from helpers import attn, cli_error
+from support import attn, cli_error
 
 
 def eager_attentions(model, tokens: torch.Tensor) -> list[torch.Tensor]:

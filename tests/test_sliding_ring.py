@@ -18,7 +18,7 @@ import torch
 from architectures import GEMMA_WINDOW, VOCAB, Arch
 from kvevict import EvictingCache
 
-from helpers import attn
+from support import attn
 
 TOKENS = torch.randint(0, VOCAB, (60,), generator=torch.Generator().manual_seed(11))
 # prefill 3, then decode steps until the ring has turned 17 times (its oldest slot is 17 % 6 = 5, not 0:

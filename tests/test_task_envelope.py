@@ -163,7 +163,7 @@ def test_on_a_tiny_model_every_cell_is_answered_on_the_full_caches_samples(tmp_p
 
 
 def test_cli_prints_the_table_the_verdict_and_the_cost(tmp_path, tiny_dir):
-    from helpers import cli
+    from support import cli
 
     result = cli("envelope", "--model", str(tiny_dir), "--tasks", "niah_single_1", "--lengths", "400", "--policies",
                  "window", "--floor", "16", "--resolution", "2", "--samples-start", "2", "--samples-max", "4",
@@ -181,7 +181,7 @@ def test_cli_prints_the_table_the_verdict_and_the_cost(tmp_path, tiny_dir):
     (["--policies", "full"], "never evicts"),
 ])
 def test_bad_task_envelope_input_is_one_line(args, needle):
-    from helpers import cli_error
+    from support import cli_error
 
     base = {"--tasks": "niah_single_1", "--policies": "window"}
     given = dict(zip(args[::2], args[1::2]))

@@ -17,7 +17,7 @@ from kvevict.report.tolerance import Tolerance
 from kvevict.report.uncertainty import blocks, mean_interval, paired_difference, wilson
 from kvevict.report.verdict import HOW, markdown, verdict
 
-from helpers import cli
+from support import cli
 
 WINDOWS = 20  # blocks of 10 predictions each
 
