@@ -13,7 +13,7 @@ from kvevict.ab import task_envelope
 from kvevict.ab.task_envelope import TaskEnvelopeConfig, run_task_envelope
 from kvevict.eval.ruler.grid import record_key
 from kvevict.policies.budget import budget_label
-from kvevict.report.task_envelope import at_cap, cells_of, search_cost, smallest
+from kvevict.report.task_envelope import at_cap, cells_of, judge_cell, search_cost, smallest
 from kvevict.report.tolerance import judge_accuracy
 
 TOP = 120  # the oracle's context: budgets are searched below it
@@ -120,6 +120,18 @@ def test_a_cell_adds_samples_until_it_decides(tmp_path, with_oracle):
     assert expected.n > cfg.start  # the precondition: the first look did not decide
     cell = judged(cfg, records)[40]
     assert (cell.judgement.n, cell.judgement.outcome) == (expected.n, expected.outcome)
+
+
+def test_a_cell_stops_at_the_look_that_decides_it():
+    """Answers stored beyond the deciding look (a fixed grid's, in the same folder) are not read: 20 of 20 at
+    the first look is inside; the 40 misses after it would put the cell outside at the cap."""
+    cfg = TaskEnvelopeConfig(start=20, cap=60)
+    answered = {i: float(i < 20) for i in range(60)}
+    full = dict.fromkeys(range(60), 1.0)
+    at_cap_only = judge_accuracy(list(answered.values()), list(full.values()), cfg.tolerance())
+    assert at_cap_only.outcome == "outside"  # the precondition: judged on all 60 it would fail
+    cell = judge_cell(cfg.looks(), cfg.tolerance(), "window", 100, answered, full)
+    assert (cell.judgement.n, cell.judgement.outcome, cell.need) == (20, "inside", None)
 
 
 def test_a_cell_undecided_at_the_cap_counts_as_not_inside(tmp_path, with_oracle):

@@ -42,13 +42,18 @@ def scores(records: list) -> dict[tuple[str, str], dict[int, float]]:
 
 
 def judge_cell(looks: list[int], tolerance: Tolerance, spec: str, budget: int, answered: dict, full: dict) -> Cell:
-    """The cell judged at the largest look whose samples both it and the full cache answered."""
+    """The cell judged at its first look that decides, or else at the largest look whose samples both it and the
+    full cache answered. A cell stops at the look that decides it, as the sequential rule says: answers stored
+    beyond it (a fixed-n grid or a `ruler` run in the same folder) are not read, so they cannot move the
+    judgement."""
     judgement, need = None, looks[0]
     for n in looks:
         if not all(i in answered and i in full for i in range(n)):
             break
         judgement = judge_accuracy([answered[i] for i in range(n)], [full[i] for i in range(n)], tolerance)
         need = None if judgement.outcome != "undecided" or n == looks[-1] else next(m for m in looks if m > n)
+        if judgement.outcome != "undecided":
+            break
     return Cell(spec, budget, judgement, need)
 
 
