@@ -55,8 +55,8 @@ class TaskEnvelopeConfig:
     floor: int = 16
     resolution: float = 1.25
     max_accuracy_drop: float = 0.05
-    start: int = 20
-    cap: int = 60
+    start: int = 10
+    cap: int = 30
     seed: int = 0
     positions: str = DEFAULT_POSITIONS
     text: str = "pg-essays"
@@ -88,7 +88,7 @@ class TaskEnvelopeConfig:
             raise KvevictError("--policies is empty: give comma-separated specs such as streamingllm,h2o")
         if self.start < 1 or self.cap < self.start:
             raise KvevictError(f"--samples-start {self.start} and --samples-max {self.cap}: give 1 <= start <= max, "
-                               "e.g. 20 and 60")
+                               "e.g. 10 and 30")
         self.tolerance()
         self.grid(list(self.policies), [self.floor], self.start).check()
         run_folder(self.out, self.name)

@@ -108,8 +108,8 @@ def envelope(
                               "(at --lengths, default 2048) instead of perplexity"),
     protocol: str = typer.Option("agnostic", help="--tasks: the RULER protocol (agnostic, aware, stream, multi)"),
     max_accuracy_drop: float | None = max_accuracy_drop_option(),
-    samples_start: int = typer.Option(20, help="--tasks: samples a cell is first judged on, and added per look"),
-    samples_max: int = typer.Option(60, help="--tasks: the most samples a cell takes; undecided there = not inside"),
+    samples_start: int = typer.Option(10, help="--tasks: samples a cell is first judged on, and added per look"),
+    samples_max: int = typer.Option(30, help="--tasks: the most samples a cell takes; undecided there = not inside"),
 ) -> None:
     """Find, per policy, the smallest KV budget within a quality tolerance; bytes, capacity, a verdict."""
     deployment = _deployment(deploy_context, accelerator_memory, weight_bytes)
