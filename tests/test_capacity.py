@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoConfig
 
 from kvevict import KvevictError
-from kvevict.report.capacity import concurrent, parse_size, read_config, shape_of
+from kvevict.report.capacity import capacity_rows, concurrent, parse_size, read_config, shape_of
 
 from support import cli, cli_error
 
@@ -41,6 +41,24 @@ def test_sliding_layers_are_bounded_by_their_window():
     assert shape.sequence_bytes(32768) == (32768 + 5 * 511) * 1024
     assert shape.sequence_bytes(32768, 1024) == (1024 + 5 * 511) * 1024
     assert shape.sequence_bytes(300) == 6 * 300 * 1024  # a context inside the window: every layer holds it all
+
+
+def test_a_quantized_configuration_provisions_the_bytes_it_held():
+    """The arithmetic counts 4096 bytes an entry and layer (bf16); a 4-bit cache of 1024 entries measured at
+    4096 tokens held, say, 32 layers x 1024 x 1280 bytes (codes, scales, zero points). A bounded cache holds
+    the same entries at any length, so at 32768 tokens it provisions exactly what it held: 40 MiB, and
+    (80 - 16) GB / 40 MiB = 1525 sequences; the unquantized row keeps the arithmetic (1024 x 32 x 4096 bytes
+    = 128 MiB: 476 sequences). At a
+    512-token deployment, under the budget, it holds half the entries, so half the bytes."""
+    shape = read_config(LLAMA3_8B)
+    measured = 32 * 1024 * 1280
+    configs = [("h2o", 1024), ("q4+h2o", 1024)]
+    rows = capacity_rows(shape, configs, 32768, 80 * 10**9, 16 * 10**9, {"q4+h2o": (measured, 4096)})
+    by_name = {r.name: r for r in rows}
+    assert by_name["q4+h2o"].sequence_bytes == 40 * 2**20 and by_name["q4+h2o"].sequences == 1525
+    assert by_name["h2o"].sequence_bytes == 2**27 and by_name["h2o"].sequences == 476
+    short = capacity_rows(shape, configs, 512, 80 * 10**9, 16 * 10**9, {"q4+h2o": (measured, 4096)})
+    assert {r.name: r.sequence_bytes for r in short}["q4+h2o"] == measured // 2
 
 
 def test_sizes():

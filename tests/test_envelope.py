@@ -256,3 +256,9 @@ def test_bits_are_searched_like_any_configuration(tmp_path, text_file):
     assert row.smallest.budget == min(inside)
     at_floor = {r.policy: r.kv_bytes for r in records if r.kind == "policy" and r.budget == FLOOR}
     assert at_floor[parse_spec(quantized)] * 128 == at_floor[parse_spec("streamingllm")] * 48
+    # at bf16 every float is 2 bytes: codes 16 bytes, scales and zero points 2 x 2 x 2 x 2 = 16: 32 of 64, so the
+    # share the verdict ranks by is half the unquantized cache's, not the 48/128 held in float32
+    probe = next(p for p in row.probes if p.budget == FLOOR)
+    plain = next(p for r in rows if r.spec == parse_spec("streamingllm") for p in r.probes if p.budget == FLOOR)
+    assert probe.share_bf16 * 64 == pytest.approx(plain.share_bf16 * 32)
+    assert probe.share * 128 == pytest.approx(plain.share * 48)

@@ -52,11 +52,11 @@ def _deployment(deploy_context: int, memory: str, weights: str) -> tuple[int, in
     return deploy_context, parse_size(memory, "--accelerator-memory"), parse_size(weights or "0", "--weight-bytes")
 
 
-def _capacity(shape, configs, deployment, weights_given: bool):
+def _capacity(shape, configs, deployment, weights_given: bool, held: dict | None = None):
     from ..report.capacity import arithmetic, capacity_rows, gib
 
     context, memory, weights = deployment
-    rows = capacity_rows(shape, configs, context, memory, weights)
+    rows = capacity_rows(shape, configs, context, memory, weights, held)
     note = arithmetic(shape, context) + f"; {memory / 1e9:g} GB ({gib(memory)}) of accelerator memory"
     note += (f" less {weights / 1e9:g} GB of weights" if weights_given
              else " (weights not subtracted: pass --weight-bytes)")
@@ -197,8 +197,11 @@ def show_envelope(config, records, deployment, weight_bytes: str) -> list:
         context, memory, weights = deployment
         if not weight_bytes:
             deployment = (context, memory, int(full.extra.get("weight_bytes", 0)))
-        named = [(r.name, r.smallest.budget) for r in rows if r.smallest is not None]
-        capacity = _capacity(KvShape(**full.extra["kv_shape"]), named, deployment, True)
+        found = [r for r in rows if r.smallest is not None]
+        named = [(r.name, r.smallest.budget) for r in found]
+        held = {r.name: (r.smallest.record.kv_bytes, config.tokens) for r in found
+                if r.smallest.record.kv_bytes is not None}  # what each cache held, not a nominal width
+        capacity = _capacity(KvShape(**full.extra["kv_shape"]), named, deployment, True, held)
         print(capacity[0])
         show(capacity_table(capacity[1]), f"capacity at {context} tokens (budgets as found at {config.tokens})")
     path = render_envelope(vars(config), full, rows, tolerance, config.sweep().folder / "envelope.html", capacity)

@@ -128,13 +128,24 @@ class CapacityRow:
 
 
 def capacity_rows(shape: KvShape, configs: list[tuple[str, int | None]], context: int, memory: int,
-                  weights: int) -> list[CapacityRow]:
-    """The full cache first, then each named configuration (name, budget in entries; None: full)."""
+                  weights: int, held: dict[str, tuple[int, int]] | None = None) -> list[CapacityRow]:
+    """The full cache first, then each named configuration (name, budget in entries; None: full).
+
+    `held`: per configuration name, (KV bytes a measured cache held, the stream length it held them at). The
+    shape's arithmetic counts every entry at the element size, which a quantized configuration does not hold
+    (codes, scales and zero points: docs/quantization.md); where a measurement is given, the sequence's bytes
+    are the measured ones, scaled by the arithmetic from the measured stream to the deployment's context (1 when
+    both are beyond the budget and the sliding window: a bounded cache holds the same entries at any length)."""
     full = shape.sequence_bytes(context)
     rows = [("full cache", None)] + [c for c in configs if c[1] is not None]
-    return [CapacityRow(name, budget, shape.sequence_bytes(context, budget),
-                        concurrent(memory, weights, shape.sequence_bytes(context, budget)), full)
-            for name, budget in rows]
+    out = []
+    for name, budget in rows:
+        sequence = shape.sequence_bytes(context, budget)
+        if held and name in held:
+            measured, tokens = held[name]
+            sequence = round(measured * sequence / shape.sequence_bytes(tokens, budget))
+        out.append(CapacityRow(name, budget, sequence, concurrent(memory, weights, sequence), full))
+    return out
 
 
 def gib(value: int) -> str:

@@ -71,6 +71,19 @@ class Probe:
         r = self.record
         return r.kv_bytes / r.full_kv_bytes if r.kv_bytes is not None and r.full_kv_bytes else None
 
+    @property
+    def share_bf16(self) -> float | None:
+        """The same share with every float at 2 bytes, as on an accelerator: a float32 run's quantized cache
+        keeps float32 scales and zero points, so its share held understates what it costs beside a bf16 cache."""
+        r = self.record
+        return r.kv_bytes_bf16 / r.full_kv_bytes_bf16 if r.kv_bytes_bf16 is not None and r.full_kv_bytes_bf16 else None
+
+    @property
+    def cost(self) -> int:
+        """What the verdict ranks by: the bytes at bf16 where recorded (widths compare as deployed), else held."""
+        r = self.record
+        return r.kv_bytes_bf16 if r.kv_bytes_bf16 is not None else (r.kv_bytes or 0)
+
 
 @dataclass(frozen=True)
 class EnvelopeRow:
@@ -122,8 +135,9 @@ def quality(probe: Probe | None) -> str:
     return f"{j.estimate:.3f} [{j.low:.3f}, {j.high:.3f}]"
 
 
-def _share(probe: Probe | None) -> str:
-    return "-" if probe is None or probe.share is None else f"{100 * probe.share:.1f}%"
+def _share(probe: Probe | None, bf16: bool = False) -> str:
+    share = None if probe is None else probe.share_bf16 if bf16 else probe.share
+    return "-" if share is None else f"{100 * share:.1f}%"
 
 
 ENVELOPE: list[Column[EnvelopeRow]] = [
@@ -131,6 +145,7 @@ ENVELOPE: list[Column[EnvelopeRow]] = [
     Column("smallest inside", lambda r: number(r.smallest and r.smallest.budget)),
     Column("KV bytes", lambda r: mib(r.smallest and r.smallest.record.kv_bytes)),
     Column("of full", lambda r: _share(r.smallest)),
+    Column("of full bf16", lambda r: _share(r.smallest, bf16=True), drop=5),
     Column("quality there [95%]", lambda r: quality(r.smallest)),
     Column("first failing", lambda r: number(r.failing and r.failing.budget), drop=2),
     Column("quality there [95%] ", lambda r: quality(r.failing), drop=1),
@@ -146,17 +161,18 @@ def envelope_table(rows: list[EnvelopeRow]) -> Table:
 
 def _describe(row: EnvelopeRow, full: PplRecord) -> str:
     p = row.smallest
+    bf16 = "" if p.share_bf16 is None else f", {_share(p, bf16=True)} at bf16"
     return (f"{row.name} at {p.budget} entries ({mib(p.record.kv_bytes)}, {_share(p)} of the full cache's "
-            f"{mib(p.record.full_kv_bytes)}; {p.judgement.metric} {quality(p)})")
+            f"{mib(p.record.full_kv_bytes)}{bf16}; {p.judgement.metric} {quality(p)})")
 
 
 def envelope_verdict(full: PplRecord | None, rows: list[EnvelopeRow], tolerance: Tolerance) -> str:
-    """The sentence: the cheapest configuration inside the tolerance (by KV bytes held) and the cheapest
-    eviction-only one; or that none is inside below the stream's length, naming the closest."""
+    """The sentence: the cheapest configuration inside the tolerance (by KV bytes at bf16, `Probe.cost`) and the
+    cheapest eviction-only one; or that none is inside below the stream's length, naming the closest."""
     limit = describe_tolerance(tolerance)
     if full is None or not rows:
         return "Nothing measured yet: rerun the same command to continue the search."
-    inside = sorted((r for r in rows if r.smallest is not None), key=lambda r: r.smallest.record.kv_bytes or 0)
+    inside = sorted((r for r in rows if r.smallest is not None), key=lambda r: r.smallest.cost)
     if not inside:
         probes = [p for r in rows for p in r.probes]
         best = min(probes, key=lambda p: p.judgement.high)
