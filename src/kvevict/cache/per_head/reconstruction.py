@@ -28,27 +28,38 @@ def window_mass(query: torch.Tensor, keys: torch.Tensor, key_pos: torch.Tensor, 
 
     query `[B, H_q, m, D]` rotated at positions `first .. first + m - 1`; keys `[B, capacity, D]` the
     row buffers; key_pos `[B, capacity]` their positions (-1: a hole); members `[B, H_kv, capacity]`
-    the entries each head holds. Queries go in blocks of at most `BLOCK_ELEMENTS` logits.
+    the entries each head holds. Each head's window is gathered out of the row buffer first
+    (`[B, H_kv, W, D]`, padded to the widest head's), so a query group reads its own head's window
+    only; queries go in blocks of at most `BLOCK_ELEMENTS` logits.
     """
     b, hq, m, d = query.shape
-    heads, width = members.shape[1], keys.shape[1]
+    heads = members.shape[1]
     group = hq // heads
     start, end = chunk
     pos = key_pos[:, None, :]
     window = members & ((pos < min(sinks, start)) | ((pos >= start) & (pos < end)) | (pos >= first))
-    hidden = ~window[:, :, None, None, :]  # [B, H_kv, 1, 1, capacity]
+    counts = window.sum(dim=-1)  # [B, H_kv]
+    width = max(1, int(counts.max()))
+    cols = window.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :width]  # [B, H_kv, W]
+    valid = torch.arange(width, device=query.device) < counts[..., None]
+    flat = cols.reshape(b, heads * width)
+    win_keys = keys.gather(1, flat[..., None].expand(-1, -1, d)).view(b, heads, width, d)
+    win_pos = key_pos.gather(1, flat).view(b, heads, 1, 1, width)
+    hidden = ~valid[:, :, None, None, :]
     best = torch.zeros(b, heads, width, device=query.device)
     block = max(1, BLOCK_ELEMENTS // max(1, b * hq * width))
     for a in range(0, m, block):
         q_blk = query[:, :, a : a + block]
         mb = q_blk.shape[2]
-        logits = torch.bmm(q_blk.reshape(b, hq * mb, d), keys.transpose(1, 2)).float().mul_(scaling)
+        q_heads = q_blk.reshape(b, heads, group * mb, d)
+        logits = torch.matmul(q_heads, win_keys.transpose(-1, -2)).float().mul_(scaling)
         logits = logits.view(b, heads, group, mb, width)
         at = torch.arange(first + a, first + a + mb, device=query.device)
-        logits.masked_fill_(hidden | (key_pos[:, None, None, None, :] > at[:, None]), float("-inf"))
+        logits.masked_fill_(hidden | (win_pos > at[:, None]), float("-inf"))
         best = torch.maximum(best, torch.softmax(logits, dim=-1).amax(dim=(2, 3)))
-    in_chunk = members & (pos >= start) & (pos < end)
-    return best.masked_fill(~in_chunk, float("nan"))
+    in_chunk = valid & (win_pos[:, :, 0, 0] >= start) & (win_pos[:, :, 0, 0] < end)
+    out = torch.full(members.shape, float("nan"), device=query.device)
+    return out.scatter_(-1, cols, best.masked_fill(~in_chunk, float("nan")))
 
 
 def ranked_keys(scores: torch.Tensor, positions: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
