@@ -257,3 +257,19 @@ def test_a_model_with_sliding_window_layers_is_refused(context):
     ids = context % gemma.config.vocab_size
     with pytest.raises(KvevictError, match="sliding-window layers"):
         compress(gemma, ids, "kvzip", 20, tokenizer=FRAMING)
+
+
+def test_an_ab_sweep_refuses_it_before_any_model_work(tmp_path):
+    from kvevict.ab.plan import plan
+
+    from test_ab import TEXT, config
+
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    with pytest.raises(KvevictError, match="run it with kvevict ruler"):
+        plan(config(tmp_path, text, policies=["window", "kvzip"]))
+
+
+def test_the_stream_protocol_refuses_it(model, context):
+    with pytest.raises(KvevictError, match="run it under agnostic, aware or multi --form requests"):
+        prefill(model, context, [f"kvzip:chunk_size={CHUNK}"], 20, "original", stream=True, tokenizer=FRAMING)
