@@ -7,8 +7,11 @@ press of `PRESSES` at each compression ratio in one prefill (`with press(model):
 hook: NVIDIA/kvpress, `kvpress/presses/base_press.py`), and records which entries each (layer, KV head)
 kept: a scorer press's `compress` returns the kept keys, found again among the layer's keys (exact copies),
 and Ada-KV's returns every key with the dropped ones listed in `module.masked_key_indices`
-(`kvpress/presses/adakv_press.py`). The kept sets are written as packed bits `[layers, H_kv, T / 8]` per
-press and ratio, with the ids and the versions, to one compressed npz.
+(`kvpress/presses/adakv_press.py`). KVzip is no scorer press: its context manager reconstructs the
+context after the prefill and leaves the dropped entries in `module.masked_key_indices`
+(`kvpress/presses/kvzip_press.py`, `compress_post`), read the same way. The kept sets are written as
+packed bits `[layers, H_kv, T / 8]` per press and ratio, with the ids and the versions, to one
+compressed npz. `--only NAME,...` runs those presses alone and merges them into an existing `--out`.
 
     .venv-kvpress/bin/python tools/kvpress_dump.py --model DIR --ids ids.npy --out tests/data/kvpress_kept.npz
 """
@@ -38,7 +41,20 @@ def presses(ratio: float) -> dict:
         "pyramidkv": kvpress.PyramidKVPress(compression_ratio=ratio),
         "adakv-snapkv": kvpress.AdaKVPress(kvpress.SnapKVPress(compression_ratio=ratio)),
         "adakv-expected-attention": kvpress.AdaKVPress(kvpress.ExpectedAttentionPress(compression_ratio=ratio)),
+        "kvzip": kvpress.KVzipPress(compression_ratio=ratio),
+        "kvzip-layerwise": kvpress.KVzipPress(compression_ratio=ratio, layerwise=True),
     }
+
+
+def masked_kept(model, heads: int, total: int) -> np.ndarray:
+    """`[layers, H_kv, T]` bool: every key but those each layer lists in `module.masked_key_indices`."""
+    masks = []
+    for layer in model.model.layers:
+        mask = np.ones((heads, total), dtype=bool)
+        _, head, slot = (t.numpy() for t in layer.self_attn.masked_key_indices)
+        mask[head, slot] = False
+        masks.append(mask)
+    return np.stack(masks)
 
 
 def kept_mask(keys: torch.Tensor, kept: torch.Tensor) -> np.ndarray:
@@ -71,6 +87,17 @@ def run_press(model, ids: torch.Tensor, press) -> np.ndarray:
         masks[module.layer_idx] = mask
         return out_keys, out_values
 
+    import kvpress
+
+    if isinstance(press, kvpress.KVzipPress):  # scores after the prefill, by reconstruction
+        with torch.inference_mode():
+            with press(model):
+                model(ids, past_key_values=DynamicCache())
+            kept = masked_kept(model, model.config.num_key_value_heads, ids.shape[1])
+        for module in model.modules():
+            if hasattr(module, "masked_key_indices"):
+                module.masked_key_indices = None
+        return kept
     press.compress = compress
     with torch.inference_mode(), press(model):
         model(ids, past_key_values=DynamicCache())
@@ -85,15 +112,24 @@ def main() -> None:
     parser.add_argument("--model", required=True, help="the dequantised model folder (config + safetensors)")
     parser.add_argument("--ids", required=True, help="token ids [T] (.npy) written by tools/kvpress_ids.py")
     parser.add_argument("--out", required=True, help="the npz to write")
+    parser.add_argument("--only", default="", help="presses to run (comma-separated), merged into an existing --out")
     args = parser.parse_args()
+    only = [name for name in args.only.split(",") if name]
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa").eval()
     ids = torch.from_numpy(np.load(args.ids)).long()[None]
     out = {"ids": ids[0].numpy().astype(np.int32), "ratios": np.array(RATIOS)}
+    if only:
+        with np.load(args.out) as before:
+            if not np.array_equal(before["ids"], out["ids"]):
+                raise SystemExit(f"{args.out} holds other ids: dump every press afresh (leave --only out)")
+            out.update({key: before[key] for key in before.files if key not in out})
     for ratio in RATIOS:
         for name, press in presses(ratio).items():
+            if only and name not in only:
+                continue
             kept = run_press(model, ids, press)
             out[f"{name}@{ratio}"] = np.packbits(kept, axis=-1)
             print(f"{name} at {ratio}: {kept.sum(axis=-1).mean():.1f} kept per head (of {kept.shape[-1]})")

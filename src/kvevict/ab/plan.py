@@ -153,6 +153,11 @@ def plan(config: SweepConfig) -> list[Cell]:
         seen = set()
         for label in config.policies:
             checked = check_policy(label, budget, config.positions)
+            if checked.reconstructs:
+                raise KvevictError(
+                    f"'{label}' scores a context by reconstructing it after its prefill, and kvevict ab evicts a "
+                    "perplexity stream as it reads: run it with kvevict ruler (or kvevict.compress)"
+                )
             if checked.unbounded and checked.kv_storage is None:
                 continue  # the full cache is always a row of the table; a quantized one (`q4+full`) is a row of its own
             spec = canonical(label, config.seed)

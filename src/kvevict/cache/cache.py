@@ -13,7 +13,8 @@ stand for all of them (`shares_rows`): an A/B batch computes its shared prefill 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,7 @@ from .layer_settings import Forward, LayerSettings
 from .model_info import check_model, layer_kinds, text_config
 from .observers import KeptTracker, Observer, SinkTracker, held_pinned_lost, held_sink_loss
 from .per_head import PER_HEAD_KINDS
+from .per_head.reconstruction import layer_totals
 from .positions import for_name
 from .quantized import storage_form_of
 from .rotary import Rotary
@@ -154,6 +156,8 @@ class EvictingCache(Cache):
         super().__init__(layers=[classes[kind](i, settings(i, kind)) for i, kind in enumerate(kinds)])
         self._budgets: list[int | None] = [None] * layers
         self.budget = budget
+        self._repeating: tuple[int, int] | None = None  # the chunk a KVzip repeat forward reconstructs
+        self.reconstructed = False  # a reconstruction pass scored the held-back context (`reconstructing`)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Dispatch to layer `layer_idx`, with the record of the forward in flight: a new `Forward` at
@@ -162,7 +166,7 @@ class EvictingCache(Cache):
             pinned = [p.pinned for p in self.layout.row_policies()]  # the first forward binds rows, once
             for observer in self.observers:
                 observer.on_bind(pinned)
-        forward = Forward() if layer_idx == 0 else self.layers[layer_idx - 1].forward
+        forward = Forward(reconstruct=self._repeating) if layer_idx == 0 else self.layers[layer_idx - 1].forward
         return self.layers[layer_idx].update(key_states, value_states, *args, forward=forward, **kwargs)
 
     # --- budgets ------------------------------------------------------------------------
@@ -296,9 +300,55 @@ class EvictingCache(Cache):
         return any(layer.deferred for layer in self.layers)
 
     def evict_deferred(self) -> None:
-        """Evict what the forward held back by `defer`, at the budget the cache has now."""
-        for layer in self.layers:
-            layer.evict_deferred()
+        """Evict what the forward held back by `defer`, at the budget the cache has now.
+
+        Where a row's policy ranks every layer's entries together (`Policy.ranks_layers`: KVzip), the
+        row keeps `layers x KV heads x budget` entries of the per-head layers, each layer as many as it
+        holds of the row's best (`reconstruction.layer_totals`); other rows keep `KV heads x budget`.
+        """
+        totals = self._layer_totals()
+        for i, layer in enumerate(self.layers):
+            if totals is None or totals[i] is None:
+                layer.evict_deferred()
+            else:
+                layer.evict_deferred(totals[i])
+
+    def _layer_totals(self) -> list[torch.Tensor | None] | None:
+        """Per layer `[B]` the entries each row keeps at a held-back eviction, or None: the budget decides."""
+        rows = self.layout.row_policies()  # empty before the first forward
+        if self._budget is None or not any(p.reconstructs for p in rows):
+            return None
+        if not self.reconstructed:
+            raise KvevictError(
+                f"'{rows[0].spec()}' has no scores yet: its context must be reconstructed before it is compressed "
+                "(kvevict.compress(model, ids, 'kvzip', budget, tokenizer=tokenizer) runs the repeat forwards)"
+            )
+        if not any(p.ranks_layers for p in rows):
+            return None
+        ragged = [i for i, layer in enumerate(self.layers) if layer.heads_differ]
+        heads = self.layers[ragged[0]].heads
+        joint = layer_totals([self.layers[i].ranked() for i in ragged], len(ragged) * heads * self._budget)
+        own = torch.tensor([heads * self._budget if not p.ranks_layers else -1 for p in rows])
+        totals: list[torch.Tensor | None] = [None] * len(self.layers)
+        for i, counts in zip(ragged, joint):
+            totals[i] = torch.where(own.to(counts.device) >= 0, own.to(counts.device), counts)
+        return totals
+
+    @contextmanager
+    def reconstructing(self, start: int, end: int) -> Iterator[None]:
+        """The forward inside is one of KVzip's repeat forwards over the context chunk `start .. end`: its
+        `"reconstruction"` requests score that chunk's entries (`per_head/reconstruction.window_mass`).
+        Only a held-back prefill (`defer`) is reconstructed; the caller takes the forward's tokens back
+        out afterwards (`crop`), so the pass writes nothing."""
+        if not self.deferred:
+            raise KvevictError("a context is reconstructed between a held-back prefill (cache.defer()) and its "
+                               "eviction (evict_deferred): defer the prefill first")
+        self._repeating = (start, end)
+        try:
+            yield
+        finally:
+            self._repeating = None
+        self.reconstructed = True
 
     # --- rows and policies ---------------------------------------------------------------
     @property

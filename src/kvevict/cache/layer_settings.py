@@ -67,3 +67,6 @@ class Forward:
 
     positions: torch.Tensor | None = None
     static_plan: object | None = None
+    #: a repeat forward of KVzip's reconstruction (`EvictingCache.reconstructing`): the context chunk
+    #: `(start, end)` it repeats, whose entries a `"reconstruction"` request scores; None otherwise
+    reconstruct: tuple[int, int] | None = None

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from .positions import PositionMode
 
 #: what a policy may ask for (`AttentionRequest.kind`)
-REQUEST_KINDS = ("new", "last", "window", "queries")
+REQUEST_KINDS = ("new", "last", "window", "queries", "reconstruction")
 
 
 def measure(
@@ -38,13 +38,16 @@ def measure(
     window: Callable[[int], torch.Tensor],
     last: Callable[[], torch.Tensor] | None = None,
     queries: Callable[[int], QueryBatch] | None = None,
-) -> torch.Tensor | QueryBatch:
+    reconstruction: Callable[[int], torch.Tensor | None] | None = None,
+) -> torch.Tensor | QueryBatch | None:
     """The attention mass `request` asked for, from the measurement of its kind: the one place a
     request's kind is read (`feed`, the chunk replay and the ragged layer all come here).
 
     `new`: every query of the forward; `last`: its last query (defaults to `new`: one query
     in flight); `window(size)`: the last `size` queries across forwards; `queries(size)`: the
-    pre-rotary queries (`Statistics.query_batch`). A kind no measurement exists for is a policy bug,
+    pre-rotary queries (`Statistics.query_batch`); `reconstruction(sinks)`: a KVzip repeat forward's
+    window attention (`per_head/reconstruction.py`, the ragged layer alone measures it; None outside a
+    repeat forward). A kind no measurement exists for is a policy bug,
     refused rather than read as another kind.
     """
     if request.kind == "new":
@@ -55,6 +58,8 @@ def measure(
         return window(request.size)
     if request.kind == "queries" and queries is not None:
         return queries(request.size)
+    if request.kind == "reconstruction" and reconstruction is not None:
+        return reconstruction(request.size)  # None outside a repeat forward: nothing to absorb
     if request.kind == "queries":
         raise KvevictError(
             "a policy that reads the queries themselves (expected-attention) cannot run in a chunk replayed token "

@@ -11,6 +11,9 @@ Several policies run as rows of one batch at one budget. A budget is a number of
 entries or a share of the context (`"25%"`), resolved against the context length.
 `compress_prompt` is the form the tasks use: everything but the prompt's last token is
 compressed, so every generated token is computed from what the policy kept.
+
+A policy scored by reconstruction (`kvzip`) needs the model's `tokenizer`: the prefill is held
+back, the context reconstructed (`reconstruction.reconstruct`), then compressed.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from ..policies import Policy
 from ..policies.budget import Budget, resolve_budget
 from ..position_modes import DEFAULT_POSITIONS
 from .forward import body, log_probs, logits
+from .reconstruction import reconstruct, reconstructing_policy
 
 
 @dataclass
@@ -78,12 +82,15 @@ def compress(
     policies: str | Policy | Sequence[str | Policy],
     budget: Budget,
     positions: str = DEFAULT_POSITIONS,
+    tokenizer=None,
 ) -> Compressed:
     """Prefill `context` in one forward and compress it to `budget`.
 
     `context` is `[T]` token ids read by every row, or `[B, T]`, one context per row (B
     requests of one length as one batch). `policies` is one spec or one per row. The
-    full cache (`"full"`) must run in its own call.
+    full cache (`"full"`) must run in its own call. `tokenizer`: the model's, for a policy
+    scored by reconstruction (`kvzip`), whose context is `[T]` starting with the chat
+    template's opening as kvpress's pipeline frames it.
     """
     if context.dim() not in (1, 2) or context.shape[-1] == 0:
         raise KvevictError("compress takes a non-empty context: token ids [T], or [B, T] for one per row")
@@ -94,7 +101,15 @@ def compress(
     with torch.inference_mode():
         cache = EvictingCache(model, specs, budget=entries, positions=positions)
         ids = context.long().expand(len(specs), -1)
-        hidden = body(model, ids, cache)
+        scored = reconstructing_policy(cache) is not None
+        if scored:
+            if context.dim() != 1:
+                raise KvevictError("a policy scored by reconstruction (kvzip) compresses one context [T] at a time")
+            cache.defer()
+        hidden = body(model, ids[:1] if scored else ids, cache).expand(len(specs), -1, -1)
+        if scored:
+            reconstruct(model, cache, context, tokenizer)
+            cache.evict_deferred()
         kept = cache.held_entries()
         bound = cache.budget  # None when every row is the full cache
         cache.freeze()

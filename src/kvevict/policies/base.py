@@ -180,6 +180,14 @@ class Policy:
     #: how the cache holds each kept entry: None (at the model's dtype), or the `quantized.KvQuant` of a
     #: `qB+P` spec. A storage form, not a rule: it never changes which entries a policy keeps
     kv_storage: ClassVar[object | None] = None
+    #: scored by reconstructing the context after its prefill (KVzip, `kvzip.py`): extra forwards of the
+    #: model asked to repeat the context feed its statistic (`eval/reconstruction.py`), then one held-back
+    #: eviction keeps the best. It runs only where a context is compressed once (`kvevict.compress`, the
+    #: RULER protocols that hold a prefill back); a cache that would evict it inside a forward refuses
+    reconstructs: ClassVar[bool] = False
+    #: ranks the entries of every layer together at a held-back eviction (KVzip's default): the model keeps
+    #: `layers x KV heads x budget` entries, each layer as many of them as rank among the best
+    ranks_layers: ClassVar[bool] = False
 
     @property
     def own_batch(self) -> bool:

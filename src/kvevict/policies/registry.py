@@ -28,6 +28,7 @@ from .full import Full
 from .h2o import H2O
 from .keydiff import KeyDiff
 from .knorm import KNorm
+from .kvzip import KVzip
 from .lagkv import LagKV
 from .llamacpp import LlamaCpp, Ollama
 from .paged import Paged
@@ -54,6 +55,7 @@ REGISTRY: dict[str, Callable[..., Policy]] = {
     "pyramidkv": PyramidKV,
     "lagkv": LagKV,
     "expected-attention": ExpectedAttention,
+    "kvzip": KVzip,
     # serving engines' own rules (docs/engines.md)
     "llamacpp": LlamaCpp,
     "ollama": Ollama,
@@ -168,6 +170,7 @@ def check_policy(spec: str | Policy, budget: int | None, positions: str) -> Poli
     """
     policy = parse_policy(spec)
     mode = check_positions(positions)
+    _check_unwrapped(policy)
     engine = None if policy.position_mode is None else check_positions(policy.position_mode)
     if engine is not None and mode != engine:
         raise KvevictError(
@@ -185,6 +188,20 @@ def check_policy(spec: str | Policy, budget: int | None, positions: str) -> Poli
             raise KvevictError(f"budget must be a positive number of entries, got {budget}")
         policy.check_budget(budget)
     return policy
+
+
+def _check_unwrapped(policy: Policy) -> None:
+    """A policy scored by reconstruction (`kvzip`) runs bare: it pins its own sinks and shares its budget
+    across heads and layers itself, so a wrapper (`sinkN+`, `adakv:`, `qB+`, `:page=`) would change
+    neither, or break its held-back selection."""
+    inner = getattr(policy, "inner", None)
+    while inner is not None:
+        if inner.reconstructs:
+            raise KvevictError(
+                f"'{policy.spec()}' wraps '{inner.spec()}', which pins its own sinks (n_sink) and shares its budget "
+                f"across heads and layers itself: run '{inner.spec().partition(':')[0]}' bare"
+            )
+        inner = getattr(inner, "inner", None)
 
 
 def shared_batches(specs: list[str]) -> list[list[str]]:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from ...errors import KvevictError
 from ...policies import QueryBatch, SlotView
 from ..layer import EvictingLayer
 from ..probabilities import BLOCK_ELEMENTS, attention_mass
@@ -37,6 +38,7 @@ from ..rows import RowGroup
 from ..selection import LATEST_LAST
 from ..statistics import measure
 from .allocation import allocate
+from .reconstruction import ranked_keys, window_mass
 from .storage import RaggedStorage
 
 
@@ -158,7 +160,16 @@ class RaggedLayer(EvictingLayer):
             def queries(size: int, g=g) -> QueryBatch:  # Expected Attention's pre-rotary queries
                 return self.statistics.query_batch(s.mode, size, seen, g.take)
 
-            mass = measure(request, new=lambda: new_mass, last=lambda: last_mass, window=window, queries=queries)
+            def reconstruction(sinks: int) -> torch.Tensor | None:  # KVzip's window, in a repeat forward only
+                chunk = self.forward.reconstruct
+                if chunk is None:
+                    return None
+                return window_mass(query, storage.keys, storage.pos, members, seen - m, chunk, sinks, scaling)
+
+            mass = measure(request, new=lambda: new_mass, last=lambda: last_mass, window=window, queries=queries,
+                           reconstruction=reconstruction)
+            if mass is None:
+                continue
             stat = storage.stats[request.stat]
             mass = mass if isinstance(mass, QueryBatch) else g.take(mass)
             updated = g.policy.absorb(view, request, mass).to(stat.dtype)
@@ -166,6 +177,7 @@ class RaggedLayer(EvictingLayer):
             view.stats[request.stat] = updated  # read only where the head holds an entry
         self.statistics.last_forward = None  # served: the queries are not held past their forward
         if will_evict and not deferring:
+            self._refuse_reconstructing()
             self._evict(views, members, positions, seen, shrink=m > 1)
         self.n = int(storage.held.max())
         return out
@@ -182,41 +194,67 @@ class RaggedLayer(EvictingLayer):
         return members, hidden, positions, [self._ragged_view(g, positions, hidden, seen, budget)
                                             for g in self.settings.layout.groups]
 
+    def _refuse_reconstructing(self) -> None:
+        """A policy scored by reconstruction (`Policy.reconstructs`) has no scores before its repeat
+        forwards: it evicts only at a held-back eviction, never inside a forward."""
+        for g in self.settings.layout.groups:
+            if g.policy.reconstructs:
+                raise KvevictError(
+                    f"'{g.policy.spec()}' scores a context by reconstructing it after the prefill, so it cannot "
+                    "evict as a stream is read: compress a context once (kvevict.compress(..., tokenizer=...), "
+                    "kvevict ruler) instead of a perplexity stream, needle or generation run"
+                )
+
+    def _scores(self, views: list[SlotView], members: torch.Tensor) -> torch.Tensor:
+        """`[B, H, capacity]` every row's policy scores, -inf where a head holds nothing."""
+        s = self.settings
+        scores = s.layout.merge([g.policy.scores(v) for g, v in zip(s.layout.groups, views)], *members.shape)
+        return scores.masked_fill(~members, float("-inf"))
+
+    def ranked(self) -> torch.Tensor:
+        """`[B, H x capacity]` this layer's held entries as keys of a ranking across layers
+        (`reconstruction.ranked_keys`), scored as `_evict` scores them."""
+        members, _, positions, views = self._views(self.seen)
+        return ranked_keys(self._scores(views, members), positions, members)
+
     def _evict(self, views: list[SlotView], members: torch.Tensor, positions: torch.Tensor, seen: int,
-               shrink: bool) -> None:
-        """Keep each row's allowance `H x budget` by the scores of `views` (jointly over its heads).
+               shrink: bool, total: torch.Tensor | None = None) -> None:
+        """Keep each row's allowance `H x budget` (or `total` `[B]`, a share of a ranking across layers)
+        by the scores of `views` (jointly over its heads).
 
         members `[B, H, capacity]` the entries each head holds, positions `[B, H, capacity]`
         theirs as each head sees them (-1 elsewhere). `shrink`: a long forward grew the
         buffer, so give it back.
         """
         s, storage = self.settings, self.storage
-        scores = s.layout.merge([g.policy.scores(v) for g, v in zip(s.layout.groups, views)], *members.shape)
-        scores = scores.masked_fill(~members, float("-inf"))
-        keep = allocate(scores, positions, members, self.heads * self.budget, self._floors())
+        scores = self._scores(views, members)
+        allowance = self.heads * self.budget if total is None else total
+        keep = allocate(scores, positions, members, allowance, self._floors())
         # a row keeps its allowance, or all it held (each head's floor is within its budget)
-        storage.evict(keep, min(storage.most_held, self.heads * self.budget))
+        most = min(storage.most_held, self.heads * self.budget) if total is None else int(keep.sum(dim=(1, 2)).max())
+        storage.evict(keep, most)
         if shrink and storage.capacity > storage.base:
             storage.repack(0)
         self.identical = False
         if s.observers:  # they read whether token 0 leads each head's kept positions: `kept` [B, H, 1]
             self.report_eviction(seen, storage.first_slots(), None)
 
-    def evict_deferred(self) -> None:
+    def evict_deferred(self, total: torch.Tensor | None = None) -> None:
         """Evict what the held-back forward would have evicted at the budget this layer has now.
 
         That forward stored every entry's statistics (its own head's value, as `_forward`
         does after an eviction), so the views rebuilt from the storage score what it would
         have scored. The buffer is laid out for this budget (`RaggedStorage.rebase`), as a
-        forward at this budget leaves it.
+        forward at this budget leaves it. `total` `[B]`: the entries each row keeps, where a
+        ranking across layers decided it (`EvictingCache.evict_deferred`), instead of `H x budget`.
         """
         self.deferred = False
         storage = self.storage
         if self.budget is not None:
             storage.rebase(self.budget)
-            if self._overflows(0):
+            if total is not None or self._overflows(0):
                 members, _, positions, views = self._views(self.seen)
-                self._evict(views, members, positions, self.seen, shrink=True)
+                self._evict(views, members, positions, self.seen, shrink=True, total=total)
             elif storage.capacity > storage.base:
                 storage.repack(0)
         self.n = int(storage.held.max())

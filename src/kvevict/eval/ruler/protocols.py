@@ -61,6 +61,7 @@ from ...position_modes import DEFAULT_POSITIONS
 from ..compress import Compressed, greedy
 from ..forward import body
 from ..prompts import stop_ids
+from ..reconstruction import reconstruct, reconstructing_policy
 from .sample import Prompt
 
 PROTOCOLS = ("agnostic", "aware", "stream", "multi")
@@ -123,7 +124,7 @@ class Answer:
 
 
 def prefill(model, ids: torch.Tensor, specs: list[str], entries: int | None, positions: str,
-            stream: bool = False, chunk: int = DEFAULT_CHUNK, defer: bool = False) -> Compressed:
+            stream: bool = False, chunk: int = DEFAULT_CHUNK, defer: bool = False, tokenizer=None) -> Compressed:
     """Read `ids` `[T]` into one cache whose rows are `specs`, the shared prefix fed once.
 
     Without `stream`, one forward reads all of it and each row's policy then compresses
@@ -132,15 +133,27 @@ def prefill(model, ids: torch.Tensor, specs: list[str], entries: int | None, pos
     cache is full), the rest in chunks of `chunk` tokens, every row fed its own copy.
     With `defer` (where the cache can, `EvictingCache.can_defer`), the forward measures
     what the policies need and evicts nothing: `compress_at` then compresses copies of
-    the state at any budget (`state.cache.deferred` says whether it did).
+    the state at any budget (`state.cache.deferred` says whether it did). A policy scored by
+    reconstruction (`kvzip`) always holds its prefill back, and the context is reconstructed
+    (`tokenizer`: the model's) before any budget compresses it.
     """
     rows = len(specs)
     with torch.inference_mode():
         cache = EvictingCache(model, specs, budget=entries, positions=positions, per_token=stream)
-        if defer and not stream and entries is not None and cache.can_defer:
+        scored = entries is not None and reconstructing_policy(cache) is not None
+        if scored and (stream or not cache.can_defer):
+            raise KvevictError(
+                f"'{specs[0]}' scores a context by reconstructing it once it is read, and this protocol evicts as it "
+                "reads: run it under agnostic, aware or multi --form requests"
+            )
+        if (defer or scored) and not stream and entries is not None and cache.can_defer:
             cache.defer()
         head = ids.numel() if not stream or entries is None else min(entries, ids.numel())
         hidden = body(model, ids[None, :head].long(), cache)[:, -1]
+        if scored:
+            reconstruct(model, cache, ids, tokenizer)
+            if not defer:
+                cache.evict_deferred()
         for start in range(head, ids.numel(), chunk):
             piece = ids[start : start + chunk].long()
             hidden = body(model, piece[None].expand(rows, -1), cache)[:, -1]
@@ -255,7 +268,7 @@ def answer_budgets(model, tokenizer, prompt: Prompt, specs: list[str], budgets: 
         served = [i for i, b in enumerate(budgets) if b is not None or fold]  # what one bounded read may serve
         t0 = time.perf_counter()
         state = _read(model, prompt, specs, bounded[0], protocol, form, positions, stream_chunk,
-                      defer=shares_prefill(protocol, form) and len(served) > 1)
+                      defer=shares_prefill(protocol, form) and len(served) > 1, tokenizer=tokenizer)
         if state.cache.deferred:
             share = (time.perf_counter() - t0) / len(served)
             for n, i in enumerate(served):
@@ -273,7 +286,7 @@ def answer_budgets(model, tokenizer, prompt: Prompt, specs: list[str], budgets: 
                 if i not in answers:
                     t1 = time.perf_counter()
                     own = _read(model, prompt, ["full"] if entries is None else specs, entries, protocol, form,
-                                positions, stream_chunk)
+                                positions, stream_chunk, tokenizer=tokenizer)
                     answers[i] = _answers(model, tokenizer, prompt, own, protocol, form, limit, stops, t1,
                                           stream_chunk)
     return [answers[i] for i in range(len(budgets))]
@@ -296,12 +309,12 @@ def whole(state: Compressed) -> Compressed:
 
 
 def _read(model, prompt: Prompt, specs: list[str], entries: int | None, protocol: str, form: str,
-          positions: str, stream_chunk: int, defer: bool = False) -> Compressed:
+          positions: str, stream_chunk: int, defer: bool = False, tokenizer=None) -> Compressed:
     """What the protocol reads before its first question is asked: the context (with the question, or
     the first question but its last token, where the protocol compresses it too)."""
     bounded = entries is not None
     if protocol == "aware" and bounded:
-        return prefill(model, prompt.ids[:-1], specs, entries, positions, defer=defer)
+        return prefill(model, prompt.ids[:-1], specs, entries, positions, defer=defer, tokenizer=tokenizer)
     if protocol == "stream" and bounded:
         return prefill(model, prompt.context, specs, entries, positions, stream=True, chunk=stream_chunk)
     span = pinned_span(prompt, protocol, form)
@@ -309,8 +322,8 @@ def _read(model, prompt: Prompt, specs: list[str], entries: int | None, protocol
         start = prompt.context.numel()
         rows = [pin_span(spec, span, start) for spec in specs] if bounded else specs
         return prefill(model, torch.cat([prompt.context, prompt.per_key[0][:-1]]), rows,
-                       None if entries is None else entries + span, positions, defer=defer)
-    return prefill(model, prompt.context, specs, entries, positions, defer=defer)
+                       None if entries is None else entries + span, positions, defer=defer, tokenizer=tokenizer)
+    return prefill(model, prompt.context, specs, entries, positions, defer=defer, tokenizer=tokenizer)
 
 
 def pinned_span(prompt: Prompt, protocol: str, form: str) -> int:

@@ -1,0 +1,80 @@
+"""What KVzip measures in a repeat forward, and how it ranks every layer's entries together.
+
+`window_mass`: the repeat forward's queries (already rotated, as attention used them) over a window
+of the row buffer: per KV head, its held entries before `min(sinks, start)`, those of the chunk
+`start .. end` being repeated, and the forward's own tokens (causally). Soft-maxed over that window
+alone, not over the whole cache: kvpress's `KVzipPress._compute_cross_attention`
+(NVIDIA/kvpress 0.5.5, `kvpress/presses/kvzip_press.py`) concatenates exactly those keys. Each chunk
+entry's score is the largest probability over the forward's queries of its head's group.
+
+`layer_totals`: kvpress's `compress_post` with `layerwise=False` ranks the scores of every layer and
+head together and counts, per layer, how many of the model's best it holds; each layer then keeps
+that many of its own best, jointly over its heads (`allocation.allocate`, no floor).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..probabilities import BLOCK_ELEMENTS
+from .allocation import order_keys
+
+_LOWEST = torch.iinfo(torch.long).min
+
+
+def window_mass(query: torch.Tensor, keys: torch.Tensor, key_pos: torch.Tensor, members: torch.Tensor,
+                first: int, chunk: tuple[int, int], sinks: int, scaling: float) -> torch.Tensor:
+    """`[B, H_kv, capacity]` float32: each chunk entry's largest window probability, NaN elsewhere.
+
+    query `[B, H_q, m, D]` rotated at positions `first .. first + m - 1`; keys `[B, capacity, D]` the
+    row buffers; key_pos `[B, capacity]` their positions (-1: a hole); members `[B, H_kv, capacity]`
+    the entries each head holds. Each head's window is gathered out of the row buffer first
+    (`[B, H_kv, W, D]`, padded to the widest head's), so a query group reads its own head's window
+    only; queries go in blocks of at most `BLOCK_ELEMENTS` logits.
+    """
+    b, hq, m, d = query.shape
+    heads = members.shape[1]
+    group = hq // heads
+    start, end = chunk
+    pos = key_pos[:, None, :]
+    window = members & ((pos < min(sinks, start)) | ((pos >= start) & (pos < end)) | (pos >= first))
+    counts = window.sum(dim=-1)  # [B, H_kv]
+    width = max(1, int(counts.max()))
+    cols = window.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :width]  # [B, H_kv, W]
+    valid = torch.arange(width, device=query.device) < counts[..., None]
+    flat = cols.reshape(b, heads * width)
+    win_keys = keys.gather(1, flat[..., None].expand(-1, -1, d)).view(b, heads, width, d)
+    win_pos = key_pos.gather(1, flat).view(b, heads, 1, 1, width)
+    hidden = ~valid[:, :, None, None, :]
+    best = torch.zeros(b, heads, width, device=query.device)
+    block = max(1, BLOCK_ELEMENTS // max(1, b * hq * width))
+    for a in range(0, m, block):
+        q_blk = query[:, :, a : a + block]
+        mb = q_blk.shape[2]
+        q_heads = q_blk.reshape(b, heads, group * mb, d)
+        logits = torch.matmul(q_heads, win_keys.transpose(-1, -2)).float().mul_(scaling)
+        logits = logits.view(b, heads, group, mb, width)
+        at = torch.arange(first + a, first + a + mb, device=query.device)
+        logits.masked_fill_(hidden | (win_pos > at[:, None]), float("-inf"))
+        best = torch.maximum(best, torch.softmax(logits, dim=-1).amax(dim=(2, 3)))
+    in_chunk = valid & (win_pos[:, :, 0, 0] >= start) & (win_pos[:, :, 0, 0] < end)
+    out = torch.full(members.shape, float("nan"), device=query.device)
+    return out.scatter_(-1, cols, best.masked_fill(~in_chunk, float("nan")))
+
+
+def ranked_keys(scores: torch.Tensor, positions: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
+    """`[B, H_kv x capacity]` int64 keys ordered as `allocate` orders one layer's entries (score, then the
+    later token, then the lower head); entries not held get the lowest key."""
+    keys = order_keys(scores, positions).masked_fill(~members, _LOWEST)
+    return keys.reshape(keys.shape[0], -1)
+
+
+def layer_totals(keys: list[torch.Tensor], total: int) -> list[torch.Tensor]:
+    """Per layer, `[B]` how many of each row's `total` best entries of all layers (`keys`: per layer
+    `ranked_keys`) it holds. Ties across layers at the cut go where `topk` puts them."""
+    flat = torch.cat(keys, dim=1)  # [B, all entries]
+    top = flat.topk(min(total, flat.shape[1]), dim=1)
+    real = top.values != _LOWEST
+    bounds = torch.tensor([k.shape[1] for k in keys], device=flat.device).cumsum(0)
+    layer = torch.bucketize(top.indices, bounds, right=True)  # [B, total] the layer each best entry sits in
+    return [((layer == i) & real).sum(dim=1) for i in range(len(keys))]

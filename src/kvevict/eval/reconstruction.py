@@ -1,0 +1,122 @@
+"""KVzip's reconstruction pass: the model asked to repeat a prefilled context, chunk by chunk, so that a
+policy scored by reconstruction (`Policy.reconstructs`, `policies/kvzip.py`) has its scores.
+
+Why a pass and not a policy hook: KVzip scores a context after it was read, with extra forwards.
+Between a held-back prefill (`EvictingCache.defer`) and its eviction (`evict_deferred`), each chunk's
+repeat forward runs inside `EvictingCache.reconstructing`, where the per-head layers measure the
+window attention (`cache/per_head/reconstruction.py`), and its tokens are taken back out afterwards
+(`EvictingCache.crop`), so the pass writes nothing: every repeat forward starts at the context's end.
+
+The framing is kvpress's (NVIDIA/kvpress 0.5.5, `kvpress/presses/kvzip_press.py`: `__call__` and
+`prepare`): the chat template rendered around a dummy user turn gives the opening the context starts
+with (`prefix` tokens, never reconstructed) and the text that closes the user turn and opens the
+answer (`suffix`); a tokenizer without a template gives no prefix and a newline. The first chunk is
+asked with "\\n\\nRepeat the previous context exactly.", each later one with "\\n\\nRepeat the part
+of the previous context exactly, starting with" and the previous chunk's last 8 tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..cache import EvictingCache
+from ..errors import KvevictError
+from ..policies import Policy
+from .forward import body
+
+FIRST = "\n\nRepeat the previous context exactly."
+LATER = "\n\nRepeat the part of the previous context exactly, starting with"
+#: tokens of the previous chunk quoted after `LATER`
+OVERLAP = 8
+
+
+@dataclass(frozen=True)
+class RepeatFraming:
+    """The token ids of a reconstruction request, from one tokenizer.
+
+    prefix: leading context tokens that are the chat template's opening (not reconstructed);
+    first / later: the request for the first chunk and for each later one; suffix: the end of the user
+    turn and the start of the answer. All `[n]` int64.
+    """
+
+    prefix: int
+    first: torch.Tensor
+    later: torch.Tensor
+    suffix: torch.Tensor
+
+
+def _ids(tokenizer, text: str) -> torch.Tensor:
+    return torch.tensor(tokenizer.encode(text, add_special_tokens=False), dtype=torch.long)
+
+
+def repeat_framing(tokenizer) -> RepeatFraming:
+    """kvpress's framing for `tokenizer` (a `RepeatFraming` passes through)."""
+    if isinstance(tokenizer, RepeatFraming):
+        return tokenizer
+    if getattr(tokenizer, "chat_template", None) is None:
+        prefix_text, suffix_text = "", "\n"
+    else:
+        dummy = "dummy context"
+        separator = "\n" + "#" * len(dummy)
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": dummy + separator}],
+                                                 add_generation_prompt=True, tokenize=False, enable_thinking=False)
+        context, suffix_text = rendered.split(separator)
+        prefix_text = context.split(dummy)[0]
+    return RepeatFraming(len(_ids(tokenizer, prefix_text)), _ids(tokenizer, FIRST), _ids(tokenizer, LATER),
+                         _ids(tokenizer, suffix_text))
+
+
+def repeat_inputs(context: torch.Tensor, framing: RepeatFraming,
+                  chunk_size: int) -> list[tuple[int, int, torch.Tensor]]:
+    """Per chunk: its context span `(start, end)` and the repeat forward's ids `[q]` (request, suffix, chunk).
+    `context` `[T]` starts with the template's opening (`framing.prefix` tokens)."""
+    tail = context[framing.prefix :].long()
+    chunks = [tail[a : a + chunk_size] for a in range(0, tail.numel(), chunk_size)]
+    out, start = [], framing.prefix
+    for i, chunk in enumerate(chunks):
+        ask = framing.first if i == 0 else torch.cat([framing.later, chunks[i - 1][-OVERLAP:]])
+        out.append((start, start + chunk.numel(), torch.cat([ask, framing.suffix, chunk])))
+        start += chunk.numel()
+    return out
+
+
+def reconstructing_policy(cache: EvictingCache) -> Policy | None:
+    """The policy of the cache's rows that is scored by reconstruction, or None. Rows that reconstruct
+    share one chunking (one repeat forward serves every row)."""
+    found = {p.spec(): p for p in cache.policies if p.reconstructs}
+    chunking = {p.chunk_size for p in found.values()}
+    if len(chunking) > 1:
+        raise KvevictError(f"{', '.join(found)} chunk the context differently: run each in a cache of its own")
+    return next(iter(found.values()), None)
+
+
+def reconstruct(model, cache: EvictingCache, context: torch.Tensor, tokenizer) -> int:
+    """Score the context `[T]` a held-back prefill (`cache.defer()`) just read: one repeat forward per chunk,
+    each taken back out. Returns the tokens the repeat forwards fed (the pass's extra work)."""
+    policy = reconstructing_policy(cache)
+    if policy is None:
+        return 0
+    if any(cache.sliding_windows()):
+        raise KvevictError(
+            f"'{policy.spec()}' cannot run on {type(model).__name__}: its sliding-window layers keep only the model's "
+            "last window, which the repeat forwards would push the context's end out of (kvpress refuses KVzip on "
+            "Gemma 3 too); use a model without sliding-window layers"
+        )
+    if tokenizer is None:
+        raise KvevictError(
+            f"'{policy.spec()}' asks the model to repeat the context in its own chat template: pass the model's "
+            "tokenizer (kvevict.compress(..., tokenizer=tokenizer); kvevict.load_model returns it)"
+        )
+    if cache.tokens_seen != context.numel():
+        raise KvevictError(f"the cache holds {cache.tokens_seen} tokens, not the {context.numel()} of the context "
+                           "to reconstruct: reconstruct right after its prefill")
+    fed = 0
+    with torch.inference_mode():
+        for start, end, ids in repeat_inputs(context, repeat_framing(tokenizer), policy.chunk_size):
+            with cache.reconstructing(start, end):
+                body(model, ids[None], cache)
+            cache.crop(-ids.numel())
+            fed += ids.numel()
+    return fed
