@@ -26,7 +26,7 @@ from kvevict.eval.ruler.protocols import compress_at, prefill, snapshot
 from kvevict.policies import check_policy
 
 from conftest import make_tiny, random_tokens
-from helpers import attn
+from support import attn
 
 FRAMING = RepeatFraming(6, torch.tensor([5, 6, 7]), torch.tensor([8, 9]), torch.tensor([10, 11]))
 T, CHUNK, SINKS = 70, 24, 4
