@@ -1,0 +1,122 @@
+"""Where a decode step's wall time goes, per arm: kvevict's parts timed with `perf_counter`.
+
+`profile_decode.py` counts Python calls (cProfile), which inflates every small call. This
+script times the parts themselves: each is wrapped once, and the time inside it is summed per
+decode step (ms per step, summed over the layers, the median step), next to the same step's total. Arms take
+turns step by step as in `decode_overhead.py`; DynamicCache's own parts (`DynamicCache.update`:
+its concatenation, and SDPA) are timed the same way.
+
+    PYTHONPATH=src:benchmarks .venv/bin/python benchmarks/decode_breakdown.py --arms knorm,h2o
+
+Parts (nested ones are inside their parent's time): `update` (the cache writes the new entry),
+`attention` (kvevict's attention function: everything below), `sdpa` / `decode_attention` (the
+attention itself: SDPA, or by hand where the policy keeps the probabilities), `plan`, `finish`
+(statistics, the eviction, the observers), `evict` (the position mode's eviction: `victim`, the
+slot chosen with ties broken by position, and `fill_hole`, the newest slot moved into it).
+The per-head layer (`adakv:P`) does all of it in `ragged.replay`: `ragged.append` (the new entry
+at each head's tail), `ragged.views` (each head's entries as the policies see them),
+`ragged.attend` (attention by hand over the row's buffer, masked per head), `ragged.evict`
+(scores and `ragged.allocate`, the joint top-k). Each wrapper adds about a microsecond per
+call: compare parts, not the totals, to `decode_overhead.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+from decode_overhead import make, use
+from transformers import AttentionInterface, DynamicCache
+
+import kvevict.cache.attention as attention
+from kvevict import load_model, load_tokens
+from kvevict.cache import selection
+from kvevict.cache.cache import EvictingCache
+from kvevict.cache.layer import NAME, EvictingLayer
+from kvevict.cache.per_head import layer as ragged
+from kvevict.cache.per_head.storage import RaggedStorage
+from kvevict.cache.positions import OriginalPositions
+from kvevict.cache.storage import SlotStorage
+from kvevict.eval.forward import body
+
+# (owner, attribute, label): the parts timed
+PARTS = [
+    (EvictingCache, "update", "update"),
+    (DynamicCache, "update", "update"),
+    (attention, "kvevict_attention", "attention"),
+    (F, "scaled_dot_product_attention", "sdpa"),
+    (attention, "decode_attention", "decode_attention"),
+    (EvictingLayer, "plan", "plan"),
+    (EvictingLayer, "finish", "finish"),
+    (OriginalPositions, "evict", "evict"),
+    (selection, "victim", "victim"),
+    (SlotStorage, "fill_hole", "fill_hole"),
+    # the per-head layer (Ada-KV): every forward is its `replay`
+    (ragged.RaggedLayer, "replay", "ragged.replay"),
+    (RaggedStorage, "append", "ragged.append"),
+    (ragged.RaggedLayer, "_views", "ragged.views"),
+    (ragged.RaggedLayer, "_attend", "ragged.attend"),
+    (ragged.RaggedLayer, "_evict", "ragged.evict"),
+    (ragged, "allocate", "ragged.allocate"),
+]
+
+
+def timed(function, label: str, spent: Counter):
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            spent[label] += time.perf_counter() - start
+
+    return wrapper
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--budget", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--arms", default="window,knorm,h2o")
+    args = parser.parse_args()
+    spent: Counter = Counter()
+    for owner, name, label in PARTS:
+        setattr(owner, name, timed(getattr(owner, name), label, spent))
+    AttentionInterface.register(NAME, attention.kvevict_attention)  # the wrapped function
+    arms = ["dynamic", *(a for a in args.arms.split(",") if a and a != "dynamic")]
+    model, tokenizer = load_model(args.model)
+    tokens, _ = load_tokens("pg-essays", tokenizer, args.budget + args.steps + 1)
+    steps: dict[str, list[float]] = {arm: [] for arm in arms}
+    parts: dict[str, dict[str, list[float]]] = {arm: {} for arm in arms}  # per part, its time in each step
+    with torch.inference_mode():
+        caches = {arm: make(model, arm, args.budget, args.steps, tokens) for arm in arms}
+        for step in range(args.steps):
+            for k in range(len(arms)):
+                arm = arms[(step + k) % len(arms)]
+                cache, at = caches[arm]
+                use(model, arm)
+                spent.clear()
+                start = time.perf_counter()
+                body(model, tokens[None, at + step : at + step + 1], cache)
+                steps[arm].append(time.perf_counter() - start)
+                for label, seconds in spent.items():
+                    parts[arm].setdefault(label, [0.0] * args.steps)[step] = seconds
+    print(f"decode step, {args.model}, budget {args.budget}, batch 1, {args.steps} steps per arm; ms per step, "
+          "medians over the steps (a part: its time summed over the layers of a step)")
+    labels = [label for _, _, label in PARTS if any(label in parts[arm] for arm in arms)]
+    labels = list(dict.fromkeys(labels))
+    print(f"{'arm':<14}{'median':>8}" + "".join(f"{label:>18}" for label in labels))
+    for arm in arms:
+        row = "".join(f"{statistics.median(parts[arm][label]) * 1000:>18.2f}" if label in parts[arm] else f"{'':>18}"
+                      for label in labels)
+        print(f"{arm:<14}{statistics.median(steps[arm]) * 1000:>8.1f}{row}")
+
+
+if __name__ == "__main__":
+    main()
