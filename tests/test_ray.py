@@ -113,6 +113,7 @@ def ray_servers() -> set[int]:
 
 
 @needs_ray
+@pytest.mark.ray_cluster
 def test_cli_ray_run_equals_local_run_and_resumes(ray_host, tmp_path, tiny_dir, text_file, local_numbers):
     """`--executor ray` without an address starts a local Ray instance for the run and stops it; same cells, same
     numbers as the local executor (the options are `sweep`'s); `kvevict report` redraws it; a rerun has nothing
@@ -294,6 +295,7 @@ def where_ray_listens() -> dict:
 
 
 @needs_ray
+@pytest.mark.ray_cluster
 def test_a_local_ray_instance_binds_to_loopback_only_with_usage_statistics_off(ray_host):
     """Every process of kvevict's local instance listens on loopback and has Ray's usage statistics switched off
     (the test environment does not set the switch). The host's namespace holds only loopback, so Ray could bind
@@ -327,6 +329,7 @@ def test_loopback_start_answers_loopback_without_asking_the_network(monkeypatch)
 
 
 @needs_ray
+@pytest.mark.ray_cluster
 def test_a_sigkilled_worker_loses_only_its_batch_and_one_dying_every_time_is_reported_and_rerun(
         ray_host, tmp_path, tiny_dir, text_file, local_numbers):
     """Budget 16's batch is retried once its worker is killed and then written whole; budget 32's, killed every
