@@ -247,7 +247,8 @@ def test_all_sliding_model_is_refused():
 
 
 def test_hybrid_memory_per_layer_kind():
-    """Full-attention layers hold the budget, sliding ones their window less one; bytes against the full cache."""
+    """Full-attention layers hold the budget, sliding ones their window less one; bytes against the full cache,
+    whose sliding layers hold their window less one too."""
     model = next(a for a in ARCHS if a.name == "gemma3").build()
     cache = EvictingCache(model, ["window", "h2o"], budget=BUDGET)
     with torch.inference_mode():
@@ -257,7 +258,10 @@ def test_hybrid_memory_per_layer_kind():
     assert memory.layers == {"sliding_attention": 2, "full_attention": 2}
     cell = 2 * 2 * 2 * 16 * 4  # keys+values x rows x KV heads x head_dim x float32
     assert memory.kv_bytes == cell * 2 * (GEMMA_WINDOW - 1 + BUDGET)
-    assert memory.full_kv_bytes == cell * 4 * TOKENS.numel()
+    # a full cache: the 2 full-attention layers hold every token, the 2 sliding ones their window less one, as
+    # transformers' sliding layers do
+    assert TOKENS.numel() > GEMMA_WINDOW - 1  # the precondition: the window bounds the sliding layers
+    assert memory.full_kv_bytes == cell * 2 * (TOKENS.numel() + GEMMA_WINDOW - 1)
     assert [k.shape[-1] for k in cache.kept_positions()] == [BUDGET, BUDGET]  # the policy's layers only
 
 
@@ -293,7 +297,7 @@ def test_summary_json_reports_memory_per_layer_kind():
     assert summary["held_per_layer_kind"] == {"sliding_attention": GEMMA_WINDOW - 1, "full_attention": BUDGET}
     row_cell = 2 * 2 * 16 * 4  # keys+values x KV heads x head_dim x float32, one row
     assert summary["kv_bytes"] == row_cell * 2 * (GEMMA_WINDOW - 1 + BUDGET)
-    assert summary["full_kv_bytes"] == row_cell * 4 * TOKENS.numel()
+    assert summary["full_kv_bytes"] == row_cell * 2 * (TOKENS.numel() + GEMMA_WINDOW - 1)
 
 
 @pytest.mark.model

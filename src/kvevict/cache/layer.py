@@ -581,6 +581,11 @@ class EvictingLayer(CacheLayerMixin):
         """`[B, H_kv]` entries each (row, KV head) holds: `n` everywhere (per-head budgets: `RaggedLayer`)."""
         return torch.full((self.batch_size, self.heads), self.n, dtype=torch.long)
 
+    def full_length(self) -> int:
+        """Entries a full cache holds here for the tokens seen: all of them, or on a sliding-window layer the
+        model's window less one (what transformers' sliding layers keep, and what a full cache would hold)."""
+        return min(self.seen, self.window - 1) if self.is_sliding else self.seen
+
     def memory(self) -> LayerMemory | None:
         """This layer's entries and KV bytes (None before its first forward); its storage's business alone."""
         if not self.is_initialized:
@@ -592,7 +597,7 @@ class EvictingLayer(CacheLayerMixin):
         return LayerMemory(
             per_head=lengths.tolist(),
             kv_bytes=storage.held_bytes(held),
-            full_kv_bytes=entry * self.batch_size * self.heads * self.seen,
+            full_kv_bytes=entry * self.batch_size * self.heads * self.full_length(),
             allocated_kv_bytes=storage.allocated_bytes(),
             heads_differ=self.heads_differ,
             kv_bytes_bf16=storage.held_bytes(held, full_bytes=2),
