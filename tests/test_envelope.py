@@ -262,3 +262,13 @@ def test_bits_are_searched_like_any_configuration(tmp_path, text_file):
     plain = next(p for r in rows if r.spec == parse_spec("streamingllm") for p in r.probes if p.budget == FLOOR)
     assert probe.share_bf16 * 64 == pytest.approx(plain.share_bf16 * 32)
     assert probe.share * 128 == pytest.approx(plain.share * 48)
+
+
+def test_the_default_search_runs_every_default_policy(tmp_path):
+    """`kvevict envelope` with no options: every default policy is accepted at the default floor (SnapKV's window
+    of 32 needs a budget above it), checked before any model loads."""
+    from kvevict.ab.envelope import EnvelopeConfig, configurations
+
+    default = EnvelopeConfig(out=str(tmp_path))
+    assert "snapkv" in default.policies
+    assert len(configurations(default)) == len(default.policies)

@@ -45,7 +45,7 @@ class EnvelopeConfig:
     text: str = "pg-essays"
     tokens: int = 4096
     policies: list[str] = field(default_factory=lambda: ["window", "streamingllm", "h2o", "snapkv"])
-    floor: int = 16
+    floor: int = 64
     resolution: float = 1.1
     max_ppl_ratio: float | None = 1.05
     max_kl: float | None = None

@@ -52,7 +52,7 @@ class TaskEnvelopeConfig:
     length: int = 2048
     protocol: str = "agnostic"
     policies: list[str] = field(default_factory=lambda: ["streamingllm", "h2o", "snapkv"])
-    floor: int = 16
+    floor: int = 64
     resolution: float = 1.25
     max_accuracy_drop: float = 0.05
     start: int = 10
