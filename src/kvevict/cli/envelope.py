@@ -84,7 +84,8 @@ def envelope(
     lengths: str = typer.Option("", help="several stream lengths, e.g. 2K,4K,8K (K = 1024): one search per length, "
                                 "each in OUT/NAME-LENGTH; overrides --tokens"),
     policies: str = typer.Option("window,streamingllm,h2o,snapkv", help="comma-separated policy specs"),
-    floor: int = typer.Option(64, help="the smallest budget searched (entries; the default leaves room for SnapKV's window of 32)"),
+    floor: int = typer.Option(64, help="the smallest budget searched (entries; the default leaves room for "
+                                       "SnapKV's window of 32)"),
     resolution: float = typer.Option(1.1, help="stop when the passing and failing budgets are within this ratio"),
     max_ppl_ratio: str = typer.Option("1.05", help="tolerance: PPL / full cache at most this ('' : none)"),
     max_kl: str = typer.Option("", help="tolerance: mean KL(full || policy) in nats at most this"),
