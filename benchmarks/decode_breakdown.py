@@ -23,7 +23,6 @@ call: compare parts, not the totals, to `decode_overhead.py`.
 from __future__ import annotations
 
 import argparse
-import functools
 import statistics
 import time
 from collections import Counter
@@ -31,6 +30,7 @@ from collections import Counter
 import torch
 import torch.nn.functional as F
 from decode_overhead import make, use
+from replay_breakdown import timed
 from transformers import AttentionInterface, DynamicCache
 
 import kvevict.cache.attention as attention
@@ -64,18 +64,6 @@ PARTS = [
     (ragged.RaggedLayer, "_evict", "ragged.evict"),
     (ragged, "allocate", "ragged.allocate"),
 ]
-
-
-def timed(function, label: str, spent: Counter):
-    @functools.wraps(function)
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return function(*args, **kwargs)
-        finally:
-            spent[label] += time.perf_counter() - start
-
-    return wrapper
 
 
 def main() -> None:
