@@ -31,26 +31,38 @@ from __future__ import annotations
 import torch
 
 from ...errors import KvevictError
-from ...policies import QueryBatch, SlotView
-from ..layer import EvictingLayer
+from ...policies import Policy, QueryBatch, SlotView
+from ..layer_interface import CacheLayer
+from ..layer_settings import LayerSettings
+from ..policy_states import PolicyStates
 from ..probabilities import BLOCK_ELEMENTS, attention_mass
 from ..rows import RowGroup
 from ..selection import LATEST_LAST
-from ..statistics import measure
+from ..statistics import Statistics, measure
 from .allocation import allocate
 from .reconstruction import ranked_keys, window_mass
 from .storage import RaggedStorage
 
 
-class RaggedLayer(EvictingLayer):
+class RaggedLayer(CacheLayer):
     """Per-head budgets: one allowance per layer and row, ragged storage, attention by hand."""
 
     heads_differ = True
 
+    def __init__(self, index: int, settings: LayerSettings) -> None:
+        super().__init__(index, settings)
+        self.storage: RaggedStorage | None = None
+        self.statistics = Statistics(settings.query_window)
+        self.states = PolicyStates(index)
+        self._incoming: tuple[torch.Tensor, torch.Tensor] | None = None  # the forward's keys and values
+        self._floor_cache: tuple[int | None, torch.Tensor] | None = None  # (budget, floors) of the bound rows
+
+    def state_of(self, policy: Policy) -> object | None:
+        """`policy`'s state in this layer (`Policy.new_state`), made on first use; handed to it as `SlotView.state`."""
+        return self.states.of(policy)
+
     def _new_storage(self) -> RaggedStorage:
         s = self.settings
-        self._incoming: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._floor_cache: tuple[int | None, torch.Tensor] | None = None  # (budget, floors) of the bound rows
         return RaggedStorage(
             self.batch_size, self.heads, self.head_dim, self.dtype, self.device, s.stat_names, self.budget or 0, s.slack
         )
@@ -63,16 +75,23 @@ class RaggedLayer(EvictingLayer):
 
     def reset(self) -> None:
         super().reset()
+        self.statistics.reset()
+        self.states.clear()
         if self.storage is not None:
-            self.storage.reset()
+            self.storage.reset()  # its statistics zeroed too
 
     def batch_select_indices(self, index: torch.Tensor) -> None:
-        super().batch_select_indices(index)
+        """Sealed only (`EvictingCache.batch_select_indices`): the statistics are dropped, the floors found again."""
+        if not self.is_initialized:
+            return
+        self.storage.keep_rows(index)
+        self.batch_size = index.numel()
+        self.statistics.reset()
         self._floor_cache = None  # per row
 
     def crop(self, tokens_to_remove: int) -> None:
-        """`EvictingLayer.crop` on ragged segments: the latest `-tokens_to_remove` tokens become holes in
-        every head (each must hold them all), which keeps its share of the rest."""
+        """transformers' `crop` with a negative count, on ragged segments: the latest `-tokens_to_remove`
+        tokens become holes in every head (each must hold them all), which keeps its share of the rest."""
         count = -tokens_to_remove
         if count <= 0 or not self.is_initialized:
             return
