@@ -1,9 +1,10 @@
 """`EvictingCache`: a transformers `Cache` that keeps at most a budget of entries per layer
 and KV head, choosing survivors with a pluggable policy per batch row.
 
-Like transformers' own caches it only dispatches: `update` goes to the layer
-(`layer.py`), which stores, evicts and reports what it evicted to the observers an
-evaluation attached (`observers.py`). The cache holds what all layers share: the
+Like transformers' own caches it only dispatches: `update` goes to the layer (one of the
+peers behind `layer_interface.CacheLayer`, chosen per kind in `layer_setup.py`), which
+stores, evicts and reports what it evicted to the observers an evaluation attached
+(`observers.py`). The cache holds what all layers share: the
 policies and their rows, the position mode, the per-layer budgets.
 
 Rows of a batch hold the same tokens until the first eviction, so a one-row forward may
@@ -89,7 +90,7 @@ class EvictingCache(Cache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Dispatch to layer `layer_idx`, with the record of the forward in flight: a new `Forward` at
-        layer 0, else the record the layer before ended with (`EvictingLayer.forward`)."""
+        layer 0, else the record the layer before ended with (`CacheLayer.forward`)."""
         if layer_idx == 0 and self.layout.bind(self.layout.rows_for(key_states.shape[0])):
             pinned = [p.pinned for p in self.layout.row_policies()]  # the first forward binds rows, once
             for observer in self.observers:
@@ -294,7 +295,7 @@ class EvictingCache(Cache):
             observer.reset()
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Take the `-tokens_to_remove` latest tokens back out of every layer (`EvictingLayer.crop`), as
+        """Take the `-tokens_to_remove` latest tokens back out of every layer (`CacheLayer.crop`), as
         transformers' `Cache.crop` with a negative count: a question read after a frozen prefix, so the
         next request reads the prefix alone."""
         if tokens_to_remove > 0:

@@ -94,9 +94,11 @@ class CacheLayer(CacheLayerMixin):
     def replays(self, q: int) -> bool:
         """Whether this layer computes the attention of a forward of `q` tokens itself (`replay`)."""
 
-    @abstractmethod
     def replay(self, query: torch.Tensor, kwargs: dict, scaling: float) -> torch.Tensor:
-        """Attention and eviction of a forward: query `[B or 1, H_q, q, D]` -> output `[B or 1, H_q, q, D]`."""
+        """Attention and eviction of a forward: query `[B or 1, H_q, q, D]` -> output `[B or 1, H_q, q, D]`.
+        Called only where `replays` says so: a layer whose `replays` never does (a sliding-window layer)
+        has nothing to implement."""
+        raise NotImplementedError(f"{type(self).__name__} never computes a forward's attention itself")
 
     @abstractmethod
     def evict_deferred(self) -> None:

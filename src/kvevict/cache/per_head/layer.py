@@ -161,18 +161,34 @@ class RaggedLayer(CacheLayer):
         deferring = self.deferred and self.budget is not None
         will_evict = deferring or self._overflows(0)
         members, hidden, positions, views = self._views(seen)
-        width = storage.capacity
-        groups = s.layout.groups
-        requests = [g.policy.request(v, will_evict) for g, v in zip(groups, views)]
+        requests = [g.policy.request(v, will_evict) for g, v in zip(s.layout.groups, views)]
         kinds = {r.kind for r in requests if r is not None}
         out, new_mass, last_mass = self._attend(query, scaling, hidden, seen - m, "new" in kinds, "last" in kinds)
-        for g, view, request in zip(groups, views, requests):
+        self._absorb(query, views, requests, members, seen, scaling, new_mass, last_mass)
+        self.statistics.last_forward = None  # served: the queries are not held past their forward
+        if will_evict and not deferring:
+            self._refuse_reconstructing()
+            self._evict(views, members, positions, seen, shrink=m > 1)
+        self.n = int(storage.held.max())
+        return out
+
+    def _absorb(self, query: torch.Tensor, views: list[SlotView], requests: list, members: torch.Tensor, seen: int,
+                scaling: float, new_mass: torch.Tensor | None, last_mass: torch.Tensor | None) -> None:
+        """Measure what each row group's policy asked for (`requests`, one per group) and let it absorb it
+        into its statistic: each entry keeps its own head's value, and the group's view sees the update.
+
+        query `[B, H_q, m, D]` (the forward's `m` tokens, `seen` counting them); members
+        `[B, H_kv, capacity]` the entries each head holds; `new_mass` / `last_mass` `[B, H_kv, capacity]`
+        the attention of all `m` queries and of the last one, where attention measured it."""
+        s, storage = self.settings, self.storage
+        first, width = seen - query.shape[2], storage.capacity
+        for g, view, request in zip(s.layout.groups, views, requests):
             if request is None:
                 continue
 
             def window(size: int) -> torch.Tensor:  # SnapKV's last queries, other heads' entries invisible
                 queries, q_pos = self.statistics.window_queries(s.mode, size, seen, width)
-                key_pos = storage.per_head(storage.pos, hidden, LATEST_LAST)
+                key_pos = storage.per_head(storage.pos, ~members, LATEST_LAST)
                 keys_now = storage.keys[:, None].expand(-1, self.heads, -1, -1)
                 return attention_mass(queries, q_pos, keys_now, key_pos, scaling).nan_to_num(0.0)
 
@@ -183,7 +199,7 @@ class RaggedLayer(CacheLayer):
                 chunk = self.forward.reconstruct
                 if chunk is None:
                     return None
-                return window_mass(query, storage.keys, storage.pos, members, seen - m, chunk, sinks, scaling)
+                return window_mass(query, storage.keys, storage.pos, members, first, chunk, sinks, scaling)
 
             mass = measure(request, new=lambda: new_mass, last=lambda: last_mass, window=window, queries=queries,
                            reconstruction=reconstruction)
@@ -194,12 +210,6 @@ class RaggedLayer(CacheLayer):
             updated = g.policy.absorb(view, request, mass).to(stat.dtype)
             g.put(stat, updated.gather(1, g.take(storage.owner)[:, None]).squeeze(1))  # its own head's value
             view.stats[request.stat] = updated  # read only where the head holds an entry
-        self.statistics.last_forward = None  # served: the queries are not held past their forward
-        if will_evict and not deferring:
-            self._refuse_reconstructing()
-            self._evict(views, members, positions, seen, shrink=m > 1)
-        self.n = int(storage.held.max())
-        return out
 
     def _views(self, seen: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[SlotView]]:
         """What each row group's policy sees now (`_ragged_view`): the entries each head holds
