@@ -37,7 +37,8 @@ import kvevict.cache.attention as attention
 from kvevict import load_model, load_tokens
 from kvevict.cache import selection
 from kvevict.cache.cache import EvictingCache
-from kvevict.cache.layer import NAME, EvictingLayer
+from kvevict.cache.layer import EvictingLayer
+from kvevict.cache.layer_interface import NAME
 from kvevict.cache.per_head import layer as ragged
 from kvevict.cache.per_head.storage import RaggedStorage
 from kvevict.cache.positions import OriginalPositions

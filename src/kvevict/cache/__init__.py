@@ -3,9 +3,14 @@
 | module | owns |
 |---|---|
 | `cache.py` | `EvictingCache`: dispatches to layers; policies, rows, position mode, budgets |
-| `layer.py` | `EvictingLayer`: coordinates one layer's update, statistics and eviction |
+| `layer_interface.py` | `CacheLayer`: what the cache and attention ask of a layer; what all layers share |
+| `slot_layer.py` | `SlotLayer`: slot storage, its ring and crop, shared by the uniform and sliding layers |
+| `layer.py` | `EvictingLayer`: the uniform layer: one layer's statistics and eviction by its policies |
 | `sliding.py` | `SlidingLayer`: a sliding-window layer keeps the model's own window |
 | `per_head/` | `RaggedLayer` and its storage and allocation: per-head budgets (Ada-KV) |
+| `layer_setup.py` | each kind of layer's class (`LAYER_KINDS`) and every layer's settings |
+| `policy_states.py` | what each policy carries from one step of a layer to the next |
+| `memory.py` | entries and bytes held, per layer and summed per kind |
 | `model_info.py` | what the engine reads off a model's config; `check_model` |
 | `layer_settings.py` | `LayerSettings` (one layer's fixed settings), `Forward` (the forward in flight) |
 | `storage.py` | slot buffers: in-place writes, gather, hole filling |

@@ -27,7 +27,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from ..errors import KvevictError
 from .inputs import padded_batch_error
-from .layer import LAYER_KEY, NAME
+from .layer_interface import LAYER_KEY, NAME
 from .probabilities import decode_attention
 from .sliding import band
 

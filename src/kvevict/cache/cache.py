@@ -1,9 +1,10 @@
 """`EvictingCache`: a transformers `Cache` that keeps at most a budget of entries per layer
 and KV head, choosing survivors with a pluggable policy per batch row.
 
-Like transformers' own caches it only dispatches: `update` goes to the layer
-(`layer.py`), which stores, evicts and reports what it evicted to the observers an
-evaluation attached (`observers.py`). The cache holds what all layers share: the
+Like transformers' own caches it only dispatches: `update` goes to the layer (one of the
+peers behind `layer_interface.CacheLayer`, chosen per kind in `layer_setup.py`), which
+stores, evicts and reports what it evicted to the observers an evaluation attached
+(`observers.py`). The cache holds what all layers share: the
 policies and their rows, the position mode, the per-layer budgets.
 
 Rows of a batch hold the same tokens until the first eviction, so a one-row forward may
@@ -15,7 +16,6 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache
@@ -23,44 +23,14 @@ from transformers.cache_utils import Cache
 from ..errors import KvevictError
 from ..policies import Policy, check_policy
 from ..position_modes import DEFAULT_POSITIONS, check_positions
-from .attention import attach, handoffs
-from .layer import EvictingLayer
-from .layer_settings import Forward, LayerSettings
+from .attention import attach
+from .layer_settings import Forward
+from .layer_setup import layer_classes, layer_settings, position_modes
+from .memory import CacheMemory, summed
 from .model_info import check_model, layer_kinds, text_config
 from .observers import KeptTracker, Observer, SinkTracker, held_pinned_lost, held_sink_loss
-from .per_head import PER_HEAD_KINDS
 from .per_head.reconstruction import layer_totals
-from .positions import for_name
-from .quantized import storage_form_of
-from .rotary import Rotary
 from .rows import RowLayout
-from .sliding import SlidingLayer
-
-#: the layer class for each kind of attention layer a model declares (`config.layer_types`);
-#: a new kind is one class and one line here
-LAYER_KINDS: dict[str, type[EvictingLayer]] = {"full_attention": EvictingLayer, "sliding_attention": SlidingLayer}
-
-
-@dataclass
-class CacheMemory:
-    """What a cache holds now, per kind of layer, against a full cache of the same stream.
-
-    `held`: kind -> the most entries one layer of that kind holds (per row and KV head);
-    `layers`: kind -> how many layers; bytes count keys and values of every layer, row
-    and KV head as their storage holds them (the model's dtype, or a quantized form's codes,
-    scales, zero points and residual; un-rotated key copies and statistics left out):
-    `kv_bytes` the entries held, `allocated_kv_bytes` what the buffers take (held plus
-    the slack a forward writes into). `per_head`: per layer, `[B][H_kv]` entries each
-    head holds, when the heads hold different numbers (`adakv:P`), else None.
-    """
-
-    held: dict[str, int]
-    layers: dict[str, int]
-    kv_bytes: int
-    full_kv_bytes: int
-    allocated_kv_bytes: int = 0
-    per_head: list[list[list[int]]] | None = None
-    kv_bytes_bf16: int = 0  # `kv_bytes` with every floating-point number at 2 bytes (the deployment dtype)
 
 
 class EvictingCache(Cache):
@@ -99,22 +69,8 @@ class EvictingCache(Cache):
             )
         text = text_config(config)
         layers = text.num_hidden_layers
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        parameter = next(model.parameters())
         kinds = layer_kinds(text)
-        rotary_emb = getattr(model.base_model, "rotary_emb", None)
-        if rotary_emb is None and mode_name.needs_rotary:
-            raise KvevictError(
-                f"{type(model).__name__} has learned/absolute position embeddings, not rotary ones: there is no "
-                f"rotation to shift, so positions='{positions}' cannot apply; use positions='{DEFAULT_POSITIONS}' "
-                "(eviction is masking)"
-            )
-        per_kind = rotary_emb is not None and hasattr(rotary_emb, "layer_types")  # Gemma 3: a base per kind
-
-        def rotary(kind: str | None) -> Rotary | None:
-            if rotary_emb is None:
-                return None
-            return Rotary(rotary_emb, head_dim, parameter.dtype, parameter.device, kind if per_kind else None)
+        modes = position_modes(model, text, kinds, mode_name)
         if observers is None:
             observers = [KeptTracker(), SinkTracker()]
         self.observers = list(observers)
@@ -122,38 +78,11 @@ class EvictingCache(Cache):
         self.layout = RowLayout(self.policies)
         budget = budget if any(bounded) else None
         self._check_budget(budget, layers)  # before the model is touched
-        # one position mode per kind when the rotary module has a base per kind (Gemma 3), else one for all
-        shared = None if per_kind else for_name(mode_name, rotary(None))
-        modes = {kind: shared or for_name(mode_name, rotary(kind)) for kind in set(kinds)}
-        slots = handoffs(model)
-        window = getattr(text, "sliding_window", None)
-        storage_form = storage_form_of(self.policies, head_dim)  # quantized entries (`q4+...`) or as they are
-        fifo = {p.fifo_after for p in self.policies}
-        fifo_after = fifo.pop() if len(fifo) == 1 else None  # one ring for all rows, or none
-
-        def settings(index: int, kind: str) -> LayerSettings:
-            return LayerSettings(
-                mode=modes[kind],
-                layout=self.layout,
-                stat_names=tuple(sorted({name for p in self.policies for name in p.stats})),
-                query_window=max(p.query_window for p in self.policies),
-                slack=slack,
-                last_layer=layers - 1,
-                per_token=per_token,
-                config=config,
-                observers=tuple(self.observers),
-                handoff=slots.get(index),
-                window=int(window) if kind == "sliding_attention" else None,
-                fifo_after=fifo_after,
-                storage_form=storage_form,
-            )
-
+        settings = layer_settings(model, text, kinds, modes, self.layout, self.observers, slack, per_token)
         attach(model)
         self.kinds = kinds
-        classes = dict(LAYER_KINDS)
-        if any(p.varies_by_head for p in self.policies):
-            classes.update(PER_HEAD_KINDS)  # sliding-window layers run no policy: they stay as they are
-        super().__init__(layers=[classes[kind](i, settings(i, kind)) for i, kind in enumerate(kinds)])
+        classes = layer_classes(self.policies)
+        super().__init__(layers=[classes[kind](i, settings[i]) for i, kind in enumerate(kinds)])
         self._budgets: list[int | None] = [None] * layers
         self.budget = budget
         self._repeating: tuple[int, int] | None = None  # the chunk a KVzip repeat forward reconstructs
@@ -161,7 +90,7 @@ class EvictingCache(Cache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Dispatch to layer `layer_idx`, with the record of the forward in flight: a new `Forward` at
-        layer 0, else the record the layer before ended with (`EvictingLayer.forward`)."""
+        layer 0, else the record the layer before ended with (`CacheLayer.forward`)."""
         if layer_idx == 0 and self.layout.bind(self.layout.rows_for(key_states.shape[0])):
             pinned = [p.pinned for p in self.layout.row_policies()]  # the first forward binds rows, once
             for observer in self.observers:
@@ -366,7 +295,7 @@ class EvictingCache(Cache):
             observer.reset()
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Take the `-tokens_to_remove` latest tokens back out of every layer (`EvictingLayer.crop`), as
+        """Take the `-tokens_to_remove` latest tokens back out of every layer (`CacheLayer.crop`), as
         transformers' `Cache.crop` with a negative count: a question read after a frozen prefix, so the
         next request reads the prefix alone."""
         if tokens_to_remove > 0:
@@ -418,24 +347,7 @@ class EvictingCache(Cache):
 
     def memory(self) -> CacheMemory:
         """Entries held per kind of layer and the KV bytes, against a full cache of the tokens seen."""
-        held: dict[str, int] = {}
-        layers: dict[str, int] = {}
-        figures = []
-        for kind, layer in zip(self.kinds, self.layers):
-            layers[kind] = layers.get(kind, 0) + 1
-            held[kind] = max(held.get(kind, 0), layer.n)
-            answer = layer.memory()  # each layer counts its own storage
-            if answer is not None:
-                figures.append(answer)
-        return CacheMemory(
-            held=held,
-            layers=layers,
-            kv_bytes=sum(f.kv_bytes for f in figures),
-            full_kv_bytes=sum(f.full_kv_bytes for f in figures),
-            allocated_kv_bytes=sum(f.allocated_kv_bytes for f in figures),
-            per_head=[f.per_head for f in figures] if any(layer.heads_differ for layer in self.layers) else None,
-            kv_bytes_bf16=sum(f.kv_bytes_bf16 for f in figures),
-        )
+        return summed(self.kinds, self.layers)
 
     def _observer(self, kind: type) -> Observer:
         found = next((o for o in self.observers if isinstance(o, kind)), None)

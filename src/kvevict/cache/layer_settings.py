@@ -4,10 +4,10 @@ Nothing here is written by one layer for another to read behind the cache's back
 
 * `LayerSettings` is frozen. The cache builds one per layer (its position mode, its
   sliding window, its hand-off slot) and the layer only reads it. A budget is not a
-  setting: the cache hands each layer its number through `EvictingLayer.set_budget`.
+  setting: the cache hands each layer its number through `CacheLayer.set_budget`.
 * `Forward` is a read-only record of one forward of the model through the cache. The
   cache starts an empty one at layer 0 and hands each later layer the record the layer
-  before it ended with (`EvictingLayer.forward`). A layer that adds something for the
+  before it ended with (`CacheLayer.forward`). A layer that adds something for the
   next (layer 0: the positions the model used; a closed-form replay plan) makes a new
   record with it (`dataclasses.replace`) and ends with that one; no record is changed
   after it is made, and each lives exactly as long as its forward.

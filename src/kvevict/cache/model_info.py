@@ -40,7 +40,7 @@ _SUPPORTED = (
     "kvevict supports decoder-only causal LMs whose attention goes through AttentionInterface "
     "(Llama, Mistral, Qwen2/3, Gemma 3, Phi-3, GPT-NeoX, GPT-2, OPT)"
 )
-#: kinds of layers kvevict has a layer class for (cache.LAYER_KINDS); the rest hold no KV cache to bound
+#: kinds of layers kvevict has a layer class for (layer_setup.LAYER_KINDS); the rest hold no KV cache to bound
 ATTENTION_KINDS = ("full_attention", "sliding_attention")
 
 

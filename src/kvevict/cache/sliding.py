@@ -6,7 +6,7 @@ the last `W - 1` entries between forwards and the policy does not run in it. The
 cache's budget bounds the full-attention layers, which are the ones that grow.
 
 A decode step evicts like a first-in-first-out policy in a full-attention layer: in
-original positions the newest entry takes the oldest one's slot (`EvictingLayer._turn_ring`,
+original positions the newest entry takes the oldest one's slot (`SlotLayer._turn_ring`,
 one slot moved instead of the window compacted), so the slots turn like a ring and leave
 positional order. It needs no mask either: the `W - 1` entries held and the query itself
 are all inside the query's window.
@@ -20,53 +20,43 @@ eviction renumbers every entry and compacts); the kept entries are contiguous st
 tokens, so renumbering them `0..L-1` changes no relative distance: RoPE logits are the same.
 
 An engine whose budget holds every layer (`Policy.bounds_every_layer`: llama.cpp's `n_ctx`
-cells hold its sliding layers too, which it shifts only when they are full size) makes
-this layer run the rows' policy like a full-attention one, at the cache's budget, while
-each query still sees only the band of its window over the entries held: llama.cpp masks
-by the renumbered positions, which are exactly the held entries' order.
+cells hold its sliding layers too, which it shifts only when they are full size) runs its
+policy in its sliding layers like in a full-attention one, at the cache's budget, while
+each query still sees only the band of its window over the entries held (llama.cpp masks
+by the renumbered positions, which are exactly the held entries' order): the cache gives
+such a layer the uniform `layer.EvictingLayer`, which masks `band`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .layer import EvictingLayer
-from .layer_settings import LayerSettings
+from .slot_layer import SlotLayer
+from .storage import SlotStorage
 
 
-class SlidingLayer(EvictingLayer):
-    """Keeps the last `window - 1` entries (the model's own window); no policy, no statistics
-    (unless the policy bounds every layer, see the module)."""
-
-    is_sliding = True
-
-    def __init__(self, index: int, settings: LayerSettings) -> None:
-        super().__init__(index, settings)
-        self.window = int(settings.window)
-        self.engine_bounded = any(p.bounds_every_layer for p in settings.layout.policies)
+class SlidingLayer(SlotLayer):
+    """Keeps the last `window - 1` entries (the model's own window); no policy, no statistics."""
 
     @property
     def budget(self) -> int | None:
-        return self._budget if self.engine_bounded else self.window - 1
+        """The model's window less one, whatever the cache's budget (which bounds the full-attention layers)."""
+        return self.window - 1
 
-    def window_size(self) -> int | None:
-        return self.window if self.engine_bounded else None
+    def _new_storage(self) -> SlotStorage:
+        return self._slot_storage(())  # no policy runs here: no per-slot statistics
 
     def replays(self, q: int) -> bool:
-        # the band mask already shows each query its own window, unless the engine's schedule evicts mid-chunk
-        return super().replays(q) if self.engine_bounded else False
+        return False  # the band mask already shows each query its own window
 
     def plan(self) -> bool:
-        return super().plan() if self.engine_bounded else False  # no policy runs here: nothing to measure
+        return False  # no policy runs here: nothing to measure
 
     def evict_deferred(self) -> None:
-        if self.engine_bounded:
-            super().evict_deferred()
-        self.deferred = False  # else its `finish` kept its window already: nothing was held back
+        self.deferred = False  # its `finish` kept its window already: nothing was held back
 
     def ring_start(self) -> int | None:
-        # the model's window pins nothing: the oldest held entry goes, from slot 0 on (an engine: its policy)
-        return super().ring_start() if self.engine_bounded else 0
+        return 0  # the model's window pins nothing: the oldest held entry goes, from slot 0 on
 
     def window_mask(self, q: int) -> torch.Tensor | None:
         """`[q, n + q]` bool: which held or new entries each of the `q` new queries sees, or None: all.
@@ -74,10 +64,7 @@ class SlidingLayer(EvictingLayer):
         One query sees everything held (at most `W - 1` entries, all newer than its window's
         start, in any slot order). Many queries see the band `i - W < j <= i` of their stream
         positions, taken from the stored positions, since a turned ring holds them out of order.
-        Under an engine's schedule the held entries are in order and may outnumber the window.
         """
-        if self.engine_bounded:
-            return band(q, self.n + q, self.window, self.device)
         if q == 1:
             return None
         positions = self.storage.pos[0, 0, : self.n + q]  # every row and head holds the same slots
@@ -86,9 +73,6 @@ class SlidingLayer(EvictingLayer):
     def finish(self, query, query_positions, scaling, probs=None) -> None:
         """Drop what fell out of the window: the oldest entry's slot takes the newest (a decode step in
         original positions), else the latest `W - 1` are compacted to the front in positional order."""
-        if self.engine_bounded:
-            super().finish(query, query_positions, scaling, probs)
-            return
         self.pending = False
         total = self.n + self.new
         self.new = 0

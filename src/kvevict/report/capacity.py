@@ -1,7 +1,7 @@
 """Capacity: KV bytes per sequence at a deployment's context length, and how many sequences fit.
 
 The arithmetic a team provisions with (the same count the cache makes of what it holds,
-`cache.layer.EvictingLayer.memory`): one cached token of one layer costs
+`cache.layer_interface.CacheLayer.memory`): one cached token of one layer costs
 `KV heads x head_dim x 2 (key and value) x bytes per element`. A full-attention layer
 holds `min(context, budget)` tokens; a sliding-window layer holds at most its window
 less one (`window - 1`, as transformers' `DynamicSlidingWindowLayer` keeps, cache_utils.py)

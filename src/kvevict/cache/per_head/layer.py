@@ -19,7 +19,9 @@ pooling, where a zero next to non-negative masses changes neither max- nor avera
 pooling with zero padding). Eviction leaves holes (`RaggedStorage.evict`): a decode
 step moves no keys, and a row is re-packed only when a head's segment is full.
 
-Every forward goes through `replay` (the attention function hands it the whole call).
+It implements `CacheLayer` directly, a peer of the slot layers (`slot_layer.SlotLayer`):
+no slots in positional order, no ring, no SDPA hooks. Every forward goes through
+`replay` (`replays` is always True: the attention function hands it the whole call).
 A forward of many tokens under `per_token=True` that would evict steps through its
 queries one at a time, doing exactly what one-token forwards do, so chunked
 evaluation is exact. Original positions only: in position-shift mode each head would
@@ -31,26 +33,38 @@ from __future__ import annotations
 import torch
 
 from ...errors import KvevictError
-from ...policies import QueryBatch, SlotView
-from ..layer import EvictingLayer
+from ...policies import Policy, QueryBatch, SlotView
+from ..layer_interface import CacheLayer
+from ..layer_settings import LayerSettings
+from ..policy_states import PolicyStates
 from ..probabilities import BLOCK_ELEMENTS, attention_mass
 from ..rows import RowGroup
 from ..selection import LATEST_LAST
-from ..statistics import measure
+from ..statistics import Statistics, measure
 from .allocation import allocate
 from .reconstruction import ranked_keys, window_mass
 from .storage import RaggedStorage
 
 
-class RaggedLayer(EvictingLayer):
+class RaggedLayer(CacheLayer):
     """Per-head budgets: one allowance per layer and row, ragged storage, attention by hand."""
 
     heads_differ = True
 
+    def __init__(self, index: int, settings: LayerSettings) -> None:
+        super().__init__(index, settings)
+        self.storage: RaggedStorage | None = None
+        self.statistics = Statistics(settings.query_window)
+        self.states = PolicyStates(index)
+        self._incoming: tuple[torch.Tensor, torch.Tensor] | None = None  # the forward's keys and values
+        self._floor_cache: tuple[int | None, torch.Tensor] | None = None  # (budget, floors) of the bound rows
+
+    def state_of(self, policy: Policy) -> object | None:
+        """`policy`'s state in this layer (`Policy.new_state`), made on first use; handed to it as `SlotView.state`."""
+        return self.states.of(policy)
+
     def _new_storage(self) -> RaggedStorage:
         s = self.settings
-        self._incoming: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._floor_cache: tuple[int | None, torch.Tensor] | None = None  # (budget, floors) of the bound rows
         return RaggedStorage(
             self.batch_size, self.heads, self.head_dim, self.dtype, self.device, s.stat_names, self.budget or 0, s.slack
         )
@@ -63,16 +77,23 @@ class RaggedLayer(EvictingLayer):
 
     def reset(self) -> None:
         super().reset()
+        self.statistics.reset()
+        self.states.clear()
         if self.storage is not None:
-            self.storage.reset()
+            self.storage.reset()  # its statistics zeroed too
 
     def batch_select_indices(self, index: torch.Tensor) -> None:
-        super().batch_select_indices(index)
+        """Sealed only (`EvictingCache.batch_select_indices`): the statistics are dropped, the floors found again."""
+        if not self.is_initialized:
+            return
+        self.storage.keep_rows(index)
+        self.batch_size = index.numel()
+        self.statistics.reset()
         self._floor_cache = None  # per row
 
     def crop(self, tokens_to_remove: int) -> None:
-        """`EvictingLayer.crop` on ragged segments: the latest `-tokens_to_remove` tokens become holes in
-        every head (each must hold them all), which keeps its share of the rest."""
+        """transformers' `crop` with a negative count, on ragged segments: the latest `-tokens_to_remove`
+        tokens become holes in every head (each must hold them all), which keeps its share of the rest."""
         count = -tokens_to_remove
         if count <= 0 or not self.is_initialized:
             return
@@ -142,18 +163,34 @@ class RaggedLayer(EvictingLayer):
         deferring = self.deferred and self.budget is not None
         will_evict = deferring or self._overflows(0)
         members, hidden, positions, views = self._views(seen)
-        width = storage.capacity
-        groups = s.layout.groups
-        requests = [g.policy.request(v, will_evict) for g, v in zip(groups, views)]
+        requests = [g.policy.request(v, will_evict) for g, v in zip(s.layout.groups, views)]
         kinds = {r.kind for r in requests if r is not None}
         out, new_mass, last_mass = self._attend(query, scaling, hidden, seen - m, "new" in kinds, "last" in kinds)
-        for g, view, request in zip(groups, views, requests):
+        self._absorb(query, views, requests, members, seen, scaling, new_mass, last_mass)
+        self.statistics.last_forward = None  # served: the queries are not held past their forward
+        if will_evict and not deferring:
+            self._refuse_reconstructing()
+            self._evict(views, members, positions, seen, shrink=m > 1)
+        self.n = int(storage.held.max())
+        return out
+
+    def _absorb(self, query: torch.Tensor, views: list[SlotView], requests: list, members: torch.Tensor, seen: int,
+                scaling: float, new_mass: torch.Tensor | None, last_mass: torch.Tensor | None) -> None:
+        """Measure what each row group's policy asked for (`requests`, one per group) and let it absorb it
+        into its statistic: each entry keeps its own head's value, and the group's view sees the update.
+
+        query `[B, H_q, m, D]` (the forward's `m` tokens, `seen` counting them); members
+        `[B, H_kv, capacity]` the entries each head holds; `new_mass` / `last_mass` `[B, H_kv, capacity]`
+        the attention of all `m` queries and of the last one, where attention measured it."""
+        s, storage = self.settings, self.storage
+        first, width = seen - query.shape[2], storage.capacity
+        for g, view, request in zip(s.layout.groups, views, requests):
             if request is None:
                 continue
 
             def window(size: int) -> torch.Tensor:  # SnapKV's last queries, other heads' entries invisible
                 queries, q_pos = self.statistics.window_queries(s.mode, size, seen, width)
-                key_pos = storage.per_head(storage.pos, hidden, LATEST_LAST)
+                key_pos = storage.per_head(storage.pos, ~members, LATEST_LAST)
                 keys_now = storage.keys[:, None].expand(-1, self.heads, -1, -1)
                 return attention_mass(queries, q_pos, keys_now, key_pos, scaling).nan_to_num(0.0)
 
@@ -164,7 +201,7 @@ class RaggedLayer(EvictingLayer):
                 chunk = self.forward.reconstruct
                 if chunk is None:
                     return None
-                return window_mass(query, storage.keys, storage.pos, members, seen - m, chunk, sinks, scaling)
+                return window_mass(query, storage.keys, storage.pos, members, first, chunk, sinks, scaling)
 
             mass = measure(request, new=lambda: new_mass, last=lambda: last_mass, window=window, queries=queries,
                            reconstruction=reconstruction)
@@ -175,12 +212,6 @@ class RaggedLayer(EvictingLayer):
             updated = g.policy.absorb(view, request, mass).to(stat.dtype)
             g.put(stat, updated.gather(1, g.take(storage.owner)[:, None]).squeeze(1))  # its own head's value
             view.stats[request.stat] = updated  # read only where the head holds an entry
-        self.statistics.last_forward = None  # served: the queries are not held past their forward
-        if will_evict and not deferring:
-            self._refuse_reconstructing()
-            self._evict(views, members, positions, seen, shrink=m > 1)
-        self.n = int(storage.held.max())
-        return out
 
     def _views(self, seen: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[SlotView]]:
         """What each row group's policy sees now (`_ragged_view`): the entries each head holds
