@@ -18,6 +18,7 @@ from collections import Counter
 
 import torch
 
+import kvevict.cache.by_slot as by_slot
 import kvevict.cache.replay as replay
 from kvevict import compare, load_model, load_tokens
 from kvevict.cache.layer import EvictingLayer
@@ -26,7 +27,7 @@ from kvevict.defaults import DEFAULT_CHUNK
 PARTS = [
     (EvictingLayer, "replay", "replay (all)"),
     (replay, "replay_static", "closed form"),
-    (replay, "_steps_by_slot", "stepping by slot"),
+    (by_slot, "steps_by_slot", "stepping by slot"),
     (replay, "steps_fixed_keys", "stepping, fixed keys"),
 ]
 

@@ -1,6 +1,6 @@
 """`Policy.slot_local` is true of every policy that declares it: scoring a view that holds more
 slots gives every other slot the same score (the chunk replay in original positions relies on
-it, `replay._steps_by_slot`), and so does absorbing a "new" request when the policy makes one.
+it, `by_slot.steps_by_slot`), and so does absorbing a "new" request when the policy makes one.
 
 Checked against a direct computation on the smaller view, for every registered policy that
 declares it, bare and under the sink wrappers (wrappers that declare it too).

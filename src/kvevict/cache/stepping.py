@@ -180,7 +180,7 @@ def window_mass(
     layer: ReplayingLayer, group: RowGroup, view: SlotView, size: int, seen: int, total: int, scaling: float
 ) -> torch.Tensor:
     """The last `size` queries, rotated to where their tokens sit now (`window_queries`: in original positions
-    where they were rotated), over `view`'s keys. Both stepping algorithms and `_steps_by_slot` measure here."""
+    where they were rotated), over `view`'s keys. Both stepping algorithms and `by_slot.steps_by_slot` measure here."""
     queries, q_pos = layer.statistics.window_queries(layer.settings.mode, size, seen, total)
     return attention_mass(group.take(queries), q_pos, view.keys(), view.positions, scaling)
 

@@ -146,7 +146,7 @@ class Policy:
     #: `budget`), and so does `absorb` of the `"new"` requests it makes (a `"window"` request is
     #: absorbed on the alive slots only): a view holding more slots gives every other slot the same
     #: result. A chunk replay in original positions then scores every slot of the chunk at once and
-    #: only masks the evicted ones (`replay._steps_by_slot`)
+    #: only masks the evicted ones (`by_slot.steps_by_slot`)
     slot_local: ClassVar[bool] = False
     #: scores slots by their keys (`view.keys()`: knorm, keydiff), so like an attention-driven
     #: policy it can keep token 0 on some heads and lose it on others
