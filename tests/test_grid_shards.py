@@ -15,7 +15,10 @@ from kvevict.ab.executors import Executor
 from kvevict.ab.grid_shards import GridSpec, shard
 from kvevict.ab.ruler import RulerRun, run_ruler
 from kvevict.ab.task_envelope import TaskEnvelopeConfig, run_task_envelope
-from kvevict.eval.ruler.grid import RulerGrid
+from kvevict.eval.ruler.grid import RulerGrid, record_key
+from kvevict.policies.budget import budget_label
+from kvevict.report.task_envelope import cells_of, smallest
+from test_task_envelope import oracle, with_oracle  # noqa: F401 - with_oracle is a fixture
 
 from support import cli_error
 
@@ -49,7 +52,7 @@ def answers(path) -> dict:
 
 
 def grid() -> RulerGrid:
-    return RulerGrid(tasks=["niah_single_1", "niah_multikey_1"], lengths=[300], samples=3,
+    return RulerGrid(tasks=["niah_single_1", "niah_multikey_1"], lengths=[400], samples=3,
                      policies=["window", "h2o"], budgets=["50%", "25%"])
 
 
@@ -80,8 +83,7 @@ def test_ruler_sharded_stores_the_local_runs_records_and_resumes(tmp_path, tiny_
 
 
 def test_the_task_envelope_on_shards_takes_the_local_searchs_steps(tmp_path, tiny_dir):
-    """Same probes, same answers, same smallest budget: the steps are the search's, the samples of a step shared
-    out (each configuration of a step and each of its samples a shard)."""
+    """Through the real grid runner: the same steps and the same answers as the local search."""
     from kvevict import load_model
 
     model, tokenizer = load_model(str(tiny_dir))
@@ -92,7 +94,7 @@ def test_the_task_envelope_on_shards_takes_the_local_searchs_steps(tmp_path, tin
     executor = Scattered()
     run_task_envelope(TaskEnvelopeConfig(**base, name="sharded"), model, tokenizer,
                       on_step=steps["sharded"].append, executor=executor)
-    assert steps["sharded"] == steps["local"] and len(steps["local"]) > 1
+    assert steps["sharded"] == steps["local"]
     assert answers(tmp_path / "runs" / "sharded" / "results.jsonl") == answers(
         tmp_path / "runs" / "local" / "results.jsonl")
     assert executor.sessions == 1  # one session for the whole search (Ray starts once)
@@ -112,7 +114,7 @@ def test_the_perplexity_envelope_runs_each_steps_budgets_on_the_executor(tmp_pat
     text = tmp_path / "t.txt"
     text.write_text(TEXT)
     base = dict(model=str(tiny_dir), text=str(text), tokens=128, policies=["window", "h2o"], floor=8,
-                resolution=1.5, max_ppl_ratio=1.5, out=str(tmp_path / "runs"))
+                resolution=1.5, max_ppl_ratio=1.001, out=str(tmp_path / "runs"))
     seen: dict[str, list] = {"local": [], "sharded": []}
     run_envelope(EnvelopeConfig(**base, name="local"), progress=False, on_batch=lambda b: seen["local"].append(
         (b.kind, b.budget)))
@@ -137,3 +139,48 @@ def test_the_perplexity_envelope_runs_each_steps_budgets_on_the_executor(tmp_pat
 ])
 def test_a_bad_executor_is_one_line_before_any_model_work(tmp_path, command, args, needle):
     cli_error(*command, *args, "--out", str(tmp_path), needles=(needle,))
+
+
+def shard_oracle(score):
+    """`run_grid` answering a shard by `score` (test_task_envelope's oracle): its samples only."""
+
+    def run(model, tokenizer, grid, done, on_records=None, limit=None, on_skip=None):
+        lines = []
+        for sample in grid.only if grid.only is not None else range(grid.samples):
+            for policy, budget in [("full", None), *((p, b) for p in grid.policies for b in grid.budgets)]:
+                key = record_key(grid.protocol, grid.form, grid.tasks[0], grid.lengths[0], sample, policy,
+                                 budget_label(budget), 0)
+                if key not in done:
+                    lines.append({"key": key, "task": grid.tasks[0], "protocol": grid.protocol,
+                                  "length": grid.lengths[0], "sample": sample, "policy": policy,
+                                  "budget": budget_label(budget), "score": score(policy, budget, sample)})
+        return lines
+
+    return run
+
+
+def test_a_search_of_several_looks_and_budgets_on_shards_is_the_local_one(tmp_path, with_oracle, monkeypatch):  # noqa: F811
+    """On an oracle whose cell at budget 40 misses 2 of its first 20 samples (undecided: more looks) and that
+    passes from 40 up: the sharded search takes the local one's steps (several looks, several budgets), stores
+    its answers once each, and finds the same smallest budget."""
+    from kvevict import loading
+    from kvevict.ab import grid_shards
+
+    score = oracle(40, shaky={40: {3, 7}})
+    with_oracle(score)
+    monkeypatch.setattr(grid_shards, "run_grid", shard_oracle(score))
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: (None, None))
+    base = dict(policies=["window", "h2o"], floor=8, resolution=1.0001, start=20, cap=60, length=256,
+                out=str(tmp_path / "runs"))
+    steps: dict[str, list] = {"local": [], "sharded": []}
+    cfg = {name: TaskEnvelopeConfig(**base, name=name) for name in steps}
+    _, local = run_task_envelope(cfg["local"], None, None, on_step=steps["local"].append)
+    _, sharded = run_task_envelope(cfg["sharded"], None, None, on_step=steps["sharded"].append,
+                                   executor=Scattered())
+    assert steps["sharded"] == steps["local"] and len(steps["local"]) > 4
+    assert any(samples > 20 for step in steps["local"] for _, samples in step)  # a cell took more looks
+    assert answers(tmp_path / "runs" / "sharded" / "results.jsonl").keys() == answers(
+        tmp_path / "runs" / "local" / "results.jsonl").keys()
+    found = {name: smallest(cells_of(cfg[name].looks(), cfg[name].tolerance(), "window", records))[0].budget
+             for name, records in (("local", local), ("sharded", sharded))}
+    assert found == {"local": 40, "sharded": 40}

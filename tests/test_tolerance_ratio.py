@@ -85,9 +85,9 @@ def test_one_lost_answer_worth_more_than_the_tolerance_withholds_inside():
 
 
 def test_the_ratio_judges_a_pair_of_policies_the_same_way():
-    a, b = [1] * 5 + [0] * 25, [1] * 30
-    assert judge_pair(a, b, RATIO).outcome == "outside"
-    assert judge_pair(b, a, RATIO).outcome == "inside"  # b keeps far more than 90% of a's 5
+    a, b = [1] * 15 + [0] * 15, [1] * 30
+    assert judge_pair(a, b, RATIO).outcome == "outside"  # a keeps half of b's
+    assert judge_pair(b, a, RATIO).outcome == "inside"  # b keeps all of a's 15 and more
 
 
 def test_fractional_scores_use_the_paired_bootstrap_and_one_answer_bounds_nothing():

@@ -37,7 +37,7 @@ def test_the_verdict_judges_tasks_by_the_ratio():
     assert found.recommended.name == "h2o"
     judged = dict(next(c for c in found.candidates if c.name == "h2o").judgements)["tasks"]
     assert judged.metric == "accuracy-ratio" and judged.text().startswith("accuracy ratio 1.00 [")
-    assert [c.name for c in found.collapsed] == ["window"]
+    assert [c.name for c, _ in found.collapsed] == ["window"]
 
 
 def test_envelope_tasks_on_a_tiny_model_under_the_ratio_resumes(tmp_path, tiny_dir):
