@@ -17,7 +17,7 @@ from support import cli
 
 
 def ruler_args(tiny_dir, out, name: str) -> list[str]:
-    return ["ruler", "--model", str(tiny_dir), "--tasks", "niah_single_1,niah_multikey_1", "--lengths", "300",
+    return ["ruler", "--model", str(tiny_dir), "--tasks", "niah_single_1,niah_multikey_1", "--lengths", "400",
             "--samples", "3", "--policies", "window,h2o", "--budgets", "50%,25%", "--out", str(out), "--name", name]
 
 
