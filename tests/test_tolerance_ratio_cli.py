@@ -14,14 +14,18 @@ from test_verdict_tasks import answers
 from support import cli, cli_error
 
 
+# each case also holds a later mistake (no samples, `--policies full`, a bad budget), so that without the check
+# under test the command stops at once on that one rather than running a model
 @pytest.mark.parametrize("args, needle", [
-    (["ruler", "--min-accuracy-ratio", "1.2"], "--min-accuracy-ratio is policy accuracy over full accuracy in (0, 1]"),
-    (["ab", "--min-accuracy-ratio", "0"], "got 0"),
-    (["ruler", "--min-accuracy-ratio", "0.9", "--max-accuracy-drop", "0.05"], "two accuracy rules, one at a time"),
-    (["envelope", "--tasks", "niah_single_1", "--policies", "window", "--min-accuracy-ratio", "0.95"],
+    (["ruler", "--min-accuracy-ratio", "1.2", "--samples", "0"],
+     "--min-accuracy-ratio is policy accuracy over full accuracy in (0, 1]"),
+    (["ab", "--min-accuracy-ratio", "0", "--budgets", "x"], "got 0"),
+    (["ruler", "--min-accuracy-ratio", "0.9", "--max-accuracy-drop", "0.05", "--samples", "0"],
+     "two accuracy rules, one at a time"),
+    (["envelope", "--tasks", "niah_single_1", "--policies", "full", "--min-accuracy-ratio", "0.95"],
      "raise --samples-max to at least 70"),
-    (["envelope", "--tasks", "niah_single_1", "--min-accuracy-ratio", "0.9", "--max-accuracy-drop", "0.1"],
-     "two accuracy rules"),
+    (["envelope", "--tasks", "niah_single_1", "--min-accuracy-ratio", "0.9", "--max-accuracy-drop", "0.1",
+      "--samples-start", "0"], "two accuracy rules"),
 ])
 def test_bad_ratio_input_is_one_line(tmp_path, args, needle):
     cli_error(*args, "--out", str(tmp_path), needles=(needle,))

@@ -174,7 +174,7 @@ def tolerance_from(max_ppl_ratio: float | None, max_accuracy_drop: float | None,
     is refused."""
     from ..report.tolerance import Tolerance
 
-    if False:
+    if max_accuracy_drop is not None and min_accuracy_ratio is not None:
         raise KvevictError("--max-accuracy-drop and --min-accuracy-ratio are two accuracy rules, one at a time: give "
                            "either an absolute drop (0.05: 5 points) or a share of the full cache's accuracy (0.95)")
     base = Tolerance.from_dict(recorded)
