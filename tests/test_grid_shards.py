@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import pytest
 
 from kvevict.ab.executors import Executor
-from kvevict.ab.grid_shards import GridSpec, shard
+from kvevict.ab.grid_shards import GridSpec, Shard, shard
 from kvevict.ab.ruler import RulerRun, run_ruler
 from kvevict.ab.task_envelope import TaskEnvelopeConfig, run_task_envelope
 from kvevict.eval.ruler.grid import RulerGrid, record_key
@@ -42,7 +42,10 @@ class Scattered(Executor):
     def run(self, spec, todo, finished, progress) -> None:
         for item in reversed(todo):
             self.shards += 1
-            finished(spec.portable().build().run(item))
+            lines = spec.portable().build().run(item)
+            if isinstance(item, Shard):  # a shard answers its sample alone (a perplexity batch is no shard)
+                assert {line["sample"] for line in lines} <= set(item.grid.only)
+            finished(lines)
 
 
 def answers(path) -> dict:
