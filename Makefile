@@ -64,7 +64,7 @@ test-readme-gemma: $(EXTRAS)
 # the Ray executor end to end: a Ray instance started on loopback in a network namespace of its own, a sweep
 # on it equal to the local one, a worker killed mid-batch (~2.5 min): run by CI beside make test
 test-ray: $(EXTRAS)
-	$(PY) -m pytest -q -m ray_cluster tests/test_ray.py
+	$(PY) -m pytest -q -m ray_cluster tests/test_ray.py tests/test_ray_tasks.py
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not model and not browser"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 
 from ..defaults import DEFAULT_CHUNK
@@ -26,11 +27,13 @@ from ..errors import KvevictError
 from ..loading.dtypes import dtype_name
 from ..policies import check_policy, shared_batches
 from ..position_modes import DEFAULT_POSITIONS
+from ..progress import bars
 from ..report.capacity import KvShape, shape_of
 from ..report.envelope import judge_probe, tolerance_of
 from ..report.records import PplRecord, load, ppl_records
 from ..report.store import ResultStore
 from .bisection import Bracket, step
+from .executors import WorkerSpec
 from .folder import open_run_folder
 from .plan import Cell, SweepConfig, canonical, run_folder
 from .worker import Batch, Worker
@@ -117,13 +120,16 @@ def kv_shape(model) -> KvShape:
 
 def run_envelope(
     config: EnvelopeConfig, model=None, tokenizer=None, progress: bool = True, allow_download: bool = False,
-    device: str = "cpu", on_batch: Callable[[Batch], None] | None = None,
+    device: str = "cpu", on_batch: Callable[[Batch], None] | None = None, executor=None,
 ) -> tuple[ResultStore, list[PplRecord]]:
     """Search every configuration to its resolution; returns the store and the run's perplexity records.
 
     `model`/`tokenizer` skip loading `config.model` (tests pass a tiny model); the model is
     loaded only when a probe is missing, so a finished search redraws without it.
-    `on_batch` is told of each batch before it runs."""
+    `on_batch` is told of each batch before it runs. With an `executor` (Ray's) the budgets of a step run
+    on its workers, one batch each, each worker computing the full-cache reference once (`_rows_on`); the
+    full cache's own record is measured here, where the model's KV shape is read. The steps stay in order:
+    each waits for the judgements of the one before."""
     cells = configurations(config)
     if model is not None and dtype_name(model.dtype) != config.dtype:
         raise KvevictError(f"the model given is held in {model.dtype}, the search says dtype '{config.dtype}': "
@@ -131,12 +137,23 @@ def run_envelope(
     sweep = config.sweep()
     store = open_run_folder(sweep.folder, {**sweep.identity(), "search": "envelope"}, asdict(config),
                             "envelope probes")
+    with executor.session() if executor is not None else nullcontext():
+        return _search(config, cells, store, model, tokenizer, progress, allow_download, device, on_batch, executor)
+
+
+def _search(config, cells, store, model, tokenizer, progress, allow_download, device, on_batch,
+            executor) -> tuple[ResultStore, list[PplRecord]]:
+    """Step after step until every search is done (`run_envelope`)."""
     worker: Worker | None = None
     while True:
         records = ppl_records(load(store.records()))
         todo = next_probes(config, cells, records)
         if not todo:
             return store, records
+        if executor is not None and todo[0].kind != "full":  # a step of budgets: on the executor's workers
+            _rows_on(executor, WorkerSpec(config.sweep(), allow_download, model, tokenizer, device), todo, store,
+                     progress, on_batch)
+            continue
         worker = worker or Worker(config.sweep(), model, tokenizer, allow_download, device)
         for batch in todo:
             if on_batch is not None:
@@ -147,3 +164,19 @@ def run_envelope(
                 lines = [{**line, "kv_shape": kv_shape(worker.model).as_dict(), "weight_bytes": weights}
                          for line in lines]
             store.append(lines)
+
+
+def _rows_on(executor, spec: WorkerSpec, todo: list[Batch], store: ResultStore, progress: bool,
+             on_batch: Callable[[Batch], None] | None) -> None:
+    """One step's batches on `executor`, each appended here as it finishes; a batch given up on stops the search
+    in one line (what finished is kept: a rerun continues)."""
+    for batch in todo:
+        if on_batch is not None:
+            on_batch(batch)
+    before = len(executor.failed)
+    with bars(progress) as bar:
+        executor.run(spec, todo, store.append, bar)
+    if len(executor.failed) > before:
+        batch, reason = executor.failed[before]
+        raise KvevictError(f"{batch.name} failed on the executor ({reason}): rerun the same command to continue "
+                           "the search")

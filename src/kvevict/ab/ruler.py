@@ -10,6 +10,7 @@ another protocol adds to the same folder.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -60,20 +61,43 @@ def max_positions(model) -> int | None:
     return getattr(config, "max_position_embeddings", None)
 
 
-def run_ruler(run: RulerRun, model, tokenizer, progress: bool = True) -> list[Record]:
-    """Answer everything the run's grid holds that its folder does not; returns every record of the folder."""
+def run_ruler(run: RulerRun, model, tokenizer, progress: bool = True, executor=None,
+              allow_download: bool = False, device: str = "cpu") -> list[Record]:
+    """Answer everything the run's grid holds that its folder does not; returns every record of the folder.
+    With an `executor` (`executors.Executor`, e.g. Ray's) the samples are shared out across its workers
+    (`grid_shards`), each loading the model itself where it runs elsewhere; the shards it gave up on are left in
+    `executor.failed` and stay unanswered."""
     limit = max_positions(model)
     total = preflight(run.grid, tokenizer, limit)
     store = prepare(run)
     done = store.done()
+    if executor is not None:
+        from .grid_shards import GridSpec, run_shards, shard
+
+        spec = GridSpec(run.model, run.dtype, allow_download, device, model, tokenizer)
+        with executor.session():
+            run_shards(executor, spec, shard(run.grid, done), keeper(store, done, run.dtype), progress)
+        return load(store.records())
     with bars(progress) as bar:
         task = bar.add_task(f"ruler {run.name}: batches", total=total)
 
+        stored = keeper(store, done, run.dtype)
+
         def keep(lines: list[dict]) -> None:
-            # a batch cut short by a kill is answered again whole; only its missing answers are added
-            store.append([RulerRecord.from_dict({**line, "dtype": run.dtype}).to_dict()
-                          for line in lines if line["key"] not in done])
+            stored(lines)
             bar.advance(task)
 
         run_grid(model, tokenizer, run.grid, done, keep, limit, on_skip=lambda: bar.advance(task))
     return load(store.records())
+
+
+def keeper(store: ResultStore, done: set[str], dtype: str) -> Callable[[list[dict]], None]:
+    """What the grid runner (or an executor) hands each batch's answers to: stored as `RulerRecord`s, the ones not
+    yet stored (a batch cut short by a kill is answered again whole); `done` grows with what is appended, so two
+    shards answering the same full-cache sample store it once."""
+    def keep(lines: list[dict]) -> None:
+        fresh = [RulerRecord.from_dict({**line, "dtype": dtype}).to_dict() for line in lines if line["key"] not in done]
+        store.append(fresh)
+        done.update(line["key"] for line in fresh)
+
+    return keep

@@ -3,10 +3,11 @@
 The perplexity envelope (`envelope.py`) bisects budgets on a stream; this one bisects
 them on a RULER task, where a probe is a (configuration, budget) cell answered on the
 same seeded samples as the full cache, and judged paired against it by the tolerance rule
-(`report.tolerance.judge_accuracy`: the exact interval of the accuracy drop).
+(`report.tolerance.judge_accuracy`: the exact interval of the accuracy drop, or with
+`min_accuracy_ratio` Bonett and Price's paired interval of the accuracy ratio).
 
 **Sequential sampling.** A cell starts with `start` samples and adds `start` more at a time
-until its interval decides, inside or outside `max_accuracy_drop`, or until `cap` samples,
+until its interval decides, inside or outside the tolerance, or until `cap` samples,
 where an undecided cell counts as not inside (the report names it). Looking at a cell
 several times and stopping when it decides would make a 95% interval too optimistic, so
 each look is judged at confidence `1 - 0.05 / looks` (Bonferroni over the planned looks):
@@ -23,7 +24,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field, replace
 
 from ..errors import KvevictError
 from ..eval.ruler.grid import RulerGrid, compressed_length, preflight, prompts, run_grid
@@ -31,14 +33,15 @@ from ..eval.ruler.registry import get_task
 from ..loading.dtypes import dtype_name
 from ..policies import check_policy
 from ..position_modes import DEFAULT_POSITIONS
-from ..report.records import RulerRecord, load
+from ..report.records import load
 from ..report.store import ResultStore
 from ..report.task_envelope import cells_of
-from ..report.tolerance import Tolerance
+from ..report.tolerance import Tolerance, judge_accuracy
 from .bisection import Bracket, step
 from .folder import open_run_folder
+from .grid_shards import GridSpec, run_shards, shard
 from .plan import canonical, run_folder
-from .ruler import max_positions
+from .ruler import keeper, max_positions
 
 
 @dataclass
@@ -55,6 +58,7 @@ class TaskEnvelopeConfig:
     floor: int = 64
     resolution: float = 1.25
     max_accuracy_drop: float = 0.05
+    min_accuracy_ratio: float | None = None  # set: accuracy / full accuracy at least this, instead of the drop
     start: int = 10
     cap: int = 30
     seed: int = 0
@@ -69,7 +73,8 @@ class TaskEnvelopeConfig:
 
     def tolerance(self) -> Tolerance:
         """The rule's tolerance at each look, Bonferroni-corrected over the planned looks (module docstring)."""
-        return Tolerance(max_accuracy_drop=self.max_accuracy_drop, confidence=1 - 0.05 / len(self.looks()))
+        return Tolerance(max_accuracy_drop=self.max_accuracy_drop, confidence=1 - 0.05 / len(self.looks()),
+                         min_accuracy_ratio=self.min_accuracy_ratio)
 
     def grid(self, policies: list[str], budgets: list[int], samples: int) -> RulerGrid:
         return RulerGrid(tasks=[self.task], lengths=[self.length], samples=samples, policies=policies,
@@ -90,6 +95,7 @@ class TaskEnvelopeConfig:
             raise KvevictError(f"--samples-start {self.start} and --samples-max {self.cap}: give 1 <= start <= max, "
                                "e.g. 10 and 30")
         self.tolerance()
+        self.check_ratio_reach()
         self.grid(list(self.policies), [self.floor], self.start).check()
         run_folder(self.out, self.name)
         specs = []
@@ -99,6 +105,25 @@ class TaskEnvelopeConfig:
                                    "against; leave it out of --policies")
             specs.append(canonical(label, self.seed))
         return list(dict.fromkeys(specs))
+
+
+    def perfect_cell_inside(self) -> bool:
+        """Whether a cell that answers all `cap` samples as the full cache does, every one right, is inside: under
+        the ratio rule the concordant answers bound the ratio only so tightly (`report.paired_ratio`)."""
+        n = self.cap
+        return judge_accuracy([1.0] * n, [1.0] * n, self.tolerance()).outcome == "inside"
+
+    def check_ratio_reach(self) -> None:
+        """Refuse a ratio no cell can be shown to hold at the cap: 30 answers all agreeing bound the ratio at
+        98.3% from about 0.88, so `--min-accuracy-ratio 0.95` needs more samples. Names the cap that would do."""
+        if self.min_accuracy_ratio is None or self.perfect_cell_inside():
+            return
+        least = None if self.min_accuracy_ratio >= 1 else next(  # at 1 only a policy better than the full cache is
+            (cap for cap in range(self.cap + 1, 10_000) if replace(self, cap=cap).perfect_cell_inside()), None)
+        fix = f"raise --samples-max to at least {least}" if least else "lower the ratio"
+        raise KvevictError(f"--min-accuracy-ratio {self.min_accuracy_ratio:g} cannot be shown with --samples-max "
+                           f"{self.cap}: even {self.cap} answers all agreeing with a full cache that got every one "
+                           f"right leave the ratio's interval below it; {fix}")
 
 
 def next_requests(config: TaskEnvelopeConfig, specs: list[str], records: list, top: int) -> dict[tuple[int, int],
@@ -128,9 +153,13 @@ def context_top(config: TaskEnvelopeConfig, tokenizer, limit: int | None) -> int
 
 
 def run_task_envelope(config: TaskEnvelopeConfig, model, tokenizer,
-                      on_step: Callable[[dict], None] | None = None) -> tuple[ResultStore, list]:
+                      on_step: Callable[[dict], None] | None = None, executor=None,
+                      allow_download: bool = False, device: str = "cpu") -> tuple[ResultStore, list]:
     """Search every configuration to its resolution on the task; returns the store and its records.
-    `on_step` is told of each step's requests, (budget, samples) -> configurations, before they run."""
+    `on_step` is told of each step's requests, (budget, samples) -> configurations, before they run. With an
+    `executor` (Ray's), each step's requests run as one-sample shards on its workers (`grid_shards`): the search
+    is sequential in its steps (each waits for the judgements before it), the samples and configurations of a
+    step are not. A shard the executor gave up on stops the search (KvevictError); a rerun continues it."""
     specs = config.check()
     if model is not None and hasattr(model, "dtype") and dtype_name(model.dtype) != config.dtype:
         raise KvevictError(f"the model given is held in {model.dtype}, the search says dtype '{config.dtype}': "
@@ -140,6 +169,14 @@ def run_task_envelope(config: TaskEnvelopeConfig, model, tokenizer,
     top = context_top(config, tokenizer, limit)
     if top <= config.floor:
         raise KvevictError(f"--floor {config.floor} is not below the task's context of {top} tokens: lower it")
+    with executor.session() if executor is not None else nullcontext():
+        return _search(config, specs, model, tokenizer, store, top, on_step, executor,
+                       GridSpec(config.model, config.dtype, allow_download, device, model, tokenizer))
+
+
+def _search(config, specs, model, tokenizer, store, top, on_step, executor, spec) -> tuple[ResultStore, list]:
+    """Step after step until every configuration's search is done (`run_task_envelope`)."""
+    limit = max_positions(model)
     while True:
         records = load(store.records())
         wanted = next_requests(config, specs, records, top)
@@ -147,17 +184,22 @@ def run_task_envelope(config: TaskEnvelopeConfig, model, tokenizer,
             return store, records
         if on_step is not None:
             on_step(dict(wanted))
+        if executor is not None:
+            _step_on(executor, config, wanted, store, spec)
+            continue
         for (budget, samples), group in sorted(wanted.items()):
             done = store.done()
             run_grid(model, tokenizer, config.grid(group, [budget], samples), done, keeper(store, done, config.dtype),
                      limit)
 
 
-def keeper(store: ResultStore, done: set[str], dtype: str) -> Callable[[list[dict]], None]:
-    """What the grid runner hands each batch's answers to: stored as `RulerRecord`s, the ones not yet stored
-    (a batch cut short by a kill is answered again whole)."""
-    def keep(lines: list[dict]) -> None:
-        store.append([RulerRecord.from_dict({**line, "dtype": dtype}).to_dict() for line in lines
-                      if line["key"] not in done])
-
-    return keep
+def _step_on(executor, config: TaskEnvelopeConfig, wanted: dict, store: ResultStore, spec) -> None:
+    """One step of the search as shards on `executor`; a shard given up on stops the search in one line."""
+    done = store.done()
+    todo = [item for (budget, samples), group in sorted(wanted.items())
+            for item in shard(config.grid(group, [budget], samples), done)]
+    failed = run_shards(executor, spec, todo, keeper(store, done, config.dtype), progress=False)
+    if failed:
+        item, reason = failed[0]
+        raise KvevictError(f"{len(failed)} shard(s) failed ({item.name}: {reason}): rerun the same command to "
+                           "continue the search")

@@ -19,19 +19,24 @@ from .common import (
     DTYPE_HELP,
     MODEL_HELP,
     POSITIONS_HELP,
+    address_option,
     check_device,
     check_dtype,
     check_positions,
     err,
+    executor_option,
     max_accuracy_drop_option,
     max_kl_option,
     max_ppl_ratio_option,
+    min_accuracy_ratio_option,
     one_line_errors,
     parse_chunk,
     parse_floats,
     parse_ints,
+    retries_option,
     split_specs,
     tolerance_from,
+    workers_option,
 )
 from .tables import show
 
@@ -140,14 +145,14 @@ def ab(
     ruler_samples: int = typer.Option(5, help="--ruler: seeded samples per task"),
     ruler_protocol: str = typer.Option("agnostic", help="--ruler: agnostic | aware | stream | multi"),
     allow_download: bool = typer.Option(False, "--allow-download", help=DOWNLOAD_HELP),
-    executor: str = typer.Option("local", help="local (this process) | ray (Ray workers: pip install kvevict[ray])"),
-    address: str = typer.Option("", help="--executor ray: the cluster's HOST:PORT or ray://HOST:PORT "
-                                "(default: start a local Ray instance for the run)"),
-    workers: int = typer.Option(2, help="--executor ray: Ray workers, each loads the model once"),
-    retries: int = typer.Option(2, help="--executor ray: times a batch whose worker died is run again"),
+    executor: str = executor_option(),
+    address: str = address_option(),
+    workers: int = workers_option(),
+    retries: int = retries_option(),
     device: str = typer.Option("cpu", help=DEVICE_HELP),
     max_ppl_ratio: float | None = max_ppl_ratio_option(),
     max_accuracy_drop: float | None = max_accuracy_drop_option(),
+    min_accuracy_ratio: float | None = min_accuracy_ratio_option(),
     max_kl: float | None = max_kl_option(),
     dtype: str | None = typer.Option(None, help=DTYPE_HELP),
 ) -> None:
@@ -157,7 +162,7 @@ def ab(
     from ..loading.models import model_dtype
 
     check_device(device)  # before the dtype: on cuda the default is read from the checkpoint
-    tolerance = tolerance_from(max_ppl_ratio, max_accuracy_drop, max_kl)
+    tolerance = tolerance_from(max_ppl_ratio, max_accuracy_drop, max_kl, min_accuracy_ratio=min_accuracy_ratio)
 
     config = SweepConfig(
         model=model, dtype=model_dtype(model, check_dtype(dtype), device, allow_download), text=text,
@@ -181,6 +186,7 @@ def report(
     markdown: bool = typer.Option(False, "--markdown", help="print the tables as Markdown"),
     max_ppl_ratio: float | None = max_ppl_ratio_option(),
     max_accuracy_drop: float | None = max_accuracy_drop_option(),
+    min_accuracy_ratio: float | None = min_accuracy_ratio_option(),
     max_kl: float | None = max_kl_option(),
 ) -> None:
     """Redraw a run's HTML report from its results.jsonl (no model needed); several runs go in one report."""
@@ -199,14 +205,16 @@ def report(
         raise KvevictError(f"--out '{out}' is a folder: give a file path, e.g. {target / COMPARE_REPORT}")
     loaded = [load_run(r) for r in runs]
     given = (max_ppl_ratio, max_accuracy_drop, max_kl)
-    tolerance_from(*given)  # an impossible tolerance is refused before anything is drawn
-    if any(x is not None for x in given):  # the options override what each run recorded, for this drawing only
-        for run in loaded:
-            run.config = {**run.config, "tolerance": tolerance_from(*given, run.config.get("tolerance")).as_dict()}
+    ratio = {"min_accuracy_ratio": min_accuracy_ratio}
+    tolerance_from(*given, **ratio)  # an impossible tolerance is refused before anything is drawn
+    if any(x is not None for x in (*given, min_accuracy_ratio)):  # the options override what each run recorded,
+        for run in loaded:  # for this drawing only
+            run.config = {**run.config,
+                          "tolerance": tolerance_from(*given, run.config.get("tolerance"), **ratio).as_dict()}
     if len(loaded) == 1:
         run = loaded[0]
         path = _render_run(run, target or run.folder / "report.html")
-        text = run_markdown(run.records, tolerance=tolerance_from(*given, run.config.get("tolerance")),
+        text = run_markdown(run.records, tolerance=tolerance_from(*given, run.config.get("tolerance"), **ratio),
                             notes=run.notes())
     else:
         for run in loaded:
@@ -224,6 +232,7 @@ def demo(
     device: str = typer.Option("cpu", help=DEVICE_HELP),
     max_ppl_ratio: float | None = max_ppl_ratio_option(),
     max_accuracy_drop: float | None = max_accuracy_drop_option(),
+    min_accuracy_ratio: float | None = min_accuracy_ratio_option(),
     max_kl: float | None = max_kl_option(),
     dtype: str | None = typer.Option(None, help=DTYPE_HELP),
 ) -> None:
@@ -232,6 +241,6 @@ def demo(
     from ..loading.models import model_dtype
 
     check_device(device)
-    tolerance = tolerance_from(max_ppl_ratio, max_accuracy_drop, max_kl)
+    tolerance = tolerance_from(max_ppl_ratio, max_accuracy_drop, max_kl, min_accuracy_ratio=min_accuracy_ratio)
     run_ab(SweepConfig(out=out_dir, dtype=model_dtype(SweepConfig.model, check_dtype(dtype), device), **DEMO),
            device=device, tolerance=tolerance)

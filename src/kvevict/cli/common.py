@@ -156,21 +156,33 @@ def max_accuracy_drop_option():
                         "against the full cache, absolute (default 0.05: 5 points)")
 
 
+def min_accuracy_ratio_option():
+    return typer.Option(None, "--min-accuracy-ratio", help="verdict tolerance: task accuracy a policy must keep, as "
+                        "a share of the full cache's, in (0, 1] (e.g. 0.95; replaces --max-accuracy-drop)")
+
+
 def max_kl_option():
     return typer.Option(None, "--max-kl", help="verdict tolerance: mean KL(full ‖ policy) in nats per token "
                         "(default: KL not judged)")
 
 
 def tolerance_from(max_ppl_ratio: float | None, max_accuracy_drop: float | None, max_kl: float | None,
-                   recorded: dict | None = None):
+                   recorded: dict | None = None, *, min_accuracy_ratio: float | None = None):
     """The verdict's `Tolerance`: the options given, else what the run recorded (`run.json`), else the default.
-    An impossible one (a ratio at or below 1, a drop outside [0, 1)) is one line naming the option."""
+    An impossible one (a ratio at or below 1, a drop outside [0, 1)) is one line naming the option. The accuracy
+    rule is one of two: a drop given replaces a recorded ratio, a ratio given replaces the drop; both given at once
+    is refused."""
     from ..report.tolerance import Tolerance
 
+    if max_accuracy_drop is not None and min_accuracy_ratio is not None:
+        raise KvevictError("--max-accuracy-drop and --min-accuracy-ratio are two accuracy rules, one at a time: give "
+                           "either an absolute drop (0.05: 5 points) or a share of the full cache's accuracy (0.95)")
     base = Tolerance.from_dict(recorded)
+    ratio = min_accuracy_ratio if min_accuracy_ratio is not None else (
+        None if max_accuracy_drop is not None else base.min_accuracy_ratio)
     return Tolerance(base.max_ppl_ratio if max_ppl_ratio is None else max_ppl_ratio,
                      base.max_accuracy_drop if max_accuracy_drop is None else max_accuracy_drop,
-                     base.max_kl if max_kl is None else max_kl, base.confidence)
+                     base.max_kl if max_kl is None else max_kl, base.confidence, ratio)
 
 
 def settle_specs(specs: list[str], budget: int | None, positions: str | None,
@@ -189,3 +201,30 @@ def settle_specs(specs: list[str], budget: int | None, positions: str | None,
     mode = run_positions(list(specs), positions or None)
     check_policies(list(specs), budget, mode)
     return list(specs), mode
+
+
+def executor_option():
+    return typer.Option("local", "--executor", help="local (this process) | ray (Ray workers: "
+                        "pip install kvevict[ray])")
+
+
+def address_option():
+    return typer.Option("", "--address", help="--executor ray: the cluster's HOST:PORT or ray://HOST:PORT "
+                        "(default: start a local Ray instance for the run)")
+
+
+def workers_option():
+    return typer.Option(2, "--workers", help="--executor ray: Ray workers, each loads the model once")
+
+
+def retries_option():
+    return typer.Option(2, "--retries", help="--executor ray: times a batch whose worker died is run again")
+
+
+def remote_executor(name: str, address: str, workers: int, retries: int):
+    """The executor `--executor` names, checked before any work: None for `local` (everything runs in this
+    process, as without the option), else Ray's (a RULER grid's samples or a search's budgets on its workers)."""
+    from ..integrations.executor_choice import make_executor
+
+    found = make_executor(name, address or None, workers, retries)
+    return None if found.in_process else found

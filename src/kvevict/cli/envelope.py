@@ -19,14 +19,20 @@ from .common import (
     DTYPE_HELP,
     MODEL_HELP,
     POSITIONS_HELP,
+    address_option,
     check_device,
     check_dtype,
     check_positions,
+    executor_option,
     max_accuracy_drop_option,
+    min_accuracy_ratio_option,
     one_line_errors,
     parse_chunk,
+    remote_executor,
+    retries_option,
     split_specs,
     tolerance_from,
+    workers_option,
 )
 from .tables import show
 
@@ -109,21 +115,29 @@ def envelope(
                               "(at --lengths, default 2048) instead of perplexity"),
     protocol: str = typer.Option("agnostic", help="--tasks: the RULER protocol (agnostic, aware, stream, multi)"),
     max_accuracy_drop: float | None = max_accuracy_drop_option(),
+    min_accuracy_ratio: float | None = min_accuracy_ratio_option(),
     samples_start: int = typer.Option(10, help="--tasks: samples a cell is first judged on, and added per look"),
     samples_max: int = typer.Option(30, help="--tasks: the most samples a cell takes; undecided there = not inside"),
+    executor: str = executor_option(),
+    address: str = address_option(),
+    workers: int = workers_option(),
+    retries: int = retries_option(),
 ) -> None:
     """Find, per policy, the smallest KV budget within a quality tolerance; bytes, capacity, a verdict."""
     deployment = _deployment(deploy_context, accelerator_memory, weight_bytes)
     if config_only_path:
         return config_only(config_only_path, configs, deployment, bool(weight_bytes), kv_dtype)
     if tasks.strip():
-        return _tasks(model, dtype, tasks, lengths, protocol, policies, floor, resolution, max_accuracy_drop,
-                      samples_start, samples_max, seed, positions, text, name, out_dir, allow_download, device)
+        accuracy = tolerance_from(None, max_accuracy_drop, None, min_accuracy_ratio=min_accuracy_ratio)
+        return _tasks(model, dtype, tasks, lengths, protocol, policies, floor, resolution, accuracy,
+                      samples_start, samples_max, seed, positions, text, name, out_dir, allow_download, device,
+                      remote_executor(executor, address, workers, retries))
     from ..ab.envelope import EnvelopeConfig, configurations, run_envelope
     from ..loading.models import model_dtype
     from ..policies.engine_defaults import run_positions
 
     check_device(device)  # before the dtype: on cuda the default is read from the checkpoint
+    runner = remote_executor(executor, address, workers, retries)
     if positions:
         check_positions(positions)
     positions = run_positions(split_specs(policies), positions)  # an engine preset brings its own mode
@@ -140,7 +154,7 @@ def envelope(
         configurations(config)
     per_length = {}
     for config in configs:
-        _, records = run_envelope(config, allow_download=allow_download, device=device)
+        _, records = run_envelope(config, allow_download=allow_download, device=device, executor=runner)
         per_length[config.tokens] = show_envelope(config, records, deployment, weight_bytes)
     if len(per_length) > 1:
         from ..report.envelope import lengths_table
@@ -148,8 +162,8 @@ def envelope(
         show(lengths_table(per_length), "smallest budget inside the tolerance, per context length")
 
 
-def _tasks(model, dtype, tasks, lengths, protocol, policies, floor, resolution, max_accuracy_drop, start, cap, seed,
-           positions, text, name, out_dir, allow_download, device) -> None:
+def _tasks(model, dtype, tasks, lengths, protocol, policies, floor, resolution, accuracy, start, cap, seed,
+           positions, text, name, out_dir, allow_download, device, runner=None) -> None:
     from ..eval.ruler.registry import parse_tasks
     from ..loading.models import model_dtype
     from ..policies.engine_defaults import run_positions
@@ -162,9 +176,10 @@ def _tasks(model, dtype, tasks, lengths, protocol, policies, floor, resolution, 
         model=model, dtype=model_dtype(model, check_dtype(dtype), device, allow_download), tasks=parse_tasks(tasks),
         lengths=parse_lengths(lengths) if lengths.strip() else [2048], protocol=protocol,
         policies=split_specs(policies), floor=floor, resolution=resolution,
-        max_accuracy_drop=tolerance_from(None, max_accuracy_drop, None).max_accuracy_drop, start=start, cap=cap,
+        max_accuracy_drop=accuracy.max_accuracy_drop, min_accuracy_ratio=accuracy.min_accuracy_ratio, start=start,
+        cap=cap,
         seed=seed, positions=run_positions(split_specs(policies), positions), text=text, name=name, out=out_dir)
-    run_tasks(options, allow_download, device)
+    run_tasks(options, allow_download, device, runner)
 
 
 def parse_lengths(text: str) -> list[int]:

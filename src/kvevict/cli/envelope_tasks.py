@@ -24,6 +24,7 @@ class TaskOptions:
     floor: int
     resolution: float
     max_accuracy_drop: float
+    min_accuracy_ratio: float | None
     start: int
     cap: int
     seed: int
@@ -41,7 +42,8 @@ def task_configs(options: TaskOptions) -> list:
     configs = [TaskEnvelopeConfig(
         model=options.model, dtype=options.dtype, task=task, length=length, protocol=options.protocol,
         policies=list(options.policies), floor=options.floor, resolution=options.resolution,
-        max_accuracy_drop=options.max_accuracy_drop, start=options.start, cap=options.cap, seed=options.seed,
+        max_accuracy_drop=options.max_accuracy_drop, min_accuracy_ratio=options.min_accuracy_ratio,
+        start=options.start, cap=options.cap, seed=options.seed,
         positions=options.positions, text=options.text,
         name=f"{options.name}-{task}-{length}" if several else options.name, out=options.out,
     ) for task in options.tasks for length in options.lengths]
@@ -50,8 +52,9 @@ def task_configs(options: TaskOptions) -> list:
     return configs
 
 
-def run_tasks(options: TaskOptions, allow_download: bool, device: str) -> None:
-    """Every task search, one after another on one loaded model; a table, a verdict and the cost of each."""
+def run_tasks(options: TaskOptions, allow_download: bool, device: str, executor=None) -> None:
+    """Every task search, one after another on one loaded model; a table, a verdict and the cost of each. With an
+    `executor` (Ray's) each step's samples are answered on its workers."""
     from ..ab.ruler import max_positions
     from ..ab.task_envelope import context_top, run_task_envelope
     from ..loading import load_model
@@ -61,7 +64,8 @@ def run_tasks(options: TaskOptions, allow_download: bool, device: str) -> None:
     model, tokenizer = load_model(options.model, device=device, allow_download=allow_download, dtype=options.dtype)
     for config in configs:
         specs = config.check()
-        store, records = run_task_envelope(config, model, tokenizer, on_step=_say_round(config))
+        store, records = run_task_envelope(config, model, tokenizer, on_step=_say_round(config), executor=executor,
+                                           allow_download=allow_download, device=device)
         context = context_top(config, tokenizer, max_positions(model))
         rows = task_rows(specs, dict(zip(specs, config.policies)), config.looks(), config.tolerance(), records,
                          context)

@@ -19,17 +19,23 @@ from .common import (
     DTYPE_HELP,
     MODEL_HELP,
     POSITIONS_HELP,
+    address_option,
     check_device,
     check_dtype,
     err,
+    executor_option,
     max_accuracy_drop_option,
     max_kl_option,
     max_ppl_ratio_option,
+    min_accuracy_ratio_option,
     one_line_errors,
     parse_numbers,
+    remote_executor,
+    retries_option,
     settle_specs,
     split_specs,
     tolerance_from,
+    workers_option,
 )
 from .tables import show
 
@@ -62,8 +68,13 @@ def ruler(
     device: str = typer.Option("cpu", help=DEVICE_HELP),
     max_ppl_ratio: float | None = max_ppl_ratio_option(),
     max_accuracy_drop: float | None = max_accuracy_drop_option(),
+    min_accuracy_ratio: float | None = min_accuracy_ratio_option(),
     max_kl: float | None = max_kl_option(),
     dtype: str | None = typer.Option(None, help=DTYPE_HELP),
+    executor: str = executor_option(),
+    address: str = address_option(),
+    workers: int = workers_option(),
+    retries: int = retries_option(),
 ) -> None:
     """RULER's tasks, offline: accuracy per task, policy, budget and protocol, with 95% intervals."""
     from ..ab.ruler import RulerRun, run_ruler
@@ -78,8 +89,9 @@ def ruler(
     from ..report.verdict import verdict
 
     check_device(device)
-    tolerance = tolerance_from(max_ppl_ratio, max_accuracy_drop, max_kl)
+    tolerance = tolerance_from(max_ppl_ratio, max_accuracy_drop, max_kl, min_accuracy_ratio=min_accuracy_ratio)
     check_dtype(dtype)
+    runner = remote_executor(executor, address, workers, retries)  # samples shared out across its workers
     specs = split_specs(policies)
     if not specs:
         raise KvevictError("--policies is empty: give comma-separated specs such as window,h2o,snapkv")
@@ -105,14 +117,25 @@ def ruler(
     grid.policies, _ = settle_specs(specs, None, positions, tokenizer)
     if not getattr(tokenizer, "chat_template", None):
         err.print(f"note: '{model}' has no chat template; RULER's plain template is used")
-    records = run_ruler(run, lm, tokenizer)
+    records = run_ruler(run, lm, tokenizer, executor=runner, allow_download=allow_download, device=device)
     config = {**run.config(), **record_tolerance(run.folder, tolerance.as_dict())}
     path = render(records, config, run.folder / "report.html")
     cells = ruler_report.cells(ruler_records(records))
     if as_json:
         print(json.dumps({"cells": [vars(c) for c in cells], "report": str(path)}))
-        return
+        return _failed(runner)
     show(ruler_report.ruler_table(cells), f"RULER, {model} ({run.dtype}; {path})")
     print(f"tolerance: {tolerance.describe()}")
     for found in verdict(records, tolerance):  # the report's verdict, drawn from the same records
         print(found.sentence)
+    _failed(runner)
+
+
+def _failed(runner) -> None:
+    """Name the samples a Ray executor gave up on, and exit 1: a rerun answers them."""
+    if runner is None or not runner.failed:
+        return
+    for item, reason in runner.failed:
+        err.print(f"failed: {item.name}: {reason}; rerun the same command to finish it", markup=False,
+                  highlight=False, soft_wrap=True)
+    raise typer.Exit(1)

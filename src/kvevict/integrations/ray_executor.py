@@ -154,6 +154,9 @@ class RayExecutor(Executor):
     on_dispatch: Callable[[Batch, int], None] | None = None
     in_process: bool = False
     _cpus: int | None = field(default=None, init=False, repr=False)  # CPUs per worker, set while a session is open
+    #: the actors of the last `run` and the spec they were built from: a later `run` of the same session with the
+    #: same spec (the next step of a search) reuses them, models loaded
+    _pool: tuple | None = field(default=None, init=False, repr=False)
 
     def _start(self, ray) -> tuple[bool, int]:
         """Connect or start Ray; (whether this run started it, CPUs per worker)."""
@@ -189,7 +192,7 @@ class RayExecutor(Executor):
         try:
             yield
         finally:
-            self._cpus = None
+            self._cpus, self._pool = None, None  # the actors go with their handles
             if started:
                 ray.shutdown()
 
@@ -202,8 +205,10 @@ class RayExecutor(Executor):
     def _run(self, ray, spec: WorkerSpec, todo, finished, progress, cpus: int) -> None:
         from ray.exceptions import RayActorError, RayTaskError
 
-        actor_class = ray.remote(num_cpus=cpus, max_restarts=-1)(RayWorker)
-        actors = [actor_class.remote(spec, cpus) for _ in range(min(self.workers, len(todo)))]
+        if self._pool is None or self._pool[0] != spec or len(self._pool[1]) < min(self.workers, len(todo)):
+            actor_class = ray.remote(num_cpus=cpus, max_restarts=-1)(RayWorker)
+            self._pool = (spec, [actor_class.remote(spec, cpus) for _ in range(min(self.workers, len(todo)))])
+        actors = self._pool[1][:len(todo)]
         task = progress.add_task(f"ray: {len(actors)} workers, {len(todo)} batches", total=len(todo))
         queue = list(todo)
         attempts: dict[int, int] = {}

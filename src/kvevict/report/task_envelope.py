@@ -10,6 +10,7 @@ the search these judgements steer.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -110,11 +111,23 @@ class TaskRow:
 
 
 def drop(cell: Cell | None) -> str:
-    """A cell's accuracy drop against the full cache with its interval, in points, e.g. `0.0 [0.0, 4.2]`."""
+    """A cell's accuracy drop against the full cache with its interval, in points, e.g. `0.0 [0.0, 4.2]`; under
+    the ratio rule its accuracy ratio, e.g. `0.97 [0.88, 1.04]`."""
     if cell is None or cell.judgement is None:
         return "-"
     j = cell.judgement
+    if j.reason is not None:
+        return "undefined"
+    if j.metric == "accuracy-ratio":
+        return f"{1 - j.estimate:.2f} [{1 - j.high:.2f}, {1 - j.low:.2f}]"
     return f"{100 * j.estimate:.1f} [{100 * j.low:.1f}, {100 * j.high:.1f}]"
+
+
+def _said(cell: Cell) -> str:
+    """`drop 0.0 [0.0, 4.2] points` or `ratio 0.97 [0.88, 1.04]`: `drop` with its words."""
+    if cell.judgement is not None and cell.judgement.metric == "accuracy-ratio":
+        return f"ratio {drop(cell)}"
+    return f"drop {drop(cell)} points"
 
 
 def _n(cell: Cell | None) -> str:
@@ -125,18 +138,20 @@ def _of_context(row: TaskRow) -> str:
     return "-" if row.smallest is None else f"{100 * row.smallest.budget / row.context:.1f}%"
 
 
-TASK_ENVELOPE: list[Column[TaskRow]] = [
-    Column("configuration", lambda r: r.name, "left"),
-    Column("smallest inside", lambda r: number(r.smallest and r.smallest.budget)),
-    Column("of context", _of_context),
-    Column("drop there, points [CI]", lambda r: drop(r.smallest)),
-    Column("n", lambda r: _n(r.smallest)),
-    Column("first failing", lambda r: number(r.failing and r.failing.budget), drop=2),
-    Column("outcome there", lambda r: r.failing.judgement.outcome if r.failing and r.failing.judgement else "-",
-           drop=3),
-    Column("n ", lambda r: _n(r.failing), drop=4),
-    Column("undecided at the cap", lambda r: ", ".join(str(c.budget) for c in at_cap(r.cells)) or "-", drop=1),
-]
+def _columns(quality: str) -> list[Column[TaskRow]]:
+    """The table's columns; `quality` heads the judged figure's (the drop in points, or the ratio)."""
+    return [
+        Column("configuration", lambda r: r.name, "left"),
+        Column("smallest inside", lambda r: number(r.smallest and r.smallest.budget)),
+        Column("of context", _of_context),
+        Column(quality, lambda r: drop(r.smallest)),
+        Column("n", lambda r: _n(r.smallest)),
+        Column("first failing", lambda r: number(r.failing and r.failing.budget), drop=2),
+        Column("outcome there", lambda r: r.failing.judgement.outcome if r.failing and r.failing.judgement else "-",
+               drop=3),
+        Column("n ", lambda r: _n(r.failing), drop=4),
+        Column("undecided at the cap", lambda r: ", ".join(str(c.budget) for c in at_cap(r.cells)) or "-", drop=1),
+    ]
 
 
 def task_rows(specs: list[str], labels: dict[str, str], looks: list[int], tolerance: Tolerance, records: list,
@@ -145,25 +160,29 @@ def task_rows(specs: list[str], labels: dict[str, str], looks: list[int], tolera
 
 
 def task_envelope_table(rows: list[TaskRow]) -> Table:
-    """Configuration -> smallest budget inside, its share of the context, the drop there with n, the first
-    failure, and the cells that reached the cap undecided."""
-    return Table.of(TASK_ENVELOPE, rows)
+    """Configuration -> smallest budget inside, its share of the context, the drop (or the ratio) there with n,
+    the first failure, and the cells that reached the cap undecided."""
+    ratio = any(c.judgement is not None and c.judgement.metric == "accuracy-ratio" for r in rows
+                for c in r.cells.values())
+    return Table.of(_columns("ratio there [CI]" if ratio else "drop there, points [CI]"), rows)
 
 
 def task_verdict(rows: list[TaskRow], tolerance: Tolerance, task: str, length: int) -> str:
     """The sentence: the configuration with the fewest entries inside the tolerance, or the closest."""
-    limit = (f"accuracy at most {100 * tolerance.max_accuracy_drop:g} points below the full cache's, the whole "
-             f"paired {100 * tolerance.confidence:.3g}% interval at each look")
+    rule = (f"accuracy at least {100 * tolerance.min_accuracy_ratio:g}% of the full cache's"
+            if tolerance.min_accuracy_ratio is not None else
+            f"accuracy at most {100 * tolerance.max_accuracy_drop:g} points below the full cache's")
+    limit = f"{rule}, the whole paired {100 * tolerance.confidence:.3g}% interval at each look"
     inside = sorted((r for r in rows if r.smallest is not None), key=lambda r: r.smallest.budget)
     if not inside:
         probed = [c for r in rows for c in r.cells.values() if c.judgement is not None]
         if not probed:
             return "Nothing measured yet: rerun the same command to continue the search."
-        best = min(probed, key=lambda c: c.judgement.high)
+        best = min(probed, key=lambda c: c.judgement.high if c.judgement.reason is None else math.inf)
         return (f"No configuration is within tolerance ({limit}) on {task} at {length} tokens; the closest is "
-                f"{best.spec} at {best.budget} entries (drop {drop(best)} points, {best.judgement.outcome}, "
+                f"{best.spec} at {best.budget} entries ({_said(best)}, {best.judgement.outcome}, "
                 f"n = {best.judgement.n}).")
     top = inside[0]
     return (f"Within tolerance ({limit}) on {task} at {length} tokens, the configuration with the fewest entries "
-            f"is {top.name} at {top.smallest.budget} entries ({_of_context(top)} of the context; drop "
-            f"{drop(top.smallest)} points, n = {top.smallest.judgement.n}).")
+            f"is {top.name} at {top.smallest.budget} entries ({_of_context(top)} of the context; "
+            f"{_said(top.smallest)}, n = {top.smallest.judgement.n}).")

@@ -26,6 +26,13 @@ The intervals, each paired (both sides on the same blocks of tokens or the same 
   "inside" is withheld (undecided: the samples to reach n × limit = 1).
 * Task accuracy with fractional scores (list tasks give partial credit): a paired bootstrap
   of the mean difference (scipy.stats.bootstrap, paired=True).
+* Task accuracy as a share of the full cache's (`min_accuracy_ratio`, instead of the drop):
+  the paired interval of acc(policy) / acc(full) (`paired_ratio.ratio_interval`: Bonett and
+  Price's 2006 interval for 0/1 scores, a paired bootstrap for fractional ones). Inside when
+  its whole interval is at or above the ratio; judged on the relative loss 1 − ratio, so that
+  larger is worse as for every metric. Where the full cache answered nothing the ratio is
+  undefined: undecided, with that reason. Where one lost answer is worth more than the
+  tolerance (full-cache hits × (1 − ratio) < 1), "inside" is withheld, as for the drop.
 
 Pure numpy and scipy: nothing here knows a policy, a record or a table.
 """
@@ -34,29 +41,33 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
 import numpy as np
 from scipy import stats
 
 from ..errors import KvevictError
+from .paired_ratio import ratio_interval
 from .uncertainty import Blocks, bootstrap, mean_interval, paired_difference
 
 Outcome = Literal["inside", "outside", "undecided"]
-Metric = Literal["ppl-ratio", "accuracy-drop", "kl"]
+Metric = Literal["ppl-ratio", "accuracy-drop", "accuracy-ratio", "kl"]
 
 
 @dataclass(frozen=True)
 class Tolerance:
     """How far from the full cache a policy may be and still ship. `max_ppl_ratio`: policy PPL / full PPL;
     `max_accuracy_drop`: full minus policy accuracy, absolute (0.05 = 5 points); `max_kl`: mean KL(full ‖ policy)
-    in nats per token (None: not judged); `confidence`: the two-sided level of every interval."""
+    in nats per token (None: not judged); `confidence`: the two-sided level of every interval;
+    `min_accuracy_ratio`: policy accuracy / full accuracy at least this (0.95: 95% of the full cache's), judged
+    instead of `max_accuracy_drop` when set (one accuracy rule at a time)."""
 
     max_ppl_ratio: float = 1.05
     max_accuracy_drop: float = 0.05
     max_kl: float | None = None
     confidence: float = 0.95
+    min_accuracy_ratio: float | None = None
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.max_ppl_ratio) and self.max_ppl_ratio > 1):
@@ -68,17 +79,26 @@ class Tolerance:
         if self.max_kl is not None and not (math.isfinite(self.max_kl) and self.max_kl > 0):
             raise KvevictError(f"--max-kl is nats per token and must be above 0 (leave it out to not judge KL), "
                                f"got {self.max_kl:g}")
+        if self.min_accuracy_ratio is not None and not 0 < self.min_accuracy_ratio <= 1:
+            raise KvevictError(f"--min-accuracy-ratio is policy accuracy over full accuracy in (0, 1] (0.95: 95% of "
+                               f"the full cache's), got {self.min_accuracy_ratio:g}")
         if not 0.5 <= self.confidence < 1:
             raise KvevictError(f"the confidence level must be in [0.5, 1), got {self.confidence:g}")
 
     def describe(self) -> str:
         """The sentence the report writes: "perplexity within 5% of the full cache; task accuracy within 5 points"."""
-        parts = [f"perplexity within {_share(self.max_ppl_ratio - 1)} of the full cache",
-                 f"task accuracy within {_points(self.max_accuracy_drop)} point"
-                 + ("" if self.max_accuracy_drop * 100 == 1 else "s")]
+        parts = [f"perplexity within {_share(self.max_ppl_ratio - 1)} of the full cache", self.accuracy_rule()]
         if self.max_kl is not None:
             parts.append(f"KL(full ‖ policy) at most {self.max_kl:g} nats per token")
         return "; ".join(parts)
+
+    def accuracy_rule(self) -> str:
+        """The accuracy half of `describe`: "task accuracy within 5 points" or "task accuracy at least 95% of the
+        full cache's"."""
+        if self.min_accuracy_ratio is not None:
+            return f"task accuracy at least {_share(self.min_accuracy_ratio)} of the full cache's"
+        return f"task accuracy within {_points(self.max_accuracy_drop)} point" + (
+            "" if self.max_accuracy_drop * 100 == 1 else "s")
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -88,8 +108,8 @@ class Tolerance:
         """The tolerance a run recorded (`run.json`'s `tolerance`); the default where it recorded none."""
         if not found:
             return cls()
-        return cls(**{k: found[k] for k in ("max_ppl_ratio", "max_accuracy_drop", "max_kl", "confidence")
-                      if k in found})
+        return cls(**{k: found[k] for k in ("max_ppl_ratio", "max_accuracy_drop", "max_kl", "confidence",
+                                            "min_accuracy_ratio") if k in found})
 
 
 def _share(x: float) -> str:
@@ -115,10 +135,18 @@ class Judgement:
     limit: float
     n: int
     more_samples: int | None = None
+    reason: str | None = None  # why no interval could decide it (an undefined ratio)
 
     def text(self) -> str:
-        """`PPL ratio 1.02 [0.99, 1.04] ≤ 1.05`-style: the figure, its interval, and where the limit sits."""
+        """`PPL ratio 1.02 [0.99, 1.04] ≤ 1.05`-style: the figure, its interval, and where the limit sits. An
+        accuracy ratio, held as its relative loss, is shown as the ratio: `accuracy ratio 0.97 [0.90, 1.02] ≥ 0.95`."""
+        if self.reason is not None:
+            return f"{_LABELS[self.metric][0]} undefined ({self.reason})"
         name, fmt = _LABELS[self.metric]
+        if self.metric == "accuracy-ratio":
+            sign = {"inside": "≥", "outside": "<", "undecided": "vs"}[self.outcome]
+            return (f"{name} {fmt(1 - self.estimate)} [{fmt(1 - self.high)}, {fmt(1 - self.low)}] {sign} "
+                    f"{fmt(1 - self.limit)}")
         sign = {"inside": "≤", "outside": ">", "undecided": "vs"}[self.outcome]
         return f"{name} {fmt(self.estimate)} [{fmt(self.low)}, {fmt(self.high)}] {sign} {fmt(self.limit)}"
 
@@ -126,6 +154,7 @@ class Judgement:
 _LABELS = {
     "ppl-ratio": ("PPL ratio", lambda x: f"{x:.3f}"),
     "accuracy-drop": ("accuracy drop", lambda x: f"{x:+.2f}"),
+    "accuracy-ratio": ("accuracy ratio", lambda x: f"{x:.2f}"),
     "kl": ("KL", lambda x: f"{x:.3f}"),
 }
 
@@ -181,11 +210,14 @@ def judge_accuracy(policy_hits: Sequence[float], full_hits: Sequence[float], tol
 
 
 def judge_pair(a_hits: Sequence[float], b_hits: Sequence[float], tol: Tolerance) -> Judgement:
-    """How much `a` loses against `b` on the same prompts (mean of b − a, paired), against `tol.max_accuracy_drop`:
+    """How much `a` loses against `b` on the same prompts (mean of b − a, paired), against `tol.max_accuracy_drop`,
+    or, with `tol.min_accuracy_ratio`, the ratio mean(a) / mean(b) against it (`judge_ratio`):
     inside = `a` is shown within the tolerance of `b` (two policies, or a policy and the full cache)."""
     a, b = np.asarray(a_hits, dtype=float), np.asarray(b_hits, dtype=float)
     if a.shape != b.shape or a.ndim != 1 or not len(a):
         raise ValueError(f"paired scores need two equal, non-empty sequences, got {a.shape} and {b.shape}")
+    if tol.min_accuracy_ratio is not None:
+        return judge_ratio(a, b, tol.min_accuracy_ratio, tol.confidence)
     low, high = drop_interval(a, b, tol.confidence)
     n, limit = len(a), tol.max_accuracy_drop
     found = decide("accuracy-drop", float((b - a).mean()), low, high, limit, n)
@@ -193,6 +225,23 @@ def judge_pair(a_hits: Sequence[float], b_hits: Sequence[float], tol: Tolerance)
         need = math.ceil(1 / limit) - n if limit > 0 else None
         return Judgement("undecided", found.metric, found.estimate, low, high, limit, n, need)
     return found
+
+
+def judge_ratio(a: np.ndarray, b: np.ndarray, ratio: float, level: float) -> Judgement:
+    """mean(a) / mean(b) on the same prompts against `ratio`, held as the relative loss 1 − mean(a) / mean(b)
+    against 1 − `ratio` (module docstring). Undecided with a reason where `b` scored nothing."""
+    n, limit = len(a), 1 - ratio
+    found = ratio_interval(a, b, level)
+    if found is None:
+        return Judgement("undecided", "accuracy-ratio", math.nan, math.nan, math.nan, limit, n,
+                         reason="the full cache answered none of the prompts")
+    estimate, low, high = found
+    judged = decide("accuracy-ratio", 1 - estimate, 1 - high, 1 - low, limit, n)
+    hits = float(b.sum())
+    if judged.outcome == "inside" and hits * limit < 1 - 1e-9:  # one lost answer is worth more than it
+        need = math.ceil(n / (hits * limit) - 1e-9) - n if limit > 0 else None  # 1 - 0.9 is 0.0999...
+        return replace(judged, outcome="undecided", more_samples=need)
+    return judged
 
 
 def drop_interval(a: np.ndarray, b: np.ndarray, level: float) -> tuple[float, float]:

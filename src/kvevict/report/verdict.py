@@ -56,7 +56,8 @@ COLLAPSE_NEEDLE = 0.5
 HOW = (
     "How the verdict decides: each policy is compared with the full cache on the same data, with a paired 95% "
     "interval per metric: the PPL ratio by a bootstrap over blocks of tokens (scipy.stats.bootstrap), task and "
-    "pass-key accuracy by the exact interval on the answers only one side got right (McNemar's exact test). "
+    "pass-key accuracy by the exact interval on the answers only one side got right (McNemar's exact test), or "
+    "with a minimum accuracy ratio by Bonett and Price's paired interval of the ratio (Stat Med 2006). "
     "Inside: the whole interval within the stated tolerance; outside: the whole interval past it (collapsed: "
     "past 2× the full cache's PPL or below half its accuracy); undecided otherwise, with the samples that would "
     "decide it. Ship: the cheapest policy inside on every metric (fewest KV bytes where the budget's rows differ "
@@ -259,6 +260,8 @@ def _collapse(c: Candidate) -> str | None:
                      sum(f for _, f in c.needle.pairs) / len(c.needle.pairs) if label == "pass-key" else 0)
         if j.metric == "accuracy-drop" and full_rate and j.low > (1 - COLLAPSE_NEEDLE) * full_rate:
             return f"{label} below half of the full cache's {full_rate:.0%} (drop [{j.low:.2f}, {j.high:.2f}])"
+        if j.metric == "accuracy-ratio" and j.reason is None and j.low > 1 - COLLAPSE_NEEDLE:
+            return f"{label} below half of the full cache's (ratio [{1 - j.high:.2f}, {1 - j.low:.2f}])"
     return None
 
 
@@ -393,7 +396,9 @@ def _more_text(c: Candidate) -> str:
     for label, j in c.judgements:
         if j.outcome != "undecided":
             continue
-        if j.more_samples is None:
+        if j.reason is not None:
+            parts.append(f"its {label} ratio is undefined ({j.reason})")
+        elif j.more_samples is None:
             parts.append(f"no number of samples decides its {label} (the estimate sits on the limit)")
         elif j.metric == "ppl-ratio" and c.nll_blocks is not None:
             tokens = j.more_samples * float(c.nll_blocks.weights.mean())

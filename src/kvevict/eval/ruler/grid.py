@@ -46,6 +46,7 @@ class RulerGrid:
     text: str = "pg-essays"
     qa: QaFile | None = None
     max_new_tokens: int | None = None  # None: RULER's answer length of each task
+    only: tuple[int, ...] | None = None  # the sample indices to answer (a shard of the grid); None: every one
 
     def check(self) -> None:
         """Everything that can be refused before a model is loaded."""
@@ -139,7 +140,7 @@ def prompts(grid: RulerGrid, tokenizer, limit: int | None) -> Iterator[Prompt]:
     """Every prompt of the grid, in run order (task, length, sample)."""
     shape, material = framing(tokenizer), Material(grid.text)
     if grid.qa is not None:
-        for index in range(min(grid.samples, len(grid.qa.rows))):
+        for index in _indices(grid, min(grid.samples, len(grid.qa.rows))):
             sample = grid.qa.build(0, index, 0, seeded(grid.seed, "qa", 0, index))
             prompt = encode(sample, 0, shape, grid.qa.tokens_to_generate)
             prompt.length = prompt.tokens + prompt.answer_tokens
@@ -150,8 +151,13 @@ def prompts(grid: RulerGrid, tokenizer, limit: int | None) -> Iterator[Prompt]:
         task = get_task(name)
         for length in grid.lengths:
             check_length(length, limit, f"length {length}")
-            for index in range(grid.samples):
+            for index in _indices(grid, grid.samples):
                 yield fit(task, length, index, grid.seed, shape, material)
+
+
+def _indices(grid: RulerGrid, count: int) -> list[int]:
+    """The sample indices of the grid below `count`: all, or the shard `grid.only` names."""
+    return [i for i in range(count) if grid.only is None or i in grid.only]
 
 
 def check_length(length: int, limit: int | None, what: str) -> None:
