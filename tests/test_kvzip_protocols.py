@@ -90,8 +90,8 @@ def kvevict_lm(tiny_dir, **args):
 def loglikelihood_by_compress(model, tokenizer, spec: str, budget, context, continuation) -> float:
     state = compress(model, context, spec, budget, tokenizer=tokenizer)
     with torch.inference_mode():
-        rest = state.feed(model, continuation[:-1])
-        lp = torch.cat([log_probs(model, state.hidden[:, None]), log_probs(model, rest)], dim=1)[0]
+        first = log_probs(model, state.hidden[:, None])  # before the feed moves `hidden` on
+        lp = torch.cat([first, log_probs(model, state.feed(model, continuation[:-1]))], dim=1)[0]
     return float(lp.gather(-1, continuation[:, None]).double().sum())
 
 
