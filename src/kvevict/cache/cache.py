@@ -24,6 +24,7 @@ from ..errors import KvevictError
 from ..policies import Policy, check_policy
 from ..position_modes import DEFAULT_POSITIONS, check_positions
 from .attention import attach
+from .layer_interface import CacheLayer
 from .layer_settings import Forward
 from .layer_setup import layer_classes, layer_settings, position_modes
 from .memory import CacheMemory, summed
@@ -267,17 +268,38 @@ class EvictingCache(Cache):
     def reconstructing(self, start: int, end: int) -> Iterator[None]:
         """The forward inside is one of KVzip's repeat forwards over the context chunk `start .. end`: its
         `"reconstruction"` requests score that chunk's entries (`per_head/reconstruction.window_mass`).
-        Only a held-back prefill (`defer`) is reconstructed; the caller takes the forward's tokens back
-        out afterwards (`crop`), so the pass writes nothing."""
+        Only a held-back prefill (`defer`) is reconstructed, and the pass writes nothing: afterwards the
+        full-attention layers take the forward's tokens back out (`crop`), and each sliding-window layer,
+        which keeps only the model's last window (the repeat forward would push the context's end out of
+        it), is its own state again: the forward ran against a copy of it (`_aside`), dropped here."""
         if not self.deferred:
             raise KvevictError("a context is reconstructed between a held-back prefill (cache.defer()) and its "
                                "eviction (evict_deferred): defer the prefill first")
+        seen = self.tokens_seen
+        aside = self._aside()
         self._repeating = (start, end)
         try:
             yield
+            fed = self.tokens_seen - seen
         finally:
             self._repeating = None
+            for i, layer in aside.items():
+                self.layers[i] = layer
+        with torch.inference_mode():
+            for layer in self.layers:
+                if not layer.is_sliding:
+                    layer.crop(-fed)
         self.reconstructed = True
+
+    def _aside(self) -> dict[int, CacheLayer]:
+        """Each sliding-window layer, set aside: a copy takes its place (sharing what is the model's) until
+        the caller puts the layer back. Its window is `window - 1` entries, so the copy is small."""
+        aside = {i: layer for i, layer in enumerate(self.layers) if layer.is_sliding}
+        memo = self._model_memo()
+        for i, layer in aside.items():
+            memo[id(layer.settings)] = layer.settings  # its fixed settings (rows, observers) stay the cache's
+            self.layers[i] = copy.deepcopy(layer, memo)
+        return aside
 
     # --- rows and policies ---------------------------------------------------------------
     @property
@@ -319,6 +341,10 @@ class EvictingCache(Cache):
     def copy(self) -> EvictingCache:
         """An independent copy: every tensor and record the cache holds is copied; what is the model's
         (its config, its rotary modules, the hand-off slots on its attention modules) is shared."""
+        return copy.deepcopy(self, self._model_memo())
+
+    def _model_memo(self) -> dict[int, object]:
+        """A `deepcopy` memo that shares what is the model's: its config, rotary modules and hand-off slots."""
         memo: dict[int, object] = {}
         for layer in self.layers:
             settings = layer.settings
@@ -326,7 +352,7 @@ class EvictingCache(Cache):
             for shared in (settings.config, settings.handoff, None if rotary is None else rotary.module):
                 if shared is not None:
                     memo[id(shared)] = shared
-        return copy.deepcopy(self, memo)
+        return memo
 
     # --- what the cache holds --------------------------------------------------------------
     def fits(self, q: int) -> bool:

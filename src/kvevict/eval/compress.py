@@ -89,7 +89,7 @@ def compress(
     `context` is `[T]` token ids read by every row, or `[B, T]`, one context per row (B
     requests of one length as one batch). `policies` is one spec or one per row. The
     full cache (`"full"`) must run in its own call. `tokenizer`: the model's, for a policy
-    scored by reconstruction (`kvzip`), whose context is `[T]` starting with the chat
+    scored by reconstruction (`kvzip`), whose context is `[T]` (or `[1, T]`) starting with the chat
     template's opening as kvpress's pipeline frames it.
     """
     if context.dim() not in (1, 2) or context.shape[-1] == 0:
@@ -103,12 +103,12 @@ def compress(
         ids = context.long().expand(len(specs), -1)
         scored = reconstructing_policy(cache) is not None
         if scored:
-            if context.dim() != 1:
+            if context.dim() != 1 and context.shape[0] != 1:
                 raise KvevictError("a policy scored by reconstruction (kvzip) compresses one context [T] at a time")
             cache.defer()
         hidden = body(model, ids[:1] if scored else ids, cache).expand(len(specs), -1, -1)
         if scored:
-            reconstruct(model, cache, context, tokenizer)
+            reconstruct(model, cache, context.reshape(-1), tokenizer)
             cache.evict_deferred()
         kept = cache.held_entries()
         bound = cache.budget  # None when every row is the full cache
@@ -124,6 +124,7 @@ def compress_prompt(
     budget: Budget,
     positions: str = DEFAULT_POSITIONS,
     split: int | None = None,
+    tokenizer=None,
 ) -> Compressed:
     """Compress `prompt[:split]`, then read `prompt[split:]` through the compressed cache.
 
@@ -132,14 +133,15 @@ def compress_prompt(
     is compressed, its last position attends over everything before eviction and the
     first answer token would escape the budget). A split at the end of a document
     compresses the document alone and reads the question afterwards (kvpress's
-    question-agnostic protocol).
+    question-agnostic protocol). `tokenizer`: the model's, for a policy scored by reconstruction
+    (`kvzip`, see `compress`).
     """
     if prompt.dim() != 1 or prompt.numel() < 2:
         raise KvevictError("compress_prompt needs a 1-D prompt of at least 2 token ids")
     split = prompt.numel() - 1 if split is None else split
     if not 1 <= split < prompt.numel():
         raise KvevictError(f"split must leave at least one token on each side, got {split} of {prompt.numel()}")
-    state = compress(model, prompt[:split], policies, budget, positions)
+    state = compress(model, prompt[:split], policies, budget, positions, tokenizer)
     state.feed(model, prompt[split:])
     return state
 
@@ -151,8 +153,10 @@ def continuation_nll(
     policies: str | Policy | Sequence[str | Policy],
     budget: Budget,
     positions: str = DEFAULT_POSITIONS,
+    tokenizer=None,
 ) -> torch.Tensor:
-    """`[rows, len(continuation)]` NLL of each continuation token after compressing `context`.
+    """`[rows, len(continuation)]` NLL of each continuation token after compressing `context`
+    (`tokenizer`: the model's, for a policy scored by reconstruction, see `compress`).
 
     The first continuation token is predicted from the compression forward itself (as in
     SnapKV, whose last prompt token sees the whole prompt); every later one reads the
@@ -160,7 +164,7 @@ def continuation_nll(
     """
     if continuation.dim() != 1 or continuation.numel() == 0:
         raise KvevictError("continuation_nll needs a non-empty 1-D continuation of token ids")
-    state = compress(model, context, policies, budget, positions)
+    state = compress(model, context, policies, budget, positions, tokenizer)
     with torch.inference_mode():
         first = log_probs(model, state.hidden[:, None])
         rest = state.feed(model, continuation[:-1].long())

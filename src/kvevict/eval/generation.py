@@ -160,7 +160,7 @@ def run_generation(
         for prompt in prompts:
             for specs, budget in plan:
                 started = time.perf_counter()
-                state = compress_prompt(model, prompt.ids, specs, budget, positions)
+                state = compress_prompt(model, prompt.ids, specs, budget, positions, tokenizer=tokenizer)
                 outputs = greedy(model, state, max_new_tokens, stops)
                 seconds = time.perf_counter() - started
                 for spec, output in zip(specs, outputs, strict=True):

@@ -245,7 +245,8 @@ def _run_batch(
     question_after: bool, max_new_tokens: int, stops: list[int],
 ) -> list[dict]:
     t0 = time.perf_counter()
-    state = compress_prompt(model, prompt.ids, specs, budget, positions, prompt.split if question_after else None)
+    state = compress_prompt(model, prompt.ids, specs, budget, positions, prompt.split if question_after else None,
+                            tokenizer)
     answers = greedy(model, state, max_new_tokens, stops)
     seconds = time.perf_counter() - t0
     records = []

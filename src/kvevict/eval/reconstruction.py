@@ -6,6 +6,10 @@ Between a held-back prefill (`EvictingCache.defer`) and its eviction (`evict_def
 repeat forward runs inside `EvictingCache.reconstructing`, where the per-head layers measure the
 window attention (`cache/per_head/reconstruction.py`), and its tokens are taken back out afterwards
 (`EvictingCache.crop`), so the pass writes nothing: every repeat forward starts at the context's end.
+On a hybrid model (Gemma 3) a sliding-window layer keeps only the model's last window, which a repeat
+forward would push the context's end out of: each repeat forward runs against a copy of those layers,
+dropped afterwards, so they hold their window as before; only the full-attention layers are scored.
+kvpress refuses such models instead (`KVzipPress.__call__`).
 
 The framing is kvpress's (NVIDIA/kvpress 0.5.5, `kvpress/presses/kvzip_press.py`: `__call__` and
 `prepare`): the chat template rendered around a dummy user turn gives the opening the context starts
@@ -98,12 +102,6 @@ def reconstruct(model, cache: EvictingCache, context: torch.Tensor, tokenizer) -
     policy = reconstructing_policy(cache)
     if policy is None:
         return 0
-    if any(cache.sliding_windows()):
-        raise KvevictError(
-            f"'{policy.spec()}' cannot run on {type(model).__name__}: its sliding-window layers keep only the model's "
-            "last window, which the repeat forwards would push the context's end out of (kvpress refuses KVzip on "
-            "Gemma 3 too); use a model without sliding-window layers"
-        )
     if tokenizer is None:
         raise KvevictError(
             f"'{policy.spec()}' asks the model to repeat the context in its own chat template: pass the model's "
@@ -115,8 +113,7 @@ def reconstruct(model, cache: EvictingCache, context: torch.Tensor, tokenizer) -
     fed = 0
     with torch.inference_mode():
         for start, end, ids in repeat_inputs(context, repeat_framing(tokenizer), policy.chunk_size):
-            with cache.reconstructing(start, end):
+            with cache.reconstructing(start, end):  # taken back out afterwards: the pass writes nothing
                 body(model, ids[None], cache)
-            cache.crop(-ids.numel())
             fed += ids.numel()
     return fed

@@ -12,7 +12,9 @@ or from the shell, `kvevict lm-eval --tasks copa --model-args ...` (it wraps
 * `loglikelihood` — context compression (`eval/compress.py`, the H2O / SnapKV
   protocol): the context is prefilled and compressed to the budget, then the
   continuation is scored through the compressed cache. Requests whose context and
-  continuation have the same lengths run as rows of one batch.
+  continuation have the same lengths run as rows of one batch (a policy scored by
+  reconstruction, `kvzip`, compresses each context alone, with the model's tokenizer; it is
+  refused by the two request types below and by `protocol=stream`, which evict as they read).
 * `loglikelihood_rolling` — streaming eviction (`eval/streaming.py`): the document is
   read with the budget enforced from the first overflow, every token scored once.
 * `generate_until` — the prompt is compressed, then decoded greedily with the policy
@@ -34,6 +36,7 @@ from ..errors import KvevictError
 from ..eval.compress import compress, greedy
 from ..eval.forward import log_probs
 from ..eval.streaming import compare
+from ..policies import check_policy
 from .hub import quiet_hub
 from .lmeval_args import INSTALL, Settings, split_model_args
 from .lmeval_tasks import check_data, check_names, task_manager
@@ -110,7 +113,11 @@ def _model_class():
             s = self.settings
             if s.protocol == "stream":
                 return [self._stream_score(c, k) for c, k in zip(context, continuation)]
-            state = compress(self.model, context, s.policy, s.entries(context.shape[1]), s.positions)
+            if context.shape[0] > 1 and check_policy(s.policy, None, s.positions).reconstructs:
+                # a context scored by reconstruction is compressed one at a time (its repeat forwards are its own)
+                return [v for i in range(context.shape[0]) for v in self.score(context[i : i + 1],
+                                                                                continuation[i : i + 1])]
+            state = compress(self.model, context, s.policy, s.entries(context.shape[1]), s.positions, self.tokenizer)
             with torch.inference_mode():
                 first = log_probs(self.model, state.hidden[:, None])  # [B, 1, V]
                 rest = state.feed(self.model, continuation[:, :-1])  # [B, L-1, H]
@@ -143,6 +150,7 @@ def _model_class():
             return rows[0]
 
         def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+            self.settings.refuse_reconstruction("loglikelihood_rolling evicts each document as it reads it")
             out = []
             for request in requests:
                 (text,) = request.args
@@ -154,6 +162,7 @@ def _model_class():
 
         def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
             s = self.settings
+            s.refuse_reconstruction("generate_until keeps evicting at every generated token")
             prompts = [self.tok_encode(context) or [self.prefix_token_id] for context, _ in
                        (r.args for r in requests)]
             out: list[str | None] = [None] * len(requests)

@@ -79,7 +79,19 @@ class Settings:
         if settings.protocol not in PROTOCOLS:
             raise KvevictError(f"model_args protocol must be one of {', '.join(PROTOCOLS)} (compress: compress the "
                                f"context, then score; stream: evict while reading it), got '{settings.protocol}'")
+        if settings.protocol == "stream":
+            settings.refuse_reconstruction("protocol=stream evicts each context as it reads it")
         return settings
+
+    def refuse_reconstruction(self, what: str) -> None:
+        """A policy scored by reconstructing a context once it is read (`kvzip`) cannot evict as a stream is
+        read or generated: one line naming where it runs."""
+        policy = check_policy(self.policy, None, self.positions)
+        if policy.reconstructs:
+            raise KvevictError(
+                f"'{policy.spec()}' scores a context by reconstructing it once it is read, and {what}: run it on "
+                "loglikelihood (multiple-choice) tasks with protocol=compress, or with kvevict ruler"
+            )
 
     def settled(self, adds_bos: bool) -> Settings:
         """These settings on a model whose tokenizer does (`adds_bos`) or does not put BOS first

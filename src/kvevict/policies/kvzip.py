@@ -21,9 +21,11 @@ entries wherever they sit, so layers keep different numbers (`Policy.ranks_layer
 This is not a per-step rule: the scores need extra forwards after the prefill. The policy holds the
 arithmetic (`absorb`: the reconstruction window's maximum over one chunk; `scores`); the forwards
 are `eval/reconstruction.py`, run where a context is compressed once (`kvevict.compress` with a
-tokenizer, the RULER protocols that compress a held-back prefill). A stream that evicts as it reads
-is refused (`Policy.reconstructs`), and wrappers are refused: kvzip pins its own sinks and shares
-its budget across heads and layers itself.
+tokenizer, and through it needle, generation and lm-eval's loglikelihood; the RULER protocols that
+compress a held-back prefill). A stream that evicts as it reads is refused (`Policy.reconstructs`),
+and wrappers are refused: kvzip pins its own sinks and shares its budget across heads and layers itself.
+On a hybrid model (Gemma 3) the sliding-window layers keep their window: the repeat forwards run
+against a copy of them, and only the full-attention layers are scored, ranked and evicted.
 
 Spec: `kvzip[:layerwise=false,n_sink=4,chunk_size=2048]` (kvpress's names). kvpress's
 `kvzip_plus_normalization` is not built.
