@@ -1,7 +1,7 @@
 """Programs the Ray tests run in a loopback-only network namespace (`netns.py`), under the socket guard.
 
 * `python guarded.py serve SOCKET` — the Ray host: starts one local Ray instance the way
-  `kvevict ab --executor ray` does (`RayExecutor.session`), then runs the calls a test
+  `kvevict ab --executor ray` does (`RayExecutor.opened`), then runs the calls a test
   sends over the Unix socket SOCKET (`Host.call`): a module-level function of a test
   module, its arguments and result pickled. Every Ray test shares this one instance.
 * `python guarded.py cli ARGS...` — `kvevict ARGS`, exiting 3 when the guard refused a
@@ -39,7 +39,7 @@ def serve(path: str) -> None:
     from kvevict.integrations.ray_executor import RayExecutor
 
     key = bytes.fromhex(os.environ[KEY_VARIABLE])
-    with RayExecutor(workers=2).session(), Listener(path, family="AF_UNIX", authkey=key) as listener:
+    with RayExecutor(workers=2).opened(), Listener(path, family="AF_UNIX", authkey=key) as listener:
         with listener.accept() as conn:
             while True:
                 try:

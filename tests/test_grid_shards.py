@@ -31,12 +31,12 @@ class Scattered(Executor):
     """Each shard on a worker built for it alone from the portable spec (its own model load), the last first."""
 
     in_process: bool = False
-    sessions: int = 0
+    openings: int = 0
     shards: int = 0
 
     @contextmanager
-    def session(self):
-        self.sessions += 1
+    def opened(self):
+        self.openings += 1
         yield
 
     def run(self, spec, todo, finished, progress) -> None:
@@ -76,7 +76,7 @@ def test_ruler_sharded_stores_the_local_runs_records_and_resumes(tmp_path, tiny_
     run_ruler(sharded, model, tokenizer, progress=False, executor=executor)
     expected = answers(local.folder / "results.jsonl")
     assert len(expected) == 2 * 3 * 5 and answers(sharded.folder / "results.jsonl") == expected
-    assert (executor.sessions, executor.shards) == (1, 3)
+    assert (executor.openings, executor.shards) == (1, 3)
     # a run cut short: the rerun answers the missing ones, the rest untouched
     results = sharded.folder / "results.jsonl"
     kept = results.read_text().splitlines()[:11]
@@ -100,7 +100,7 @@ def test_the_task_envelope_on_shards_takes_the_local_searchs_steps(tmp_path, tin
     assert steps["sharded"] == steps["local"]
     assert answers(tmp_path / "runs" / "sharded" / "results.jsonl") == answers(
         tmp_path / "runs" / "local" / "results.jsonl")
-    assert executor.sessions == 1  # one session for the whole search (Ray starts once)
+    assert executor.openings == 1  # opened once for the whole search (Ray starts once)
 
 
 def test_a_spec_travels_without_the_drivers_model(tiny_dir):
@@ -131,7 +131,7 @@ def test_the_perplexity_envelope_runs_each_steps_budgets_on_the_executor(tmp_pat
 
     assert seen["sharded"] == seen["local"] and len(seen["local"]) > 3
     assert numbers("sharded") == numbers("local")
-    assert executor.shards == len(seen["local"]) - 1 and executor.sessions == 1  # all but the full cache's
+    assert executor.shards == len(seen["local"]) - 1 and executor.openings == 1  # all but the full cache's
 
 
 @pytest.mark.parametrize("command", [["ruler"], ["envelope"], ["envelope", "--tasks", "niah_single_1"]])

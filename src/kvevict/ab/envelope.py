@@ -137,7 +137,7 @@ def run_envelope(
     sweep = config.sweep()
     store = open_run_folder(sweep.folder, {**sweep.identity(), "search": "envelope"}, asdict(config),
                             "envelope probes")
-    with executor.session() if executor is not None else nullcontext():
+    with executor.opened() if executor is not None else nullcontext():
         return _search(config, cells, store, model, tokenizer, progress, allow_download, device, on_batch, executor)
 
 

@@ -48,7 +48,7 @@ class Executor:
     in_process: bool = True
 
     @contextmanager
-    def session(self) -> Iterator[None]:
+    def opened(self) -> Iterator[None]:
         """What must be up before the first batch (a Ray connection). The sweep opens it
         before showing any progress, so a failure to connect is one line, not a bar and a line."""
         yield

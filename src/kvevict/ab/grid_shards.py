@@ -87,7 +87,7 @@ def run_shards(executor, spec: GridSpec, todo: list[Shard], keep: Callable[[list
                progress: bool = True) -> list[tuple[Shard, str]]:
     """Every shard of `todo` on `executor`'s workers, each finished one's records handed to `keep` in this process;
     returns the shards it gave up on, with the reason (their answers stay missing: a rerun answers them). The
-    caller holds the executor's session open (`executor.session()`) across calls, so Ray starts once and its
+    caller holds the executor open (`executor.opened()`) across calls, so Ray starts once and its
     workers keep their models from one step of a search to the next."""
     before = len(executor.failed)
     with bars(progress) as bar:

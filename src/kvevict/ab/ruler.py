@@ -75,7 +75,7 @@ def run_ruler(run: RulerRun, model, tokenizer, progress: bool = True, executor=N
         from .grid_shards import GridSpec, run_shards, shard
 
         spec = GridSpec(run.model, run.dtype, allow_download, device, model, tokenizer)
-        with executor.session():
+        with executor.opened():
             run_shards(executor, spec, shard(run.grid, done), keeper(store, done, run.dtype), progress)
         return load(store.records())
     with bars(progress) as bar:

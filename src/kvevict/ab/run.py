@@ -84,7 +84,7 @@ def run_sweep(
         model, tokenizer = load_model(config.model, device=device, allow_download=allow_download, dtype=config.dtype)
     record_stream_start(config, tokenizer)
     if todo:
-        with executor.session(), bars(progress) as bar:
+        with executor.opened(), bars(progress) as bar:
             sweep_task = bar.add_task(f"sweep {config.name}: cells", total=len(cells),
                                       completed=len(cells) - sum(len(b.cells) for b in todo))
 

@@ -169,7 +169,7 @@ def run_task_envelope(config: TaskEnvelopeConfig, model, tokenizer,
     top = context_top(config, tokenizer, limit)
     if top <= config.floor:
         raise KvevictError(f"--floor {config.floor} is not below the task's context of {top} tokens: lower it")
-    with executor.session() if executor is not None else nullcontext():
+    with executor.opened() if executor is not None else nullcontext():
         return _search(config, specs, model, tokenizer, store, top, on_step, executor,
                        GridSpec(config.model, config.dtype, allow_download, device, model, tokenizer))
 

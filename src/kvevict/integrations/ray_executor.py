@@ -1,7 +1,7 @@
 """The Ray executor: a sweep's batches on Ray actors, each loading the model once and keeping it.
 
 `kvevict ab ... --executor ray [--address ADDR] [--workers N]`. Without an address a
-local Ray instance is started for the run and stopped after it (a Ray session already
+local Ray instance is started for the run and stopped after it (a Ray instance already
 started in this process, e.g. by a library user or a test, is used and left running).
 The local instance stays on this machine: every Ray process binds to 127.0.0.1, and
 Ray's usage statistics are off unless the user set `RAY_USAGE_STATS_ENABLED`
@@ -153,9 +153,9 @@ class RayExecutor(Executor):
     #: called with (batch, worker pid) each time a batch is handed to a worker: lets a caller watch or fault-test
     on_dispatch: Callable[[Batch, int], None] | None = None
     in_process: bool = False
-    _cpus: int | None = field(default=None, init=False, repr=False)  # CPUs per worker, set while a session is open
-    #: the actors of the last `run` and the spec they were built from: a later `run` of the same session with the
-    #: same spec (the next step of a search) reuses them, models loaded
+    _cpus: int | None = field(default=None, init=False, repr=False)  # CPUs per worker, set while the executor is open
+    #: the actors of the last `run` and the spec they were built from: a later `run` while the executor is
+    #: still open, with the same spec (the next step of a search), reuses them, models loaded
     _pool: tuple | None = field(default=None, init=False, repr=False)
 
     def _start(self, ray) -> tuple[bool, int]:
@@ -185,7 +185,7 @@ class RayExecutor(Executor):
         return True, cpus
 
     @contextmanager
-    def session(self) -> Iterator[None]:
+    def opened(self) -> Iterator[None]:
         """Connect to (or start) Ray for the sweep; a Ray this run started stops with it."""
         ray = import_ray()
         started, self._cpus = self._start(ray)
@@ -197,8 +197,8 @@ class RayExecutor(Executor):
                 ray.shutdown()
 
     def run(self, spec, todo, finished, progress) -> None:
-        if self._cpus is None:  # called outside a session (a library user)
-            with self.session():
+        if self._cpus is None:  # called outside `opened` (a library user)
+            with self.opened():
                 return self.run(spec, todo, finished, progress)
         self._run(import_ray(), spec.portable(), todo, finished, progress, self._cpus)
 
