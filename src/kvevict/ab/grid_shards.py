@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..eval.needle import max_positions
 from ..eval.ruler.grid import RulerGrid, run_grid
 from ..progress import bars
 
@@ -73,8 +74,6 @@ class GridWorker:
 
     def run(self, item: Shard, progress=False) -> list[dict]:
         """The records (JSON objects, without the dtype the driver adds) of the shard's missing answers."""
-        from .ruler import max_positions
-
         if self.model is None:
             from ..loading import load_model
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..eval.needle import max_positions
 from ..eval.ruler.grid import RulerGrid, preflight, run_grid
 from ..progress import bars
 from ..report.records import Record, RulerRecord, load
@@ -53,12 +54,6 @@ class RulerRun:
 def prepare(run: RulerRun) -> ResultStore:
     """The run folder, writable and holding the same experiment (or none yet)."""
     return open_run_folder(run.folder, run.identity(), run.config(), what="answers")
-
-
-def max_positions(model) -> int | None:
-    config = getattr(model, "config", None)
-    config = getattr(config, "text_config", None) or config
-    return getattr(config, "max_position_embeddings", None)
 
 
 def run_ruler(run: RulerRun, model, tokenizer, progress: bool = True, executor=None,
