@@ -272,3 +272,30 @@ def test_the_default_search_runs_every_default_policy(tmp_path):
     default = EnvelopeConfig(out=str(tmp_path))
     assert "snapkv" in default.policies
     assert len(configurations(default)) == len(default.policies)
+
+
+def _synthetic(kind: str, budget: int | None, ppls: list[float]) -> PplRecord:
+    """A record whose curve is `ppls`, one 50-token window each, and byte counts that make shares defined."""
+    curve = [{"start": 50 * i + 1, "end": 50 * (i + 1), "n": 50, "ppl": p} for i, p in enumerate(ppls)]
+    return PplRecord(key=f"{kind}|{budget}", kind=kind, policy="full" if kind == "full" else "window", budget=budget,
+                     ppl=float(sum(ppls) / len(ppls)), curve=curve, kv_bytes=100 * (budget or 40 * 50),
+                     full_kv_bytes=100 * 40 * 50)
+
+
+def test_verdict_is_undecided_where_the_full_cache_is_the_worse_model():
+    """A stream past the trained positions: the full cache's blocks (PPL near 80) are every one worse than the
+    policy's (near 20), so being within 5% of it shows nothing safe and the verdict says undecided. The same
+    probe a little worse than a sound full cache is named as the cheapest."""
+    rng = random.Random(0)
+    noise = [rng.uniform(0.9, 1.1) for _ in range(40)]
+    tolerance = Tolerance(max_ppl_ratio=1.05)
+    degraded = _synthetic("full", None, [80 * x for x in noise])
+    probe = _synthetic("policy", 64, [20 * x * rng.uniform(1.0, 1.04) for x in noise])
+    full, rows = envelope_rows([degraded, probe], tolerance)
+    assert rows[0].smallest is not None  # the rule alone would call it inside: ratio about 0.25
+    sentence = envelope_verdict(full, rows, tolerance)
+    assert sentence.startswith("Undecided: the full cache is not a sound reference")
+    assert "window at 64 entries" in sentence and "cheapest" not in sentence
+    sound = _synthetic("full", None, [20 * x for x in noise])
+    full, rows = envelope_rows([sound, probe], tolerance)
+    assert "the cheapest configuration is window at 64 entries" in envelope_verdict(full, rows, tolerance)

@@ -172,6 +172,9 @@ def envelope_verdict(full: PplRecord | None, rows: list[EnvelopeRow], tolerance:
     limit = describe_tolerance(tolerance)
     if full is None or not rows:
         return "Nothing measured yet: rerun the same command to continue the search."
+    unsound = unsound_reference(full, rows, tolerance)
+    if unsound is not None:
+        return unsound
     inside = sorted((r for r in rows if r.smallest is not None), key=lambda r: r.smallest.cost)
     if not inside:
         probes = [p for r in rows for p in r.probes]
@@ -186,6 +189,30 @@ def envelope_verdict(full: PplRecord | None, rows: list[EnvelopeRow], tolerance:
     if evicting:
         return sentence + f"; the cheapest eviction-only one is {_describe(evicting[0], full)}."
     return sentence + "; no eviction-only configuration is within tolerance."
+
+
+def unsound_reference(full: PplRecord, rows: list[EnvelopeRow], tolerance: Tolerance) -> str | None:
+    """Undecided, and why, where some probe's whole paired PPL interval lies below the full cache's (ratio < 1):
+    the full cache is then not the better model (a stream past the positions the model was trained on degrades
+    it), so being within a tolerance of it shows nothing safe. None where the full cache is a sound reference.
+    The same test as the A/B verdict's (`verdict.unsound_reference`), on the envelope's probes."""
+    reference = blocks(full.curve, "ppl")
+    better = []
+    for row in rows:
+        for p in row.probes:
+            found = judge_ppl(blocks(p.record.curve, "ppl"), reference, tolerance)
+            if found is not None and found.high < 1:
+                better.append((row, p, found))
+    if not better:
+        return None
+    row, p, found = min(better, key=lambda b: b[2].high)
+    names = sorted({b[0].name for b in better})
+    return (f"Undecided: the full cache is not a sound reference on this stream ({', '.join(names)} "
+            f"{'is' if len(names) == 1 else 'are'} wholly better than it, e.g. {row.name} at {p.budget} entries: "
+            f"PPL {p.record.ppl:.2f} against {full.ppl:.2f}, ratio {found.estimate:.3f} [{found.low:.3f}, "
+            f"{found.high:.3f}]). A stream past the positions the model was trained on degrades the full cache "
+            f"itself, so a budget within a tolerance of it is not shown safe: search a length the model was "
+            f"trained on.")
 
 
 def describe_tolerance(tolerance: Tolerance) -> str:
