@@ -14,6 +14,11 @@ workers are separate machines and the sweep's wall time divides by their number;
 benchmark measures the overhead a team pays for that on one box.
 
     unshare --net sh -c 'ip link set lo up && .venv/bin/python benchmarks/ray_vs_local.py --tokens 600 --budgets 64,128'
+    unshare --net sh -c 'ip link set lo up && .venv/bin/python benchmarks/ray_vs_local.py --job ruler --samples 6'
+
+`--job ruler` times a `kvevict ruler` grid instead (niah_single_1 at `--length` tokens, `--samples` prompts, h2o
+and tova at 50% and 25%): one shard per sample on the workers, against the local grid runner, which reads each
+sample's context once for every row of a batch. The answers must be the same record for record.
 
 Run it in a network namespace that holds only loopback, as above (root): the local Ray
 instance binds to 127.0.0.1, but Ray's dashboard probes cloud metadata addresses at every
@@ -46,13 +51,59 @@ def numbers(path: Path) -> dict:
     return out
 
 
+def answers(path: Path) -> dict:
+    """Cell key -> the recorded output and score (what must not depend on the executor; timings left out)."""
+    out = {}
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        out[record["key"]] = (record.get("output"), record.get("score"), record.get("kept"))
+    return out
+
+
+def ruler_arms(args) -> None:
+    """The RULER grid local, then on Ray workers, in fresh folders; the model loaded once here for the local arm
+    (each worker loads its own, counted in its arm's time)."""
+    from kvevict.ab.ruler import RulerRun, run_ruler
+    from kvevict.eval.ruler.grid import RulerGrid
+    from kvevict.loading import load_model
+
+    model, tokenizer = load_model(args.model)
+    grid = RulerGrid(tasks=["niah_single_1"], lengths=[args.length], samples=args.samples, policies=["h2o", "tova"],
+                     budgets=["50%", "25%"])
+    seconds, results = {}, {}
+    with tempfile.TemporaryDirectory() as out:
+        for arm in ("local", "ray"):
+            run = RulerRun(arm, out, args.model, grid)
+            t0 = time.perf_counter()
+            run_ruler(run, model, tokenizer, progress=False,
+                      executor=None if arm == "local" else make_executor("ray", workers=args.workers))
+            seconds[arm] = time.perf_counter() - t0
+            results[arm] = answers(Path(out) / arm / "results.jsonl")
+    assert results["local"] == results["ray"], "the Ray run's answers differ from the local run's"
+    cells = len(results["local"])
+    table = Table(title=f"{cells} answers (niah_single_1 at {args.length} tokens, {args.samples} samples, "
+                        f"full + h2o, tova at 50%, 25%), {args.model}")
+    for column in ("executor", "seconds (worker start-up and model loads included)", "answers/min"):
+        table.add_column(column)
+    for arm in ("local", "ray"):
+        name = arm if arm == "local" else f"ray, {args.workers} workers"
+        table.add_row(name, f"{seconds[arm]:.1f}", f"{60 * cells / seconds[arm]:.1f}")
+    Console().print(table)
+    print(f"ray / local wall time: {seconds['ray'] / seconds['local']:.2f}x; every answer identical")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--job", choices=("ab", "ruler"), default="ab")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--tokens", type=int, default=600)
     parser.add_argument("--budgets", default="64,128")
+    parser.add_argument("--length", type=int, default=1024, help="ruler: the context length")
+    parser.add_argument("--samples", type=int, default=6, help="ruler: prompts per cell")
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
+    if args.job == "ruler":
+        return ruler_arms(args)
     budgets = [int(b) for b in args.budgets.split(",")]
     seconds, results = {}, {}
     with tempfile.TemporaryDirectory() as out:
