@@ -211,3 +211,33 @@ def test_every_task_runs_on_the_tiny_model(task, tiny_pair):
         assert r["prompt_tokens"] + {"vt": 30, "cwe": 120, "fwe": 50}.get(task, 128) <= 900
         found = sum(a.lower() in r["output"].strip().lower() for a in r["answers"]) / len(r["answers"])
         assert r["score"] == found and r["budget_tokens"] in (None, round(r["context_tokens"] / 4))
+
+
+def test_each_answer_records_the_kv_bytes_its_cache_held(tiny_pair):
+    """A record's bytes are what the cache held once the context was compressed, checked against the model's shape:
+    the tiny Llama holds 2 layers x 2 KV heads x head_dim 16, keys and values, 4 bytes each (float32) per token. At
+    8 bits a key or value is 16 one-byte codes plus a float scale and zero point per group of 8 channels. At bf16
+    every float counts 2 bytes."""
+    from kvevict.eval.ruler.grid import RulerGrid, run_grid
+
+    model, tokenizer = tiny_pair
+    grid = RulerGrid(tasks=["niah_single_1"], lengths=[400], samples=1, policies=["window", "h2o", "q8:group=8+h2o"],
+                     budgets=["50%"], max_new_tokens=2)  # window and h2o: one batch of two rows
+    found = {r["policy"]: r for r in run_grid(model, tokenizer, grid)}
+    layers, heads, dim = 2, 2, 16
+
+    def dense(tokens: int, number: int) -> int:
+        return layers * heads * tokens * 2 * dim * number
+
+    full, h2o, q8 = found["full"], found["h2o"], found["q8:group=8+h2o"]
+    assert full["kv_bytes"] == dense(full["context_tokens"], 4)
+    assert full["kv_bytes_bf16"] == dense(full["context_tokens"], 2)
+    assert h2o["kept"] == h2o["budget_tokens"] == q8["kept"]
+    assert h2o["kv_bytes"] == found["window"]["kv_bytes"] == dense(h2o["budget_tokens"], 4)  # one row's, not two
+    per_entry = {number: 2 * (dim + 2 * (dim // 8) * number) for number in (4, 2)}  # key and value
+    assert q8["kv_bytes"] == layers * heads * q8["budget_tokens"] * per_entry[4]
+    assert q8["kv_bytes_bf16"] == layers * heads * q8["budget_tokens"] * per_entry[2]
+    found = ruler_report.cells([RulerRecord.from_dict(r) for r in found.values()])
+    table = ruler_report.bytes_table(found)
+    column = table.headers.index("q8:group=8+h2o")
+    assert table.rows[0][column] == f"{q8['kv_bytes_bf16'] / 2**20:.4g}"

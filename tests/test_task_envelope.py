@@ -199,3 +199,29 @@ def test_bad_task_envelope_input_is_one_line(args, needle):
     given = dict(zip(args[::2], args[1::2]))
     argv = [x for k, v in {**base, **given}.items() for x in (k, v)]
     cli_error("envelope", *argv, needles=(needle,))
+
+
+def test_the_table_and_verdict_show_bytes_and_rank_by_them():
+    """Two configurations inside: h2o at 100 entries holding 1,000 bytes a sample, q8+h2o at 150 entries holding
+    600; the full cache holds 4,000. The cheapest is the one with fewer bytes, at 15.0% of the full cache's."""
+    from kvevict.report.records import RulerRecord
+    from kvevict.report.task_envelope import task_envelope_table, task_rows, task_verdict
+
+    def line(policy: str, budget: str, sample: int, size: int) -> RulerRecord:
+        return RulerRecord(key=f"{policy}|{budget}|{sample}", task="niah_single_1", protocol="agnostic", length=256,
+                           sample=sample, policy=policy, budget=budget, score=1.0, kv_bytes_bf16=size)
+
+    records = [line(p, b, i, size) for p, b, size in [("full", "full", 4000), ("h2o", "100", 1000),
+                                                      ("q8+h2o", "150", 600)] for i in range(20)]
+    cfg = TaskEnvelopeConfig(start=20, cap=60)
+    rows = task_rows(["h2o", "q8+h2o"], {}, cfg.looks(), cfg.tolerance(), records, 200)
+    assert [r.smallest.budget for r in rows] == [100, 150]
+    sentence = task_verdict(rows, cfg.tolerance(), "niah_single_1", 256)
+    assert "(fewest KV bytes) is q8+h2o at 150 entries" in sentence and "15.0% of the full cache's bytes" in sentence
+    table = task_envelope_table(rows)
+    column = table.headers.index("of full (bytes)")
+    assert [r[column] for r in table.rows] == ["25.0%", "15.0%"]
+    # without byte figures (records written before them) the fewest entries decide
+    bare = [RulerRecord(**{**vars(r), "kv_bytes_bf16": None}) for r in records]
+    rows = task_rows(["h2o", "q8+h2o"], {}, cfg.looks(), cfg.tolerance(), bare, 200)
+    assert "(fewest entries) is h2o at 100 entries" in task_verdict(rows, cfg.tolerance(), "niah_single_1", 256)

@@ -125,6 +125,9 @@ def ruler(
         print(json.dumps({"cells": [vars(c) for c in cells], "report": str(path)}))
         return _failed(runner)
     show(ruler_report.ruler_table(cells), f"RULER, {model} ({run.dtype}; {path})")
+    held = ruler_report.bytes_table(cells)
+    if held is not None:
+        show(held, "KV bytes per sequence once the context was compressed (MiB at bf16)")
     print(f"tolerance: {tolerance.describe()}")
     for found in verdict(records, tolerance):  # the report's verdict, drawn from the same records
         print(found.sentence)

@@ -38,7 +38,8 @@ class Compressed:
 
     `hidden` `[B, H]` is the final hidden state of the last token fed, i.e. what predicts
     the next token. `kept` is the largest number of entries any layer holds right after
-    compression (at most the budget).
+    compression (at most the budget); `kv_bytes` and `kv_bytes_bf16` what one row's cache holds
+    then, in bytes, as held and with every float at 2 bytes (`measure`).
     """
 
     cache: EvictingCache
@@ -46,7 +47,21 @@ class Compressed:
     context_length: int
     budget: int | None
     policies: list[str]
-    kept: int
+    kept: int = 0
+    kv_bytes: int | None = None
+    kv_bytes_bf16: int | None = None
+
+    def measure(self) -> Compressed:
+        """Read what the cache holds now (`kept`, and the bytes per row); returns the state.
+
+        The bytes are the cache's own count of the tensors it keeps (`EvictingCache.memory`: keys and values, or a
+        quantized form's codes, scales, zero points and residual), summed over the batch and divided by its rows:
+        the rows of one state hold one budget, so each row's share is what one sequence takes."""
+        memory = self.cache.memory()
+        self.kept = self.cache.held_entries()
+        self.kv_bytes = round(memory.kv_bytes / self.rows)
+        self.kv_bytes_bf16 = round(memory.kv_bytes_bf16 / self.rows)
+        return self
 
     @property
     def rows(self) -> int:
@@ -110,11 +125,10 @@ def compress(
         if scored:
             reconstruct(model, cache, context.reshape(-1), tokenizer)
             cache.evict_deferred()
-        kept = cache.held_entries()
         bound = cache.budget  # None when every row is the full cache
         cache.freeze()
     names = [p.spec() for p in cache.policies]
-    return Compressed(cache, hidden[:, -1], context.shape[-1], bound, names, kept)
+    return Compressed(cache, hidden[:, -1], context.shape[-1], bound, names).measure()
 
 
 def compress_prompt(

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from .compare import compare_table
 from .kv_bytes import equal_bytes
 from .records import Record, ppl_records, ruler_records
+from .ruler import bytes_table, ruler_table
 from .ruler import cells as ruler_cells
-from .ruler import ruler_table
 from .runs import Run, run_names
 from .tables import layer_budget_table, sinks_table, summary_table
 from .tolerance import Tolerance
@@ -33,6 +33,9 @@ def run_markdown(records: Sequence[Record], title: str = "Verdict", tolerance: T
     found = ruler_cells(ruler_records(records))
     if found:  # RULER answers: accuracy [95% interval] per task, budget and policy (see report.ruler)
         parts.append(ruler_table(found).markdown())
+        held = bytes_table(found)
+        if held is not None:
+            parts.append(held.markdown())
     return "\n\n".join(parts)
 
 

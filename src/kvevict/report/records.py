@@ -222,6 +222,10 @@ class RulerRecord:
     context_tokens: int | None = None
     depths: list[float] = field(default_factory=list)
     kept: int | None = None
+    #: KV bytes the row's cache held once the context was compressed (`Compressed.measure`): as held, and with
+    #: every float at 2 bytes (bf16); absent from older lines
+    kv_bytes: int | None = None
+    kv_bytes_bf16: int | None = None
     seconds: float | None = None
     seed: int | None = None
     kind: str = "ruler"
@@ -230,7 +234,8 @@ class RulerRecord:
     extra: dict[str, Any] = field(default_factory=dict)
 
     OPTIONAL: ClassVar[tuple[str, ...]] = (
-        "form", "budget_tokens", "prompt_tokens", "context_tokens", "kept", "seconds", "seed", "dtype",
+        "form", "budget_tokens", "prompt_tokens", "context_tokens", "kept", "kv_bytes", "kv_bytes_bf16", "seconds",
+        "seed", "dtype",
     )
 
     @classmethod

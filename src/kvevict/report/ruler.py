@@ -52,6 +52,9 @@ class RulerCell:
     low: float
     high: float
     beyond: bool = False
+    #: KV bytes per sequence once the context was compressed, at bf16, the mean over the cell's answers (None where
+    #: a record holds no byte figure: written before it)
+    kv_bytes_bf16: float | None = None
 
     @property
     def where(self) -> str:
@@ -70,13 +73,18 @@ def beyond(records: Iterable[RulerRecord], floor: float = FLOOR) -> set[tuple[st
 def cells(records: Iterable[RulerRecord], floor: float = FLOOR) -> list[RulerCell]:
     records = list(records)
     groups: dict[tuple, list[float]] = {}
+    held: dict[tuple, list[int | None]] = {}
     for r in records:
-        groups.setdefault((r.shape, r.task, r.length, r.policy, r.budget), []).append(float(r.score))
+        key = (r.shape, r.task, r.length, r.policy, r.budget)
+        groups.setdefault(key, []).append(float(r.score))
+        held.setdefault(key, []).append(r.kv_bytes_bf16)
     out = []
     for (shape, task, length, policy, budget), scores in groups.items():
         interval = wilson(sum(scores), len(scores))
+        sizes = held[shape, task, length, policy, budget]
+        mean_bytes = None if None in sizes else sum(sizes) / len(sizes)
         out.append(RulerCell(shape, task, length, policy, budget, len(scores), sum(scores) / len(scores),
-                             interval.low, interval.high))
+                             interval.low, interval.high, kv_bytes_bf16=mean_bytes))
     out_of_reach = beyond(records, floor)
     for c in out:
         c.beyond = (c.protocol, c.task, c.length) in out_of_reach
@@ -218,6 +226,28 @@ def judged(records: Iterable[RulerRecord], floor: float = FLOOR) -> Judged:
 
 def fmt(cell: RulerCell) -> str:
     return f"{cell.accuracy:.2f} [{cell.low:.2f}, {cell.high:.2f}]" + (" †" if cell.beyond else "")
+
+
+def bytes_table(found: Sequence[RulerCell]) -> Table | None:
+    """The KV bytes beside the accuracies: per protocol, task@length and budget, the full cache's and each policy's
+    MiB per sequence at bf16 once the context was compressed (a quantized row holds fewer bytes at the same
+    entries). None where no record holds the figure."""
+    if all(c.kv_bytes_bf16 is None for c in found):
+        return None
+    policies = list(dict.fromkeys(c.policy for c in found if c.budget != "full"))
+    full = {(c.protocol, c.where): c for c in found if c.budget == "full"}
+    rows: dict[tuple, dict[str, RulerCell]] = {}
+    for c in found:
+        if c.budget != "full":
+            rows.setdefault((c.protocol, c.where, c.budget), {})[c.policy] = c
+    body = [[protocol, where, budget, _mib(full.get((protocol, where)))] + [_mib(row.get(p)) for p in policies]
+            for (protocol, where, budget), row in rows.items()]
+    return Table(["protocol", "task@length", "budget", "full, KV MiB/seq (bf16)"] + policies, body,
+                 ["left", "left", "right", "right"] + ["right"] * len(policies))
+
+
+def _mib(cell: RulerCell | None) -> str:
+    return "-" if cell is None or cell.kv_bytes_bf16 is None else f"{cell.kv_bytes_bf16 / 2**20:.4g}"
 
 
 def ruler_table(found: Sequence[RulerCell]) -> Table:

@@ -143,6 +143,10 @@ def ruler(records: Sequence[Record]) -> tuple[str, str] | None:
     if not found:
         return None
     parts = [RULER_INTRO.format(floor=ruler_report.FLOOR), table_html(ruler_report.ruler_table(found), "ruler")]
+    held = ruler_report.bytes_table(found)
+    if held is not None:  # what each cell's cache held: fewer entries and fewer bits compared in bytes
+        parts += ["<p>KV bytes per sequence once the context was compressed, at bf16 (MiB, the mean over the "
+                  "cell's prompts).</p>", table_html(held, "ruler-bytes")]
     agreement = ruler_report.rank_agreement(ppl_records(records), ruler_records(records))
     if agreement:
         rows = [f"<li>{html.escape(a['protocol'])}, budget {html.escape(a['budget'])}: Spearman ρ = "

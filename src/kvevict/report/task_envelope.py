@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .columns import Column, Table, number
 from .records import RulerRecord
@@ -27,6 +27,10 @@ class Cell:
     budget: int
     judgement: Judgement | None  # None: no look answered yet
     need: int | None  # samples the next look needs; None: decided, or at the cap
+    #: KV bytes per sequence at bf16 once the context was compressed, the mean over the judged samples, and the
+    #: full cache's on the same samples (None where a record holds no byte figure)
+    kv_bytes_bf16: float | None = None
+    full_kv_bytes_bf16: float | None = None
 
     @property
     def inside(self) -> bool:
@@ -40,6 +44,20 @@ def scores(records: list) -> dict[tuple[str, str], dict[int, float]]:
         if isinstance(r, RulerRecord):
             out[r.policy, r.budget][r.sample] = r.score
     return out
+
+
+def held_bytes(records: list) -> dict[tuple[str, str], dict[int, int | None]]:
+    """(policy, budget label) -> sample -> KV bytes at bf16 the row's cache held once the context was compressed."""
+    out: dict[tuple[str, str], dict[int, int | None]] = defaultdict(dict)
+    for r in records:
+        if isinstance(r, RulerRecord):
+            out[r.policy, r.budget][r.sample] = r.kv_bytes_bf16
+    return out
+
+
+def _mean_bytes(by_sample: dict[int, int | None], n: int) -> float | None:
+    sizes = [by_sample.get(i) for i in range(n)]
+    return None if not sizes or None in sizes else sum(sizes) / n
 
 
 def judge_cell(looks: list[int], tolerance: Tolerance, spec: str, budget: int, answered: dict, full: dict) -> Cell:
@@ -60,10 +78,18 @@ def judge_cell(looks: list[int], tolerance: Tolerance, spec: str, budget: int, a
 
 def cells_of(looks: list[int], tolerance: Tolerance, spec: str, records: list) -> dict[int, Cell]:
     """Every budget the search of `spec` probed, judged."""
-    found = scores(records)
+    found, sizes = scores(records), held_bytes(records)
     full = found.get(("full", "full"), {})
-    return {int(budget): judge_cell(looks, tolerance, spec, int(budget), answered, full)
-            for (policy, budget), answered in found.items() if policy == spec and budget != "full"}
+    out = {}
+    for (policy, budget), answered in found.items():
+        if policy == spec and budget != "full":
+            cell = judge_cell(looks, tolerance, spec, int(budget), answered, full)
+            if cell.judgement is not None:  # bytes over the very samples the judgement read
+                n = cell.judgement.n
+                cell = replace(cell, kv_bytes_bf16=_mean_bytes(sizes[policy, budget], n),
+                               full_kv_bytes_bf16=_mean_bytes(sizes.get(("full", "full"), {}), n))
+            out[int(budget)] = cell
+    return out
 
 
 def search_cost(records: list) -> tuple[int, float]:
@@ -138,12 +164,25 @@ def _of_context(row: TaskRow) -> str:
     return "-" if row.smallest is None else f"{100 * row.smallest.budget / row.context:.1f}%"
 
 
+def _mib(cell: Cell | None) -> str:
+    return "-" if cell is None or cell.kv_bytes_bf16 is None else f"{cell.kv_bytes_bf16 / 2**20:.4g}"
+
+
+def _of_full(cell: Cell | None) -> str:
+    """The cell's bytes over the full cache's on the same samples (both at bf16)."""
+    if cell is None or cell.kv_bytes_bf16 is None or not cell.full_kv_bytes_bf16:
+        return "-"
+    return f"{100 * cell.kv_bytes_bf16 / cell.full_kv_bytes_bf16:.1f}%"
+
+
 def _columns(quality: str) -> list[Column[TaskRow]]:
     """The table's columns; `quality` heads the judged figure's (the drop in points, or the ratio)."""
     return [
         Column("configuration", lambda r: r.name, "left"),
         Column("smallest inside", lambda r: number(r.smallest and r.smallest.budget)),
         Column("of context", _of_context),
+        Column("KV MiB/seq (bf16)", lambda r: _mib(r.smallest), drop=5),
+        Column("of full (bytes)", lambda r: _of_full(r.smallest), drop=5),
         Column(quality, lambda r: drop(r.smallest)),
         Column("n", lambda r: _n(r.smallest)),
         Column("first failing", lambda r: number(r.failing and r.failing.budget), drop=2),
@@ -168,12 +207,15 @@ def task_envelope_table(rows: list[TaskRow]) -> Table:
 
 
 def task_verdict(rows: list[TaskRow], tolerance: Tolerance, task: str, length: int) -> str:
-    """The sentence: the configuration with the fewest entries inside the tolerance, or the closest."""
+    """The sentence: the cheapest configuration inside the tolerance (the fewest KV bytes where every record holds
+    them, a quantized configuration holding fewer at the same entries; else the fewest entries), or the closest."""
     rule = (f"accuracy at least {100 * tolerance.min_accuracy_ratio:g}% of the full cache's"
             if tolerance.min_accuracy_ratio is not None else
             f"accuracy at most {100 * tolerance.max_accuracy_drop:g} points below the full cache's")
     limit = f"{rule}, the whole paired {100 * tolerance.confidence:.3g}% interval at each look"
-    inside = sorted((r for r in rows if r.smallest is not None), key=lambda r: r.smallest.budget)
+    inside = [r for r in rows if r.smallest is not None]
+    by_bytes = bool(inside) and all(r.smallest.kv_bytes_bf16 is not None for r in inside)
+    inside.sort(key=lambda r: (r.smallest.kv_bytes_bf16 if by_bytes else 0, r.smallest.budget))
     if not inside:
         probed = [c for r in rows for c in r.cells.values() if c.judgement is not None]
         if not probed:
@@ -183,6 +225,9 @@ def task_verdict(rows: list[TaskRow], tolerance: Tolerance, task: str, length: i
                 f"{best.spec} at {best.budget} entries ({_said(best)}, {best.judgement.outcome}, "
                 f"n = {best.judgement.n}).")
     top = inside[0]
-    return (f"Within tolerance ({limit}) on {task} at {length} tokens, the configuration with the fewest entries "
-            f"is {top.name} at {top.smallest.budget} entries ({_of_context(top)} of the context; "
-            f"{_said(top.smallest)}, n = {top.smallest.judgement.n}).")
+    held = (f", {_mib(top.smallest)} MiB a sequence at bf16, {_of_full(top.smallest)} of the full cache's bytes"
+            if by_bytes and top.smallest.full_kv_bytes_bf16 else "")
+    return (f"Within tolerance ({limit}) on {task} at {length} tokens, the cheapest configuration "
+            f"({'fewest KV bytes' if by_bytes else 'fewest entries'}) is {top.name} at {top.smallest.budget} entries "
+            f"({_of_context(top)} of the context{held}; {_said(top.smallest)}, n = {top.smallest.judgement.n}).")
+

@@ -231,6 +231,7 @@ def run_grid(model, tokenizer, grid: RulerGrid, done: set[str] = frozenset(),
                         "metric": task_metric, "score": score(task_metric, reply.text, refs), "answers": refs,
                         "output": reply.text, "prompt_tokens": prompt.tokens, "context_tokens": prompt.context.numel(),
                         "depths": [round(d, 4) for d in sample.depths], "kept": reply.kept,
+                        "kv_bytes": reply.kv_bytes, "kv_bytes_bf16": reply.kv_bytes_bf16,
                         "seconds": round(reply.seconds, 3), "seed": grid.seed,
                     })
                 if on_records is not None:

@@ -121,6 +121,8 @@ class Answer:
     text: str
     kept: int
     seconds: float
+    kv_bytes: int | None = None  # what the row's cache held once the context was compressed (`Compressed.measure`)
+    kv_bytes_bf16: int | None = None
 
 
 def prefill(model, ids: torch.Tensor, specs: list[str], entries: int | None, positions: str,
@@ -157,9 +159,8 @@ def prefill(model, ids: torch.Tensor, specs: list[str], entries: int | None, pos
         for start in range(head, ids.numel(), chunk):
             piece = ids[start : start + chunk].long()
             hidden = body(model, piece[None].expand(rows, -1), cache)[:, -1]
-        kept = cache.held_entries()
     return Compressed(cache, hidden.expand(rows, -1).clone(), ids.numel(), cache.budget,
-                      [p.spec() for p in cache.policies], kept)
+                      [p.spec() for p in cache.policies]).measure()
 
 
 def compress_at(state: Compressed, entries: int) -> Compressed:
@@ -168,8 +169,7 @@ def compress_at(state: Compressed, entries: int) -> Compressed:
         state.cache.budget = entries
         state.cache.evict_deferred()
     state.budget = state.cache.budget
-    state.kept = state.cache.held_entries()
-    return state
+    return state.measure()
 
 
 def snapshot(state: Compressed) -> Compressed:
@@ -304,8 +304,7 @@ def whole(state: Compressed) -> Compressed:
         state.cache.freeze(final=True)
         state.keep_rows([0])
     state.policies, state.budget = ["full"], None
-    state.kept = state.cache.held_entries()
-    return state
+    return state.measure()
 
 
 def _read(model, prompt: Prompt, specs: list[str], entries: int | None, protocol: str, form: str,
@@ -378,5 +377,6 @@ def _answers(model, tokenizer, prompt: Prompt, state: Compressed, protocol: str,
         state.feed(model, prompt.question)
         results.append((0, decode(model, tokenizer, state, limit, stops, one_line(prompt, protocol, 0)), state.kept))
     seconds = time.perf_counter() - t0
-    return [Answer(spec, q, ids, _text(tokenizer, ids, one_line(prompt, protocol, q)), kept, seconds)
+    return [Answer(spec, q, ids, _text(tokenizer, ids, one_line(prompt, protocol, q)), kept, seconds, state.kv_bytes,
+                   state.kv_bytes_bf16)
             for q, rows, kept in results for spec, ids in zip(state.policies, rows, strict=True)]
