@@ -194,3 +194,25 @@ def test_markdown_table_counts_hits():
     assert lines[0] == "| policy | budget | 1000 @ 0.1 | 1000 @ 0.9 | all |"
     assert lines[2:] == ["| full | full | 3/3 | - | 3/3 |", "| h2o | 50% | 2/3 | - | 2/3 |",
                          "| h2o | 10% | 1/3 | 3/3 | 4/6 |"]
+
+
+def test_each_trial_records_the_kv_bytes_its_cache_held_and_the_grid_shows_them(tiny_dir):
+    """A tiny Llama (2 layers x 2 KV heads x head_dim 16, float32): a row compressed to 25% holds that many entries
+    per layer and head, keys and values, 2 bytes each at bf16; the full cache holds the whole compressed prompt.
+    The grid's last column is their mean over trials, in MiB, one figure per length."""
+    from kvevict.loading import load_model
+    from kvevict.report.tables import needle_grid
+
+    model, tok = load_model(str(tiny_dir))
+    result = run_needle(model, tok, lengths=[200, 300], depths=[0.5], trials=2, policies=["full", "window"],
+                        budgets=["25%"], max_new_tokens=2, progress=False)
+    per_token = 2 * 2 * 2 * 16  # layers x KV heads x (key, value) x head_dim
+    for r in result.records:
+        held = r["prompt_tokens"] - 1 if r["policy"] == "full" else r["budget_tokens"]  # the last token is read after
+        assert (r["kv_bytes"], r["kv_bytes_bf16"]) == (per_token * held * 4, per_token * held * 2), r
+    table = needle_grid(result.cells())
+    assert table.headers[-1] == "KV MiB/seq bf16"
+    window = next(row for row in table.rows if row[0] == "window")
+    expected = [sum(r["kv_bytes_bf16"] for r in result.records if r["policy"] == "window" and r["length"] == n) / 2
+                for n in (200, 300)]
+    assert window[-1] == " / ".join(f"{b / 2**20:.4g}" for b in expected)

@@ -86,6 +86,7 @@ def ruler(
     from ..report.html import render
     from ..report.records import ruler_records
     from ..report.runs import record_tolerance
+    from ..report.task_bytes import task_equal_bytes
     from ..report.verdict import verdict
 
     check_device(device)
@@ -128,6 +129,8 @@ def ruler(
     held = ruler_report.bytes_table(cells)
     if held is not None:
         show(held, "KV bytes per sequence once the context was compressed (MiB at bf16)")
+        for group in task_equal_bytes(ruler_records(records)):  # fewer entries against fewer bits, same memory
+            print(group.sentence())
     print(f"tolerance: {tolerance.describe()}")
     for found in verdict(records, tolerance):  # the report's verdict, drawn from the same records
         print(found.sentence)

@@ -133,6 +133,7 @@ class NeedleResult:
                     "accuracy": hits / len(rows),
                     "trials": len(rows),
                     "budget_tokens": rows[0]["budget_tokens"],
+                    "kv_bytes_bf16": _mean_bytes(rows),
                 }
             )
         return cells
@@ -145,6 +146,12 @@ class NeedleResult:
             "question_after": self.question_after,
             "seconds": self.seconds,
         }
+
+
+def _mean_bytes(rows: list[dict]) -> float | None:
+    """The KV bytes at bf16 the cell's trials held once compressed, their mean (None where a record holds none)."""
+    sizes = [r.get("kv_bytes_bf16") for r in rows]
+    return None if None in sizes else sum(sizes) / len(sizes)
 
 
 def _batches(policies: Sequence[str], budgets: Sequence[Budget]) -> list[tuple[list[str], Budget]]:
@@ -268,6 +275,8 @@ def _run_batch(
                 "hit": prompt.key in text,
                 "prompt_tokens": prompt.ids.numel(),
                 "kept": state.kept,
+                "kv_bytes": state.kv_bytes,  # what the row's cache held once the prompt was compressed
+                "kv_bytes_bf16": state.kv_bytes_bf16,
                 "seconds": seconds,
             }
         )

@@ -15,6 +15,7 @@ from .ruler import bytes_table, ruler_table
 from .ruler import cells as ruler_cells
 from .runs import Run, run_names
 from .tables import layer_budget_table, sinks_table, summary_table
+from .task_bytes import task_equal_bytes
 from .tolerance import Tolerance
 from .verdict import markdown as verdict_markdown
 from .verdict import verdict
@@ -36,6 +37,7 @@ def run_markdown(records: Sequence[Record], title: str = "Verdict", tolerance: T
         held = bytes_table(found)
         if held is not None:
             parts.append(held.markdown())
+            parts += [group.sentence() for group in task_equal_bytes(ruler_records(records))]
     return "\n\n".join(parts)
 
 

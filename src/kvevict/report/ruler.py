@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from scipy import stats
 
 from .columns import Table
+from .kv_bytes import mib
 from .records import PplRecord, RulerRecord
 from .tables import budget_order
 from .uncertainty import Interval, wilson
@@ -247,7 +248,7 @@ def bytes_table(found: Sequence[RulerCell]) -> Table | None:
 
 
 def _mib(cell: RulerCell | None) -> str:
-    return "-" if cell is None or cell.kv_bytes_bf16 is None else f"{cell.kv_bytes_bf16 / 2**20:.4g}"
+    return mib(cell.kv_bytes_bf16 if cell is not None else None)
 
 
 def ruler_table(found: Sequence[RulerCell]) -> Table:

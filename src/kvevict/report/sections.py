@@ -19,6 +19,7 @@ from .kv_bytes import EQUAL_BYTES, equal_bytes
 from .markup import image_html, table_html
 from .records import Record, SinkMapRecord, ppl_records, ruler_records, task_records
 from .tables import generation_table, layer_budget_table, needle_table, sinks_table, summary_table
+from .task_bytes import task_equal_bytes
 
 Section = Callable[[Sequence[Record]], tuple[str, str] | None]
 
@@ -147,6 +148,10 @@ def ruler(records: Sequence[Record]) -> tuple[str, str] | None:
     if held is not None:  # what each cell's cache held: fewer entries and fewer bits compared in bytes
         parts += ["<p>KV bytes per sequence once the context was compressed, at bf16 (MiB, the mean over the "
                   "cell's prompts).</p>", table_html(held, "ruler-bytes")]
+        same = task_equal_bytes(ruler_records(records))  # fewer entries against fewer bits, same memory
+        if same:
+            parts.append('<ul class="equal-bytes">' + "".join(f"<li>{html.escape(g.sentence())}</li>" for g in same)
+                         + "</ul>")
     agreement = ruler_report.rank_agreement(ppl_records(records), ruler_records(records))
     if agreement:
         rows = [f"<li>{html.escape(a['protocol'])}, budget {html.escape(a['budget'])}: Spearman ρ = "

@@ -167,6 +167,7 @@ NEEDLE: list[Column[dict]] = [
     Column("depth", lambda c: f"{c['depth']:g}"),
     Column("accuracy", lambda c: f"{c['accuracy']:.2f}"),
     Column("trials", lambda c: str(c["trials"])),
+    Column(KV_BF16, lambda c: mib(c.get("kv_bytes_bf16"))),
 ]
 
 
@@ -177,16 +178,31 @@ def needle_table(cells: Sequence[dict]) -> Table:
 
 
 def needle_grid(cells: Sequence[dict]) -> Table:
-    """The needle cells as a grid: rows = policy at budget, columns = length@depth, entries = accuracy."""
+    """The needle cells as a grid: rows = policy at budget, columns = length@depth, entries = accuracy; the last
+    column the KV MiB per sequence at bf16 each row's cache held once compressed (per length, shortest first,
+    where the row spans several)."""
     columns = sorted({(c["length"], c["depth"]) for c in cells})
     rows: dict[tuple, dict] = {}
+    held: dict[tuple, dict[int, list]] = {}
     for c in cells:
         rows.setdefault((c["policy"], str(c["budget"])), {})[(c["length"], c["depth"])] = c["accuracy"]
+        held.setdefault((c["policy"], str(c["budget"])), {}).setdefault(c["length"], []).append(c.get("kv_bytes_bf16"))
     body = []
-    for (policy, budget), values in rows.items():
+    for key, values in rows.items():
         entries = [f"{values[col]:.2f}" if col in values else "-" for col in columns]
-        body.append([policy, budget, *entries, f"{sum(values.values()) / len(values):.2f}"])
-    return Table(["policy", "budget", *[f"{n}@{d:g}" for n, d in columns], "mean"], body)
+        body.append([*key, *entries, f"{sum(values.values()) / len(values):.2f}", _held_mib(held[key])])
+    return Table(["policy", "budget", *[f"{n}@{d:g}" for n, d in columns], "mean", "KV MiB/seq bf16"], body)
+
+
+def _held_mib(by_length: dict[int, list]) -> str:
+    """`1.25` or, over several lengths, `0.62 / 1.25 / 2.5`; `-` where a cell holds no byte figure."""
+    means = []
+    for length in sorted(by_length):
+        sizes = by_length[length]
+        if None in sizes:
+            return "-"
+        means.append(sum(sizes) / len(sizes))
+    return " / ".join(mib(m) for m in means)
 
 
 def needle_markdown(cells: Sequence[dict]) -> str:

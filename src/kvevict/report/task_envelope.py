@@ -15,6 +15,7 @@ from collections import defaultdict
 from dataclasses import dataclass, replace
 
 from .columns import Column, Table, number
+from .kv_bytes import mib
 from .records import RulerRecord
 from .tolerance import Judgement, Tolerance, judge_accuracy
 
@@ -165,7 +166,7 @@ def _of_context(row: TaskRow) -> str:
 
 
 def _mib(cell: Cell | None) -> str:
-    return "-" if cell is None or cell.kv_bytes_bf16 is None else f"{cell.kv_bytes_bf16 / 2**20:.4g}"
+    return mib(cell.kv_bytes_bf16 if cell is not None else None)
 
 
 def _of_full(cell: Cell | None) -> str:
