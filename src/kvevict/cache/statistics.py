@@ -14,7 +14,7 @@ attention already computed (`probs`), so nothing is computed twice.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -22,11 +22,23 @@ from ..errors import KvevictError
 from ..policies import AttentionRequest, Policy, QueryBatch, SlotView
 from .probabilities import attention_mass, decode_probs
 from .query_window import QueryWindow
+from .rotary import Rotary
 from .rows import RowLayout
 from .storage import SlotStorage
 
-if TYPE_CHECKING:
-    from .positions import PositionMode
+
+class PositionView(Protocol):
+    """What the statistics read of the layer's position mode (`positions.PositionMode`): its rotary module, the
+    sequence length a forward sees, and how queries move to the positions they would hold now. Typed by what is
+    used, so that the statistics need not import the modes, which import the replay that measures them."""
+
+    rotary: Rotary
+
+    def seq_length(self, n: int, seen: int) -> int: ...
+
+    def move(self, x: torch.Tensor, used: torch.Tensor, target: torch.Tensor) -> torch.Tensor: ...
+
+    def now(self, stream: torch.Tensor, seen: int, total: int) -> torch.Tensor: ...
 
 #: what a policy may ask for (`AttentionRequest.kind`)
 REQUEST_KINDS = ("new", "last", "window", "queries", "reconstruction")
@@ -100,7 +112,7 @@ class Statistics:
             self.recent.remember(query, used, seen)
 
     def query_batch(
-        self, mode: PositionMode, size: int, next_position: int, take: Callable[[torch.Tensor], torch.Tensor]
+        self, mode: PositionView, size: int, next_position: int, take: Callable[[torch.Tensor], torch.Tensor]
     ) -> QueryBatch:
         # `next_position` is where the next query sits if nothing were evicted (`seq_length` of what is held):
         # the keys are scored as they sit now, and the score must not depend on the budget the entries are
@@ -124,7 +136,7 @@ class Statistics:
         self,
         layout: RowLayout,
         storage: SlotStorage,
-        mode: PositionMode,
+        mode: PositionView,
         query: torch.Tensor,
         scaling: float,
         seen: int,
@@ -219,7 +231,7 @@ class Statistics:
         else:
             stat.copy_(mass)
 
-    def window_queries(self, mode: PositionMode, size: int, seen: int, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def window_queries(self, mode: PositionView, size: int, seen: int, total: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The last `size` queries `[B, H_q, m, D]` (in any order), rotated to where their
         tokens sit now, and their stream positions `[m]`."""
         queries, used, stream = self.recent.last(size, seen)
