@@ -235,12 +235,7 @@ def bytes_table(found: Sequence[RulerCell]) -> Table | None:
     entries). None where no record holds the figure."""
     if all(c.kv_bytes_bf16 is None for c in found):
         return None
-    policies = list(dict.fromkeys(c.policy for c in found if c.budget != "full"))
-    full = {(c.protocol, c.where): c for c in found if c.budget == "full"}
-    rows: dict[tuple, dict[str, RulerCell]] = {}
-    for c in found:
-        if c.budget != "full":
-            rows.setdefault((c.protocol, c.where, c.budget), {})[c.policy] = c
+    policies, full, rows = _layout(found)
     body = [[protocol, where, budget, _mib(full.get((protocol, where)))] + [_mib(row.get(p)) for p in policies]
             for (protocol, where, budget), row in rows.items()]
     return Table(["protocol", "task@length", "budget", "full, KV MiB/seq (bf16)"] + policies, body,
@@ -251,15 +246,22 @@ def _mib(cell: RulerCell | None) -> str:
     return mib(cell.kv_bytes_bf16 if cell is not None else None)
 
 
-def ruler_table(found: Sequence[RulerCell]) -> Table:
-    """Rows: protocol, task@length, budget; columns: the full cache on the same prompts, then each policy:
-    accuracy [95% interval]. A task with the full cache alone gets one row (budget `full`)."""
+def _layout(found: Sequence[RulerCell]) -> tuple[list[str], dict[tuple, RulerCell], dict[tuple, dict[str, RulerCell]]]:
+    """What both RULER tables lay out: the policies (columns, first-seen order), the full cache's cell per
+    (protocol, task@length), and per (protocol, task@length, budget) each policy's cell."""
     policies = list(dict.fromkeys(c.policy for c in found if c.budget != "full"))
     full = {(c.protocol, c.where): c for c in found if c.budget == "full"}
     rows: dict[tuple, dict[str, RulerCell]] = {}
     for c in found:
         if c.budget != "full":
             rows.setdefault((c.protocol, c.where, c.budget), {})[c.policy] = c
+    return policies, full, rows
+
+
+def ruler_table(found: Sequence[RulerCell]) -> Table:
+    """Rows: protocol, task@length, budget; columns: the full cache on the same prompts, then each policy:
+    accuracy [95% interval]. A task with the full cache alone gets one row (budget `full`)."""
+    policies, full, rows = _layout(found)
     for protocol, where in full:
         if not any(k[:2] == (protocol, where) for k in rows):
             rows[(protocol, where, "full")] = {}
