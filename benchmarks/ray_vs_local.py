@@ -51,6 +51,17 @@ def numbers(path: Path) -> dict:
     return out
 
 
+def show(title: str, included: str, unit: str, count: int, seconds: dict, workers: int) -> None:
+    """The two arms' wall times and rates (`count` `unit`s each), as one table."""
+    table = Table(title=title)
+    for column in ("executor", f"seconds ({included} included)", f"{unit}/min"):
+        table.add_column(column)
+    for arm in ("local", "ray"):
+        name = arm if arm == "local" else f"ray, {workers} workers"
+        table.add_row(name, f"{seconds[arm]:.1f}", f"{60 * count / seconds[arm]:.1f}")
+    Console().print(table)
+
+
 def answers(path: Path) -> dict:
     """Cell key -> the recorded output and score (what must not depend on the executor; timings left out)."""
     out = {}
@@ -81,14 +92,8 @@ def ruler_arms(args) -> None:
             results[arm] = answers(Path(out) / arm / "results.jsonl")
     assert results["local"] == results["ray"], "the Ray run's answers differ from the local run's"
     cells = len(results["local"])
-    table = Table(title=f"{cells} answers (niah_single_1 at {args.length} tokens, {args.samples} samples, "
-                        f"full + h2o, tova at 50%, 25%), {args.model}")
-    for column in ("executor", "seconds (worker start-up and model loads included)", "answers/min"):
-        table.add_column(column)
-    for arm in ("local", "ray"):
-        name = arm if arm == "local" else f"ray, {args.workers} workers"
-        table.add_row(name, f"{seconds[arm]:.1f}", f"{60 * cells / seconds[arm]:.1f}")
-    Console().print(table)
+    show(f"{cells} answers (niah_single_1 at {args.length} tokens, {args.samples} samples, full + h2o, tova at "
+         f"50%, 25%), {args.model}", "worker start-up and model loads", "answers", cells, seconds, args.workers)
     print(f"ray / local wall time: {seconds['ray'] / seconds['local']:.2f}x; every answer identical")
 
 
@@ -122,14 +127,8 @@ def main() -> None:
                 for k in local for i in (0, 1) if local[k][i])  # PPL and KL
     assert worst <= 1e-5, f"the Ray run's numbers differ from the local run's by {worst:.1e} relative"
     cells = len(results["local"])
-    table = Table(title=f"{cells} cells ({len(POLICIES)} policies × budgets {args.budgets} + full + oracle), "
-                        f"{args.tokens} tokens, {args.model}")
-    for column in ("executor", "seconds (model loads and start-up included)", "cells/min"):
-        table.add_column(column)
-    for arm in ("local", "ray"):
-        name = arm if arm == "local" else f"ray, {args.workers} workers"
-        table.add_row(name, f"{seconds[arm]:.1f}", f"{60 * cells / seconds[arm]:.1f}")
-    Console().print(table)
+    show(f"{cells} cells ({len(POLICIES)} policies × budgets {args.budgets} + full + oracle), {args.tokens} tokens, "
+         f"{args.model}", "model loads and start-up", "cells", cells, seconds, args.workers)
     same = "identical" if worst == 0 else f"within {worst:.1e} relative"
     print(f"ray / local wall time: {seconds['ray'] / seconds['local']:.2f}x; PPL and KL of every cell {same}, "
           "sink loss identical")
