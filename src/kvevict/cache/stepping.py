@@ -11,19 +11,52 @@ eviction; the algorithms differ only in how a step attends.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from ..policies import SlotView
 from . import selection
+from .observers import Observer
 from .probabilities import attention_mass
-from .rows import RowGroup
-from .statistics import Statistics, measure
+from .rows import RowGroup, RowLayout
+from .statistics import PositionView, Statistics, measure
 from .storage import SlotStorage
 
-if TYPE_CHECKING:
-    from .layer_settings import Forward, LayerSettings
+
+class ReplayMode(PositionView, Protocol):
+    """What a replay calls on the layer's position mode (`positions.PositionMode`). Typed by what is used, so
+    that stepping need not import the modes, which step through it. `plan` is a `replay.StaticPlan`."""
+
+    def compact(self, storage: SlotStorage, keep: torch.Tensor, count: int) -> None: ...
+
+    def static_attention(self, layer: ReplayingLayer, query: torch.Tensor, used: torch.Tensor, scaling: float,
+                         plan: Any) -> torch.Tensor | None: ...
+
+    def replay_steps(self, layer: ReplayingLayer, query: torch.Tensor, used: torch.Tensor,
+                     scaling: float) -> torch.Tensor: ...
+
+
+class ReplaySettings(Protocol):
+    """What a replay reads of the layer's fixed settings (`layer_settings.LayerSettings`)."""
+
+    @property
+    def mode(self) -> ReplayMode: ...
+
+    @property
+    def layout(self) -> RowLayout: ...
+
+    @property
+    def observers(self) -> tuple[Observer, ...]: ...
+
+
+class ReplayForward(Protocol):
+    """What a replay reads of the forward in flight (`layer_settings.Forward`): the plan the layer before
+    left for the same chunk (a `replay.StaticPlan`), or None."""
+
+    @property
+    def static_plan(self) -> Any: ...
+
 
 class ReplayingLayer(Protocol):
     """What a replay reads and sets on the layer it runs in (an `EvictingLayer`)."""
@@ -38,8 +71,8 @@ class ReplayingLayer(Protocol):
     device: torch.device
     budget: int | None
     storage: SlotStorage
-    settings: LayerSettings
-    forward: Forward
+    settings: ReplaySettings
+    forward: ReplayForward
     statistics: Statistics
 
     def report_eviction(self, seen: int, kept: torch.Tensor | None, victims: torch.Tensor | None) -> None: ...
