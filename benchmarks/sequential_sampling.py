@@ -35,9 +35,9 @@ def main() -> None:
     parser.add_argument("--policies", default="streamingllm")
     parser.add_argument("--floor", type=int, default=64)
     parser.add_argument("--resolution", type=float, default=1.5)
-    parser.add_argument("--start", type=int, default=10)
-    parser.add_argument("--cap", type=int, default=30)
-    parser.add_argument("--fixed", type=int, default=30)
+    parser.add_argument("--start", type=int, default=20)
+    parser.add_argument("--cap", type=int, default=80)
+    parser.add_argument("--fixed", type=int, default=80)
     parser.add_argument("--out", default="runs/bench")
     args = parser.parse_args()
 

@@ -92,9 +92,10 @@ HEADERS = ["policy", "budget", "model-a ppl", "model-a ppl / full", "model-a sin
            "model-b ppl", "model-b ppl / full", "model-b sink loss"]
 SENTENCES = {
     # run A, the default tolerance: h2o's PPL ratio 20.4 / 20 = 1.02 is inside 5%, but its 2 pass-key trials paired
-    # with the full cache's agree, and 2 trials cannot resolve 5 points (20 would); 22 / 20 and 50 / 20 are outside
+    # with the full cache's agree, and 2 trials cannot resolve 5 points: ± 1.96 sqrt(2) / (2 + 2) = ± 0.69; 54 agreeing
+    # trials would (1.96 sqrt(2) / 56 < 0.05); 22 / 20 and 50 / 20 are outside
     "model-a": ["At budget 8 nothing is shown inside the tolerance yet; undecided: h2o (PPL: PPL ratio 1.020 "
-                "[1.020, 1.020] ≤ 1.050; pass-key: accuracy drop +0.00 [+0.00, +0.00] vs +0.05): about 18 more "
+                "[1.020, 1.020] ≤ 1.050; pass-key: accuracy drop +0.00 [-0.69, +0.69] vs +0.05): about 52 more "
                 "pass-key trials would decide its pass-key; avoid sink4+window, window (collapsed) (outside the "
                 "tolerance)."],
     # run B recorded a 20% tolerance in its run.json: 11 / 10 and 10.5 / 10 are inside, 30 / 10 collapsed

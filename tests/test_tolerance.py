@@ -1,14 +1,13 @@
 """The tolerance rule (`report.tolerance`): paired intervals against independent computations, and the judgements.
 
-The exact conditional interval is checked against a brute-force Clopper-Pearson written from the binomial sum
-(math.comb and bisection, no scipy); the bootstrap intervals against the exact bootstrap distribution, enumerated
-over every resample of a few blocks or prompts."""
+The paired accuracy interval is checked against the published worked example of Bonett and Price's adjusted Wald
+interval, its coverage and the envelope's false "inside" rate by simulation; the bootstrap intervals against the
+exact bootstrap distribution, enumerated over every resample of a few blocks or prompts."""
 
 from __future__ import annotations
 
 import itertools
 import math
-import random
 
 import numpy as np
 import pytest
@@ -21,30 +20,6 @@ from kvevict.report.uncertainty import Blocks, mean_interval, paired_difference,
 TOL = Tolerance()
 
 
-def _tail(k: int, n: int, p: float, upper: bool) -> float:
-    """P(X >= k) (upper) or P(X <= k) for X ~ Binomial(n, p), summed term by term."""
-    ks = range(k, n + 1) if upper else range(0, k + 1)
-    return sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in ks)
-
-
-def _root(f, lo: float = 0.0, hi: float = 1.0) -> float:
-    """The p where the monotone f crosses 0, by bisection."""
-    flo = f(lo)
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        if (f(mid) > 0) == (flo > 0):
-            lo, flo = mid, f(mid)
-        else:
-            hi = mid
-    return (lo + hi) / 2
-
-
-def _clopper_pearson(k: int, n: int, alpha: float = 0.05) -> tuple[float, float]:
-    low = 0.0 if k == 0 else _root(lambda p: _tail(k, n, p, True) - alpha / 2)
-    high = 1.0 if k == n else _root(lambda p: _tail(k, n, p, False) - alpha / 2)
-    return low, high
-
-
 def _pairs(lost: int, won: int, both: int, neither: int) -> tuple[list[int], list[int]]:
     """(policy, full) 0/1 answers on the same prompts: `lost` full alone right, `won` policy alone right."""
     policy = [0] * lost + [1] * won + [1] * both + [0] * neither
@@ -52,41 +27,66 @@ def _pairs(lost: int, won: int, both: int, neither: int) -> tuple[list[int], lis
     return policy, full
 
 
-def test_exact_paired_interval_matches_a_brute_force_clopper_pearson_on_random_tables():
-    rng = random.Random(7)
-    for _ in range(40):
-        lost, won, both, neither = (rng.randint(0, 12) for _ in range(4))
-        if lost + won + both + neither == 0:
-            continue
-        policy, full = _pairs(lost, won, both, neither)
-        n, d = len(policy), lost + won
+def test_adjusted_wald_matches_the_published_worked_example():
+    """statpsych's `ci.prop.ps(.05, 12, 4, 26, 6)` (Bonett's own package; its documentation gives 0.44
+    [0.2548067, 0.6251933]): f00 = 12 neither, f01 = 4 with x alone, f10 = 26 with y alone, f11 = 6 both; the
+    difference p_y - p_x. Here y is the full cache and x the policy: the drop."""
+    policy, full = _pairs(lost=26, won=4, both=6, neither=12)
+    low, high = drop_interval(np.array(policy, float), np.array(full, float), 0.95)
+    assert (low, high) == pytest.approx((0.2548067, 0.6251933), abs=1e-7)
+
+
+def test_coverage_by_simulation():
+    """Correlated paired answers with known rates (full 0.8, policy 0.74: drop 0.06), 60 prompts, 2000 draws at a
+    fixed seed: the 95% interval holds the true drop in 93-97% of them."""
+    rng = np.random.default_rng(5)
+    cells = np.array([0.70, 0.10, 0.04, 0.16])  # both, full alone, policy alone, neither
+    truth = 0.10 - 0.04
+    covered = 0
+    for _ in range(2000):
+        counts = rng.multinomial(60, cells)
+        policy, full = _pairs(lost=counts[1], won=counts[2], both=counts[0], neither=counts[3])
         low, high = drop_interval(np.array(policy, float), np.array(full, float), 0.95)
-        if d == 0:
-            assert (low, high) == (0.0, 0.0)
-            continue
-        t_low, t_high = _clopper_pearson(lost, d)
-        assert low == pytest.approx(d / n * (2 * t_low - 1), abs=1e-9)
-        assert high == pytest.approx(d / n * (2 * t_high - 1), abs=1e-9)
+        covered += low <= truth <= high
+    assert 0.93 <= covered / 2000 <= 0.97
 
 
-def test_the_exact_interval_excludes_no_loss_exactly_where_the_one_sided_sign_test_rejects():
-    """The interval's lower end is above 0 iff the exact binomial test of the discordant pairs (McNemar's exact test)
-    rejects "no loss" at one-sided 2.5%: the two are one test (scipy.stats.binomtest)."""
-    for lost in range(0, 15):
-        for won in range(0, 6):
-            if lost + won == 0:
-                continue
-            policy, full = _pairs(lost, won, 10, 3)
-            low, _ = drop_interval(np.array(policy, float), np.array(full, float), 0.95)
-            p = stats.binomtest(lost, lost + won, 0.5, alternative="greater").pvalue
-            assert (low > 0) == (p < 0.025), (lost, won)
+def test_the_envelope_looks_rarely_call_a_loss_at_the_limit_inside():
+    """The rule's promise under sequential sampling: a policy that truly loses 5 points (it misses each answer the
+    full cache gets with probability 0.05 / 0.9, never gains one) is called inside 5 points at the looks
+    (20, 40, 60, 80; 98.75% each) in at most 2.5% of 1000 seeded runs; one losing 10 points, in none. The
+    interval conditional on the discordant answers ([0, 0] when there are none) called the 10-point loser
+    inside in about 40% of runs at looks of 10, 20 and 30."""
+    rng = np.random.default_rng(11)
+    looks = (20, 40, 60, 80)
+    tol = Tolerance(max_accuracy_drop=0.05, confidence=1 - 0.05 / len(looks))
+
+    def inside_rate(drop: float) -> float:
+        inside = 0
+        for _ in range(1000):
+            full = (rng.random(80) < 0.9).astype(float)
+            policy = full * (rng.random(80) >= drop / 0.9)
+            for n in looks:
+                found = judge_accuracy(policy[:n], full[:n], tol)
+                if found.outcome != "undecided":
+                    inside += found.outcome == "inside"
+                    break
+        return inside / 1000
+
+    assert inside_rate(0.05) <= 0.025
+    assert inside_rate(0.10) == 0.0
 
 
-def test_thirty_paired_prompts_with_one_discordant_answer_ship():
-    for policy, full in (_pairs(1, 0, 20, 9), _pairs(0, 1, 20, 9)):
-        found = judge_accuracy(policy, full, TOL)
-        assert found.outcome == "inside" and found.n == 30
-        assert found.high <= 1 / 30 + 1e-12
+def test_agreeing_answers_ship_only_once_they_bound_the_loss():
+    """No discordant answer at all: the interval is ±z sqrt(2) / (n + 2), so 5 points at 95% need n + 2 >= 1.96
+    sqrt(2) / 0.05, 54 prompts; 53 are undecided, and 30 (one answer under 5 points) are far from it."""
+    least = math.ceil(stats.norm.ppf(0.975) * math.sqrt(2) / 0.05) - 2
+    assert least == 54
+    for n, outcome in ((30, "undecided"), (least - 1, "undecided"), (least, "inside")):
+        policy, full = _pairs(0, 0, (n * 2) // 3, n - (n * 2) // 3)
+        assert judge_accuracy(policy, full, TOL).outcome == outcome, n
+    found = judge_accuracy([1, 1], [1, 1], TOL)
+    assert found.outcome == "undecided" and found.more_samples == least - 2  # the agreement persisting
 
 
 def test_a_policy_that_lost_every_answer_is_never_inside():
@@ -99,12 +99,6 @@ def test_a_policy_that_lost_every_answer_is_never_inside():
     # twenty such prompts decide it: outside
     policy, full = _pairs(20, 0, 0, 0)
     assert judge_accuracy(policy, full, TOL).outcome == "outside"
-
-
-def test_agreement_on_too_few_prompts_to_resolve_the_tolerance_is_undecided():
-    """Two prompts answered alike are no evidence of a loss under 5 points: one answer is 50 points."""
-    found = judge_accuracy([1, 1], [1, 1], TOL)
-    assert found.outcome == "undecided" and found.more_samples == 18  # 20 prompts make one answer 5 points
 
 
 def test_judge_pair_is_the_loss_of_the_first_against_the_second():

@@ -196,17 +196,18 @@ def test_collapse_needs_the_whole_paired_interval_at_twice_the_full_cache():
 
 
 def test_pass_key_trials_are_judged_paired_with_the_full_cache():
-    # "h2o" is nearest by KL but finds the pass key in 0 of 20 trials where full finds 20 of 20: discordant 20 of 20,
-    # Clopper-Pearson of 20/20 [0.8316, 1], so the drop is [0.66, 1.00]: outside, and wholly past half of 100%
+    # "h2o" is nearest by KL but finds the pass key in 0 of 20 trials where full finds 20 of 20. Bonett and Price's
+    # adjusted Wald: p_lost = 21/22, p_won = 1/22, 0.909 ± 1.96 x 0.0888, so the drop is [0.74, 1.00] (clipped):
+    # outside, and wholly past half of 100%
     records = [FULL, row("h2o", 8, 21.0, 0.01), row("snapkv", 8, 22.0, 0.05),
                *needle("full", "full", [1] * 20), *needle("h2o", "8", [0] * 20),
                *needle("snapkv", "8", [1] * 5 + [0] * 15)]
     v = by_budget(records, Tolerance(max_ppl_ratio=1.2))[8]
     assert [(c.name, why) for c, why in v.collapsed] == [
-        ("h2o", "pass-key below half of the full cache's 100% (drop [0.66, 1.00])")]
-    # snapkv lost 15 of 20: 15/15 gives [0.7816, 1], a drop of [0.42, 0.75]: outside, not past half
+        ("h2o", "pass-key below half of the full cache's 100% (drop [0.74, 1.00])")]
+    # snapkv lost 15 of 20: 16/22 - 1/22 = 0.682 ± 1.96 x 0.118, a drop of [0.45, 0.91]: outside, not past half
     assert [c.name for c in v.outside] == ["h2o", "snapkv"]
-    # 1 of 4 against 4 of 4: 3 discordant, [0.2924, 1] -> drop [-0.31, 0.75]: undecided
+    # 1 of 4 against 4 of 4: 4/6 - 1/6 = 0.5 ± 1.96 x 0.312 -> drop [-0.11, 1.00]: undecided
     records = [FULL, row("h2o", 8, 21.0, 0.01), *needle("full", "full", [1] * 4), *needle("h2o", "8", [1, 0, 0, 0])]
     v = by_budget(records, Tolerance(max_ppl_ratio=1.2))[8]
     assert v.collapsed == [] and [c.name for c in v.undecided] == ["h2o"]

@@ -3,8 +3,10 @@
 The perplexity envelope (`envelope.py`) bisects budgets on a stream; this one bisects
 them on a RULER task, where a probe is a (configuration, budget) cell answered on the
 same seeded samples as the full cache, and judged paired against it by the tolerance rule
-(`report.tolerance.judge_accuracy`: the exact interval of the accuracy drop, or with
-`min_accuracy_ratio` Bonett and Price's paired interval of the accuracy ratio).
+(`report.tolerance.judge_accuracy`: Bonett and Price's paired interval of the accuracy drop, or
+with `min_accuracy_ratio` their paired interval of the accuracy ratio). Both count every prompt, so
+"inside" takes many agreeing answers: at the default looks (20, 40, 60, 80) a 5-point drop is
+shown at 69 answers that all agree with the full cache, and never at 30.
 
 **Sequential sampling.** A cell starts with `start` samples and adds `start` more at a time
 until its interval decides, inside or outside the tolerance, or until `cap` samples,
@@ -59,8 +61,8 @@ class TaskEnvelopeConfig:
     resolution: float = 1.25
     max_accuracy_drop: float = 0.05
     min_accuracy_ratio: float | None = None  # set: accuracy / full accuracy at least this, instead of the drop
-    start: int = 10
-    cap: int = 30
+    start: int = 20
+    cap: int = 80
     seed: int = 0
     positions: str = DEFAULT_POSITIONS
     text: str = "pg-essays"
@@ -95,7 +97,7 @@ class TaskEnvelopeConfig:
             raise KvevictError(f"--samples-start {self.start} and --samples-max {self.cap}: give 1 <= start <= max, "
                                "e.g. 10 and 30")
         self.tolerance()
-        self.check_ratio_reach()
+        self.check_reach()
         self.grid(list(self.policies), [self.floor], self.start).check()
         run_folder(self.out, self.name)
         specs = []
@@ -108,22 +110,27 @@ class TaskEnvelopeConfig:
 
 
     def perfect_cell_inside(self) -> bool:
-        """Whether a cell that answers all `cap` samples as the full cache does, every one right, is inside: under
-        the ratio rule the concordant answers bound the ratio only so tightly (`report.paired_ratio`)."""
+        """Whether a cell that answers all `cap` samples as the full cache does, every one right, is inside: both
+        rules' intervals count every prompt (`report.tolerance`), so agreeing answers bound a loss only so
+        tightly."""
         n = self.cap
         return judge_accuracy([1.0] * n, [1.0] * n, self.tolerance()).outcome == "inside"
 
-    def check_ratio_reach(self) -> None:
-        """Refuse a ratio no cell can be shown to hold at the cap: 30 answers all agreeing bound the ratio at
-        98.3% from about 0.88, so `--min-accuracy-ratio 0.95` needs more samples. Names the cap that would do."""
-        if self.min_accuracy_ratio is None or self.perfect_cell_inside():
+    def check_reach(self) -> None:
+        """Refuse a tolerance no cell can be shown to hold at the cap, naming the cap that would do: 30 answers
+        all agreeing bound the drop at 98.3% from about 11 points and the ratio from about 0.88, so 5 points or
+        0.95 need more samples."""
+        if self.perfect_cell_inside():
             return
-        least = None if self.min_accuracy_ratio >= 1 else next(  # at 1 only a policy better than the full cache is
-            (cap for cap in range(self.cap + 1, 10_000) if replace(self, cap=cap).perfect_cell_inside()), None)
-        fix = f"raise --samples-max to at least {least}" if least else "lower the ratio"
-        raise KvevictError(f"--min-accuracy-ratio {self.min_accuracy_ratio:g} cannot be shown with --samples-max "
-                           f"{self.cap}: even {self.cap} answers all agreeing with a full cache that got every one "
-                           f"right leave the ratio's interval below it; {fix}")
+        ratio = self.min_accuracy_ratio
+        reachable = ratio < 1 if ratio is not None else self.max_accuracy_drop > 0
+        least = next((cap for cap in range(self.cap + 1, 10_000) if replace(self, cap=cap).perfect_cell_inside()),
+                     None) if reachable else None  # a ratio of 1 or a drop of 0: only a better policy is inside
+        rule = (f"--min-accuracy-ratio {ratio:g}" if ratio is not None
+                else f"--max-accuracy-drop {self.max_accuracy_drop:g}")
+        fix = f"raise --samples-max to at least {least}" if least else "loosen the tolerance"
+        raise KvevictError(f"{rule} cannot be shown with --samples-max {self.cap}: even {self.cap} answers all "
+                           f"agreeing with a full cache that got every one right leave the interval past it; {fix}")
 
 
 def next_requests(config: TaskEnvelopeConfig, specs: list[str], records: list, top: int) -> dict[tuple[int, int],

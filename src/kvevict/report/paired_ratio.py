@@ -12,7 +12,7 @@ correlation is accounted for, the ratio's limits being low_a / high_b and high_a
 The same formula is implemented in statpsych's `ci.ratio.prop.ps` and contingencytables'
 `BonettPrice_hybrid_Wilson_score_CI_paired_2x2` (Fagerland, Lydersen & Laake, "Statistical
 Analysis of Contingency Tables", 2017, ch. 8), where it is among the recommended intervals.
-Unlike the difference's conditional interval, the concordant pairs count: 30 prompts both
+As in the difference's interval (`tolerance.adjusted_wald`), the concordant pairs count: 30 prompts both
 answered bound the ratio near 1 more tightly than 3 do.
 
 Fractional scores (partial credit): a paired percentile bootstrap of mean(a) / mean(b)

@@ -14,16 +14,18 @@ The intervals, each paired (both sides on the same blocks of tokens or the same 
   over blocks of consecutive tokens (`uncertainty.paired_difference`, scipy.stats.bootstrap).
 * KL(full ‖ policy): already a per-token difference from the full cache; the bootstrap
   interval of its mean over blocks (`uncertainty.mean_interval`).
-* Task accuracy, answers scored 0 or 1: the exact conditional interval on the discordant
-  pairs (the sign test behind McNemar's exact test; McNemar, Psychometrika 1947; Fagerland,
-  Lydersen & Laake, BMC Med Res Methodol 13:91, 2013). Of the n prompts, b were answered by
-  the full cache alone and c by the policy alone; given b + c, b is Binomial(b + c, θ), and
-  the drop full − policy is (b + c)/n · (2θ − 1). The Clopper-Pearson interval of θ
-  (scipy.stats.binomtest(...).proportion_ci(method="exact")) maps onto the drop. The
-  concordant pairs carry no evidence either way, so 30 prompts with one discordant answer
-  are judged on that one answer, scaled by 1/30. The interval conditions on b + c; where one
-  answer is worth more than the tolerance (n × limit < 1) the sample cannot resolve it, and
-  "inside" is withheld (undecided: the samples to reach n × limit = 1).
+* Task accuracy, answers scored 0 or 1: Bonett and Price's adjusted Wald interval of a
+  difference of paired proportions (D. G. Bonett and R. M. Price, J. Educ. Behav. Stat.
+  37(4):479-488, 2012; statpsych's `ci.prop.ps`). Of the n prompts, b were answered by the
+  full cache alone and c by the policy alone; with p_b = (b + 1)/(n + 2) and
+  p_c = (c + 1)/(n + 2), the drop's interval is p_b - p_c ± z sqrt((p_b + p_c - (p_b - p_c)²)
+  / (n + 2)). Every prompt counts: 30 prompts with no discordant answer still leave room
+  for a drop of about 9 points at 95%, since a loss rate of a few percent would often show
+  none in 30. The exact interval conditional on b + c (the sign test behind McNemar's test)
+  is [0, 0] when b + c = 0: judged by it, looks at 10, 20 and 30 prompts would call a policy
+  that loses twice the tolerance "inside" about 40% of the time (a simulation at a full-cache
+  accuracy of 90%; Newcombe, Stat. Med. 17:2635-2650, 1998, finds that interval "effectively
+  only one-sided", with poor coverage).
 * Task accuracy with fractional scores (list tasks give partial credit): a paired bootstrap
   of the mean difference (scipy.stats.bootstrap, paired=True).
 * Task accuracy as a share of the full cache's (`min_accuracy_ratio`, instead of the drop):
@@ -221,10 +223,38 @@ def judge_pair(a_hits: Sequence[float], b_hits: Sequence[float], tol: Tolerance)
     low, high = drop_interval(a, b, tol.confidence)
     n, limit = len(a), tol.max_accuracy_drop
     found = decide("accuracy-drop", float((b - a).mean()), low, high, limit, n)
-    if found.outcome == "inside" and n * limit < 1:  # one answer is worth more than the tolerance: unresolved
-        need = math.ceil(1 / limit) - n if limit > 0 else None
-        return Judgement("undecided", found.metric, found.estimate, low, high, limit, n, need)
-    return found
+    if found.outcome != "undecided" or not _binary(a, b):
+        return found
+    lost, won = int(((b == 1) & (a == 0)).sum()), int(((a == 1) & (b == 0)).sum())
+    return replace(found, more_samples=_more_answers(lost / n, won / n, n, tol.confidence, limit))
+
+
+def _more_answers(lost: float, won: float, n: int, level: float, limit: float) -> int | None:
+    """How many more prompts would decide the drop if the shares answered by one side alone (`lost`, `won`)
+    persist: the interval narrows as 1/(n + 2), not as 1/sqrt(n), where few or none are discordant, so the
+    bootstrap's scaling in `decide` would overstate it many times. None when no number of prompts decides."""
+    z = float(stats.norm.ppf(0.5 + level / 2))
+
+    def decides(m: int) -> bool:
+        low, high = _wald(lost * m, won * m, m, z)
+        return high <= limit or low > limit
+
+    if lost - won == limit:
+        return None
+    top = n + 1  # doubling, then bisection: the interval narrows steadily about the persisting shares
+    while not decides(top):
+        if top > 10**7:
+            return None
+        top *= 2
+    bottom = max(n, top // 2)
+    while top - bottom > 1:
+        mid = (top + bottom) // 2
+        bottom, top = (bottom, mid) if decides(mid) else (mid, top)
+    return top - n
+
+
+def _binary(a: np.ndarray, b: np.ndarray) -> bool:
+    return bool(np.isin(a, (0.0, 1.0)).all() and np.isin(b, (0.0, 1.0)).all())
 
 
 def judge_ratio(a: np.ndarray, b: np.ndarray, ratio: float, level: float) -> Judgement:
@@ -245,19 +275,26 @@ def judge_ratio(a: np.ndarray, b: np.ndarray, ratio: float, level: float) -> Jud
 
 
 def drop_interval(a: np.ndarray, b: np.ndarray, level: float) -> tuple[float, float]:
-    """The paired interval of mean(b − a) (module docstring): exact conditional for 0/1 scores, else a paired
-    bootstrap."""
-    binary = bool(np.isin(a, (0.0, 1.0)).all() and np.isin(b, (0.0, 1.0)).all())
-    if not binary:
+    """The paired interval of mean(b − a) (module docstring): Bonett and Price's adjusted Wald for 0/1 scores,
+    else a paired bootstrap."""
+    if not _binary(a, b):
         if len(a) < 2:
             return (-1.0, 1.0)  # one partial answer: anything is possible
         found = bootstrap((a, b), lambda x, y, axis: (y - x).mean(axis=axis), level)
         return (found.low, found.high)
     lost = int(((b == 1) & (a == 0)).sum())  # b alone right: a's losses
     won = int(((a == 1) & (b == 0)).sum())
-    discordant = lost + won
-    if discordant == 0:
-        return (0.0, 0.0)
-    theta = stats.binomtest(lost, discordant).proportion_ci(confidence_level=level, method="exact")
-    scale = discordant / len(a)
-    return (scale * (2 * theta.low - 1), scale * (2 * theta.high - 1))
+    return adjusted_wald(lost, won, len(a), level)
+
+
+def adjusted_wald(lost: float, won: float, n: float, level: float) -> tuple[float, float]:
+    """Bonett and Price's (2012) interval of p_lost − p_won over `n` paired prompts, `lost` of them answered by the
+    reference alone and `won` by the other side alone (module docstring), clipped to [−1, 1]."""
+    return _wald(lost, won, n, float(stats.norm.ppf(0.5 + level / 2)))
+
+
+def _wald(lost: float, won: float, n: float, z: float) -> tuple[float, float]:
+    p_lost, p_won = (lost + 1) / (n + 2), (won + 1) / (n + 2)
+    centre = p_lost - p_won
+    half = z * math.sqrt((p_lost + p_won - centre**2) / (n + 2))
+    return (max(-1.0, centre - half), min(1.0, centre + half))

@@ -56,7 +56,7 @@ COLLAPSE_NEEDLE = 0.5
 HOW = (
     "How the verdict decides: each policy is compared with the full cache on the same data, with a paired 95% "
     "interval per metric: the PPL ratio by a bootstrap over blocks of tokens (scipy.stats.bootstrap), task and "
-    "pass-key accuracy by the exact interval on the answers only one side got right (McNemar's exact test), or "
+    "pass-key accuracy by Bonett and Price's adjusted Wald interval of the paired difference (JEBS 2012), or "
     "with a minimum accuracy ratio by Bonett and Price's paired interval of the ratio (Stat Med 2006). "
     "Inside: the whole interval within the stated tolerance; outside: the whole interval past it (collapsed: "
     "past 2× the full cache's PPL or below half its accuracy); undecided otherwise, with the samples that would "
