@@ -95,7 +95,7 @@ class TaskEnvelopeConfig:
             raise KvevictError("--policies is empty: give comma-separated specs such as streamingllm,h2o")
         if self.start < 1 or self.cap < self.start:
             raise KvevictError(f"--samples-start {self.start} and --samples-max {self.cap}: give 1 <= start <= max, "
-                               "e.g. 10 and 30")
+                               "e.g. 20 and 80")
         self.tolerance()
         self.check_reach()
         self.grid(list(self.policies), [self.floor], self.start).check()
