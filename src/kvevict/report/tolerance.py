@@ -225,7 +225,7 @@ def judge_pair(a_hits: Sequence[float], b_hits: Sequence[float], tol: Tolerance)
     found = decide("accuracy-drop", float((b - a).mean()), low, high, limit, n)
     if found.outcome != "undecided" or not _binary(a, b):
         return found
-    lost, won = int(((b == 1) & (a == 0)).sum()), int(((a == 1) & (b == 0)).sum())
+    lost, won = _discordant(a, b)
     return replace(found, more_samples=_more_answers(lost / n, won / n, n, tol.confidence, limit))
 
 
@@ -282,9 +282,12 @@ def drop_interval(a: np.ndarray, b: np.ndarray, level: float) -> tuple[float, fl
             return (-1.0, 1.0)  # one partial answer: anything is possible
         found = bootstrap((a, b), lambda x, y, axis: (y - x).mean(axis=axis), level)
         return (found.low, found.high)
-    lost = int(((b == 1) & (a == 0)).sum())  # b alone right: a's losses
-    won = int(((a == 1) & (b == 0)).sum())
-    return adjusted_wald(lost, won, len(a), level)
+    return adjusted_wald(*_discordant(a, b), len(a), level)
+
+
+def _discordant(a: np.ndarray, b: np.ndarray) -> tuple[int, int]:
+    """(lost, won) of 0/1 answers: the prompts `b` alone got right (`a`'s losses), and those `a` alone got right."""
+    return int(((b == 1) & (a == 0)).sum()), int(((a == 1) & (b == 0)).sum())
 
 
 def adjusted_wald(lost: float, won: float, n: float, level: float) -> tuple[float, float]:
