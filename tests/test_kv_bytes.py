@@ -4,10 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,8 +16,8 @@ from kvevict.report.records import PplRecord, cell_key
 from kvevict.report.tables import summary_table
 
 from conftest import random_tokens
+from support import cli
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
 BUDGET = 16
 TOKENS = 60
 
@@ -119,18 +115,16 @@ def test_plan_keeps_a_quantized_full_cache_as_a_row_of_its_own_batch():
 
 def test_compare_runs_mixed_widths_and_prints_bytes(tiny_dir):
     """`kvevict compare` runs each width in a batch of its own, against one full-cache reference."""
-    env = {**os.environ, "PYTHONPATH": SRC}
-    args = [sys.executable, "-m", "kvevict.cli", "compare", "--model", str(tiny_dir), "--tokens", str(TOKENS),
-            "--budget", str(BUDGET), "--policies", "sink4+window,q8:group=8+sink4+window,q4:group=8+sink4+window,"
-            "q4:group=8+full"]
-    out = subprocess.run([*args, "--json"], capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr
+    args = ["compare", "--model", str(tiny_dir), "--tokens", str(TOKENS), "--budget", str(BUDGET), "--policies",
+            "sink4+window,q8:group=8+sink4+window,q4:group=8+sink4+window,q4:group=8+full"]
+    out = cli(*args, "--json")
+    assert out.exit_code == 0, out.stderr
     rows = json.loads(out.stdout.splitlines()[-1])["rows"]
     cells, dim = 2 * 2, 16
     expected = [cells * n * _per_entry(dim, b, 2) for n, b in ((BUDGET, None), (BUDGET, 8), (BUDGET, 4), (TOKENS, 4))]
     assert [r["kv_bytes_bf16"] for r in rows[1:]] == expected
-    table = subprocess.run(args, capture_output=True, text=True, env={**env, "COLUMNS": "250"}, timeout=300)
-    assert table.returncode == 0, table.stderr
+    table = cli(*args, env={"COLUMNS": "250"})
+    assert table.exit_code == 0, table.stderr
     assert "KV MiB/seq bf16" in table.stdout.replace("\n", " ") or "bf16" in table.stdout
     full = next(line for line in table.stdout.splitlines() if line.startswith("│ full "))
     assert f"{cells * TOKENS * 2 * dim * 4 / 2**20:.4g}" in full  # the full row's bytes as held

@@ -206,6 +206,22 @@ def test_qa_file_loads_and_prompts(tmp_path, shape):
     assert task.metric == "part"
 
 
+def test_the_example_qa_file_is_answerable_from_its_own_excerpts():
+    """examples/qa-pg-essays.jsonl (the QA findings in docs/leading-policies.md): every context is an excerpt of
+    the embedded pg-essays text, every reference answer is in its own context and not in its question (else the
+    question would give it away), and no line repeats another's excerpt."""
+    from pathlib import Path
+
+    from kvevict.data import load_text
+
+    rows = load_qa(Path(__file__).resolve().parents[1] / "examples" / "qa-pg-essays.jsonl")
+    essays = load_text("pg-essays")
+    assert len(rows) == 24 and len({r.context for r in rows}) == 24
+    for number, row in enumerate(rows, 1):
+        assert row.context in essays, f"line {number}: not an excerpt of pg-essays"
+        assert all(a in row.context and a not in row.question for a in row.answers), f"line {number}"
+
+
 @pytest.mark.parametrize("line, says", [
     ('{"question": "q", "answers": ["a"]}', "lacks 'context'"),
     ('{"context": "c", "question": "q", "answers": []}', "empty answer list"),

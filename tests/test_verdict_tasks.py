@@ -247,3 +247,30 @@ def test_a_list_tasks_partial_scores_are_counted_to_one_decimal():
     assert f"window 1.3/10 [{centre - half:.2f}, {centre + half:.2f}]" in facts
     assert "h2o 2/10 " in facts and "full 10/10 " in facts
     assert "1.33333" not in facts and "1.3333" not in facts
+
+
+def qa_answers(policy: str, budget: str, hits: int, lengths: tuple[int, ...]) -> list[RulerRecord]:
+    """One answer per QA line, each line at its own prompt length (as `ruler --qa` records them), the first
+    `hits` right."""
+    return [RulerRecord(f"ruler|agnostic|qa|{length}|{i}|{policy}|{budget}|0", "qa", "agnostic", length, i, policy,
+                        budget, 1.0 if i < hits else 0.0) for i, length in enumerate(lengths)]
+
+
+def test_the_lines_of_a_qa_file_are_one_task_whatever_their_lengths():
+    """Twelve lines at twelve lengths: one cell of 12 answers per policy, judged as one task. Grouped by length,
+    each line would be a cell of one answer, and the full cache's misses would leave a third of them out as
+    beyond the model (full 0/1 < 50%) while keeping the rest: 8 answers judged, not 12."""
+    from kvevict.report.ruler import cells
+
+    lengths = tuple(1700 + 13 * i for i in range(12))
+    records = qa_answers("full", "full", 8, lengths) + qa_answers("window", "50%", 8, lengths)
+    found = [c for c in cells(records) if c.policy == "window"]
+    assert [(c.n, c.accuracy, c.beyond) for c in found] == [(12, 8 / 12, False)]
+    assert found[0].where == "qa at each line's length"
+    (v,) = verdict(records, LOOSE)
+    score = {c.name: c.task for c in v.candidates}["window"]
+    assert (score.hits, score.full_hits, score.n) == (8, 8, 12) and v.beyond == []
+    # the full cache below half on the file: the whole file is beyond the model, named once
+    weak = qa_answers("full", "full", 5, lengths) + qa_answers("window", "50%", 5, lengths)
+    (v,) = verdict(weak, LOOSE)
+    assert v.beyond == ["qa at each line's length (agnostic)"]

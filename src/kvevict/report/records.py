@@ -251,6 +251,18 @@ class RulerRecord:
         """The protocol as tables name it: `multi-requests`, `multi-turns`, `multi-aware-requests` for multi."""
         return f"multi-{self.form}" if self.protocol == "multi" and self.form else self.protocol
 
+    @property
+    def cell_length(self) -> int:
+        """The length a cell groups by: the RULER prompt length, or `OWN_LENGTHS` for the lines of a QA file.
+        Each QA line runs at its own length, so grouped by it every line would be a cell of one answer, judged
+        alone; the file's lines are one task, pooled."""
+        return OWN_LENGTHS if self.task == QA_TASK else self.length
+
+
+#: the task name of a user's QA file (`eval.ruler.qa.QaFile`), and the length its pooled cells carry
+QA_TASK = "qa"
+OWN_LENGTHS = 0
+
 
 @dataclass
 class SinkMapRecord:

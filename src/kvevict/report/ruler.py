@@ -33,7 +33,7 @@ from scipy import stats
 
 from .columns import Table
 from .kv_bytes import mib
-from .records import PplRecord, RulerRecord
+from .records import OWN_LENGTHS, PplRecord, RulerRecord
 from .tables import budget_order
 from .uncertainty import Interval, wilson
 
@@ -59,7 +59,12 @@ class RulerCell:
 
     @property
     def where(self) -> str:
-        return f"{self.task}@{self.length}"
+        return where_label(self.task, self.length)
+
+
+def where_label(task: str, length: int) -> str:
+    """`task@length`; a QA file's pooled lines (`RulerRecord.cell_length`) carry no single length."""
+    return f"{task} at each line's length" if length == OWN_LENGTHS else f"{task}@{length}"
 
 
 def beyond(records: Iterable[RulerRecord], floor: float = FLOOR) -> set[tuple[str, str, int]]:
@@ -67,7 +72,7 @@ def beyond(records: Iterable[RulerRecord], floor: float = FLOOR) -> set[tuple[st
     full: dict[tuple[str, str, int], list[float]] = {}
     for r in records:
         if r.budget == "full":
-            full.setdefault((r.shape, r.task, r.length), []).append(float(r.score))
+            full.setdefault((r.shape, r.task, r.cell_length), []).append(float(r.score))
     return {where for where, scores in full.items() if sum(scores) / len(scores) < floor}
 
 
@@ -76,7 +81,7 @@ def cells(records: Iterable[RulerRecord], floor: float = FLOOR) -> list[RulerCel
     groups: dict[tuple, list[float]] = {}
     held: dict[tuple, list[int | None]] = {}
     for r in records:
-        key = (r.shape, r.task, r.length, r.policy, r.budget)
+        key = (r.shape, r.task, r.cell_length, r.policy, r.budget)
         groups.setdefault(key, []).append(float(r.score))
         held.setdefault(key, []).append(r.kv_bytes_bf16)
     out = []
@@ -149,7 +154,7 @@ def hits_text(hits: float) -> str:
 
 def _unit(r: RulerRecord) -> tuple:
     """What one answer answers: the same for every policy and budget (and the full cache)."""
-    return (r.shape, r.task, r.length, r.sample, r.question)
+    return (r.shape, r.task, r.cell_length, r.sample, r.question)
 
 
 def _counted(records: list[RulerRecord], floor: float) -> list[tuple[RulerRecord, tuple, float]]:

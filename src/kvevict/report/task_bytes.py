@@ -20,6 +20,7 @@ import numpy as np
 
 from .kv_bytes import EQUAL_BYTES, mib
 from .records import RulerRecord
+from .ruler import where_label
 from .tolerance import drop_interval
 from .traits import kv_bits
 
@@ -82,7 +83,8 @@ def task_equal_bytes(records: Sequence[RulerRecord], within: float = EQUAL_BYTES
     bytes first. Cells without a byte figure on every answer (records written before it) are left out."""
     by_where: dict[str, dict[tuple[str, str], list[RulerRecord]]] = {}
     for r in records:
-        by_where.setdefault(f"{r.shape} {r.task}@{r.length}", {}).setdefault((r.policy, r.budget), []).append(r)
+        label = f"{r.shape} {where_label(r.task, r.cell_length)}"
+        by_where.setdefault(label, {}).setdefault((r.policy, r.budget), []).append(r)
     found = []
     for where, cells in by_where.items():
         sized = sorted((c for c in (_cell(key, rows) for key, rows in cells.items()) if c is not None),

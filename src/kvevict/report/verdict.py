@@ -41,7 +41,7 @@ from ..eval.sink_loss import unbounded_note
 from .columns import number
 from .kv_bytes import mib
 from .records import PplRecord, Record, ppl_records, ruler_records, task_records
-from .ruler import FLOOR, TaskScore, beyond, judged, rank_agreement
+from .ruler import FLOOR, TaskScore, beyond, judged, rank_agreement, where_label
 from .tables import budget_order
 from .tolerance import Judgement, Tolerance, judge_accuracy, judge_kl, judge_pair, judge_ppl
 from .traits import is_preset, kv_bits, needs_attention, pinned
@@ -325,7 +325,7 @@ def verdict(records: Sequence[Record], tolerance: Tolerance | None = None) -> li
     found = judged(answers)
     tasks = found.scores
     agreement = rank_agreement(rows, answers)
-    out_of_reach = sorted(f"{task}@{length} ({shape})" for shape, task, length in beyond(answers))
+    out_of_reach = sorted(f"{where_label(task, length)} ({shape})" for shape, task, length in beyond(answers))
     out = []
     ppl_budgets = sorted({r.budget for r in rows if r.budget is not None and r.kind != "oracle"})
     task_only = sorted({r.budget for r in answers if r.budget != "full" and r.shape == found.protocol}
