@@ -29,6 +29,7 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 
+from ..defaults import DEFAULT_SAMPLES_MAX, DEFAULT_SAMPLES_START
 from ..errors import KvevictError
 from ..eval.ruler.grid import RulerGrid, compressed_length, preflight, prompts, run_grid
 from ..eval.ruler.registry import get_task
@@ -61,8 +62,8 @@ class TaskEnvelopeConfig:
     resolution: float = 1.25
     max_accuracy_drop: float = 0.05
     min_accuracy_ratio: float | None = None  # set: accuracy / full accuracy at least this, instead of the drop
-    start: int = 20
-    cap: int = 80
+    start: int = DEFAULT_SAMPLES_START
+    cap: int = DEFAULT_SAMPLES_MAX
     seed: int = 0
     positions: str = DEFAULT_POSITIONS
     text: str = "pg-essays"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import typer
 
-from ..defaults import DEFAULT_CHUNK
+from ..defaults import DEFAULT_CHUNK, DEFAULT_SAMPLES_MAX, DEFAULT_SAMPLES_START
 from ..errors import KvevictError
 from .common import (
     CHUNK_HELP,
@@ -116,8 +116,10 @@ def envelope(
     protocol: str = typer.Option("agnostic", help="--tasks: the RULER protocol (agnostic, aware, stream, multi)"),
     max_accuracy_drop: float | None = max_accuracy_drop_option(),
     min_accuracy_ratio: float | None = min_accuracy_ratio_option(),
-    samples_start: int = typer.Option(20, help="--tasks: samples a cell is first judged on, and added per look"),
-    samples_max: int = typer.Option(80, help="--tasks: the most samples a cell takes; undecided there = not inside"),
+    samples_start: int = typer.Option(DEFAULT_SAMPLES_START,
+                                      help="--tasks: samples a cell is first judged on, and added per look"),
+    samples_max: int = typer.Option(DEFAULT_SAMPLES_MAX,
+                                    help="--tasks: the most samples a cell takes; undecided there = not inside"),
     executor: str = executor_option(),
     address: str = address_option(),
     workers: int = workers_option(),
