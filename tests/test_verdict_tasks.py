@@ -6,6 +6,8 @@ of k/10 from its formula: 2/10 [0.0567, 0.5098], 3/10 [0.1078, 0.6032], 9/10 [0.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from kvevict.report.markdown import run_markdown
@@ -250,10 +252,9 @@ def test_a_list_tasks_partial_scores_are_counted_to_one_decimal():
 
 
 def qa_answers(policy: str, budget: str, hits: int, lengths: tuple[int, ...]) -> list[RulerRecord]:
-    """One answer per QA line, each line at its own prompt length (as `ruler --qa` records them), the first
-    `hits` right."""
-    return [RulerRecord(f"ruler|agnostic|qa|{length}|{i}|{policy}|{budget}|0", "qa", "agnostic", length, i, policy,
-                        budget, 1.0 if i < hits else 0.0) for i, length in enumerate(lengths)]
+    """`answers` of a QA file: one per line, each line at its own prompt length (as `ruler --qa` records them)."""
+    return [replace(r, length=length) for r, length in zip(answers(policy, budget, hits, "qa", len(lengths)), lengths,
+                                                             strict=True)]
 
 
 def test_the_lines_of_a_qa_file_are_one_task_whatever_their_lengths():
