@@ -158,3 +158,29 @@ def test_a_broken_link_and_a_banned_word_are_caught(tmp_path, monkeypatch):
                                  "a.md:1: c.md (no such file)"]
     assert banned_words("a round trip, --rounds 2, rounded down") == []
     assert [h.split(":")[0] for h in banned_words("ok\nthe third round\nsee /work/x\nIssue 3")] == ["2", "3", "4"]
+
+
+# --- what the docs and the error messages tell a user to call ----------------------------------------------
+
+CALL = re.compile(r"\bkvevict\.([A-Za-z_]\w*)\(")
+SOURCES = [*DOCS, *sorted((ROOT / "src" / "kvevict").rglob("*.py"))]
+
+
+def called_names(text: str) -> set[str]:
+    """The names a text calls as `kvevict.NAME(...)`: what a user would type after `import kvevict`."""
+    return set(CALL.findall(text))
+
+
+def test_every_kvevict_call_named_to_a_user_exists():
+    """A doc or an error message that says `kvevict.compress(...)` names a function of the package itself: checked
+    by importing kvevict and looking the name up, not against any list of kvevict's."""
+    import kvevict
+
+    named = {(p.relative_to(ROOT).as_posix(), n) for p in SOURCES for n in called_names(p.read_text())}
+    assert named, "no kvevict.NAME( call found: the pattern no longer matches the docs"
+    assert sorted((where, n) for where, n in named if not callable(getattr(kvevict, n, None))) == []
+
+
+def test_a_call_is_read_from_prose_and_code():
+    assert called_names("run `kvevict.compress(model, ids)` or kvevict.load_model(x); kvevict.eval.forward") == {
+        "compress", "load_model"}
