@@ -40,7 +40,7 @@ def main() -> None:
     budgets = [int(b) for b in args.budgets.split(",")]
     model, tokenizer = load_model("smollm2-135m")
     grid = RulerGrid(tasks=["niah_single_1"], lengths=[2048], samples=args.samples)
-    totals = {(spec, b): [0, 0, 0.0, 0.0, 0.0] for spec in specs for b in budgets}
+    rows = {(spec, b): [] for spec in specs for b in budgets}  # per prompt: heads whole, heads, three shares
     for prompt in prompts(grid, tokenizer, None):
         value = prompt.sample.question.answers[0]
         positions = value_positions(prompt.context.tolist(), tokenizer.encode(value, add_special_tokens=False))
@@ -53,12 +53,11 @@ def main() -> None:
             for row, spec in enumerate(specs):
                 whole, heads, share = held(kept, row, torch.tensor(positions))
                 opening, end = held(kept, row, first)[2], held(kept, row, last)[2]
-                for i, x in enumerate((whole, heads, share, opening, end)):
-                    totals[spec, b][i] += x
+                rows[spec, b].append((whole, heads, share, opening, end))
                 line.append(f"{spec}@{b} {whole}/{heads} heads, value {share:.2f} first {opening:.2f} last {end:.2f}")
-        print(f"sample {prompt.sample.index}, value at {positions[0]} of {prompt.context.numel()}: " + "; ".join(line),
-              flush=True)
-    for (spec, b), (whole, heads, share, opening, end) in totals.items():
+        print(f"sample {prompt.sample.index}, value at {positions[0]} of {n}: " + "; ".join(line), flush=True)
+    for (spec, b), per_prompt in rows.items():
+        whole, heads, share, opening, end = (sum(column) for column in zip(*per_prompt))
         print(f"{spec} at {b}: every token of the value in {whole}/{heads} heads; mean share held of the value "
               f"{share / args.samples:.2f}, of the first 64 {opening / args.samples:.2f}, of the last 64 "
               f"{end / args.samples:.2f}")
