@@ -62,6 +62,9 @@ class RaggedStorage:
         at = torch.arange(self.capacity, device=self.device).expand(self.batch, -1).contiguous()
         self.owner = (torch.searchsorted(start, at, right=True) - 1).clamp(min=0)  # [B, capacity]
         self.own = self.owner[:, None, :] == torch.arange(self.heads, device=self.device)[None, :, None]
+        size, rest = divmod(self.capacity, self.heads)
+        even = torch.arange(self.heads, device=self.device) * size
+        self.segment = size if rest == 0 and bool((start == even).all() & (limit == even + size).all()) else None
 
     def _rewind(self, used: torch.Tensor | None = None) -> None:
         """Each head's next free slot after its first `used` `[B, H]` slots (none by default)."""
@@ -113,6 +116,21 @@ class RaggedStorage:
     def members(self) -> torch.Tensor:
         """`[B, H, capacity]` bool: the entries each head holds (its segment, not a hole)."""
         return self.own & (self.pos >= 0)[:, None, :]
+
+    def own_segments(self, per_head: torch.Tensor) -> torch.Tensor:
+        """`[b, H, segment, ...]` each head's own segment of a per-head buffer `[b, H, capacity, ...]` (a view),
+        where the layout is `segment`'s."""
+        b, h = per_head.shape[:2]
+        lanes = per_head.view(b, h, h, self.segment, *per_head.shape[3:])
+        return lanes.diagonal(dim1=1, dim2=2).movedim(-1, 1)
+
+    def spread(self, segments: torch.Tensor) -> torch.Tensor:
+        """`[b, H, capacity]` from each head's value over its own segment `[b, H, segment]`: zero over the
+        other heads' entries, as a head's queries give them no attention."""
+        b, h, size = segments.shape
+        out = segments.new_zeros(b, h, h, size)
+        out.diagonal(dim1=1, dim2=2).copy_(segments.movedim(1, 2))
+        return out.view(b, h, h * size)
 
     def per_head(self, buffer: torch.Tensor, hidden: torch.Tensor, fill: float | int) -> torch.Tensor:
         """A per-entry buffer `[b, capacity]` as each head sees it `[b, H, capacity]`: `fill`
