@@ -9,10 +9,10 @@ heads in one computation: each query group reads its row's whole buffer
 head's held entries (`RaggedStorage.members`); the padding is in the compute, never in
 the storage. Where every head owns an equal run of slots (`RaggedStorage.segment`: a
 prefill, a held-back one, KVzip's repeat forwards) a query group reads its own run alone,
-by a view, with no other head's entries to mask. The same probabilities give the attention that
-attention-driven policies
-(h2o, tova) fold into their statistics, at no extra pass, and since every entry
-belongs to one head they go back to the per-entry statistics with one gather.
+by a view, with no other head's entries to mask. The same probabilities give the
+attention that attention-driven policies (h2o, tova) fold into their statistics, at no
+extra pass, and since every entry belongs to one head they go back to the per-entry
+statistics with one gather.
 
 Policies score through the same masked view: per head the whole row, the other heads'
 entries and the holes as pads at position -1 with zero keys and statistics, scored
