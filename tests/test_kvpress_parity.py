@@ -65,7 +65,7 @@ FLOORS["pyramidkv"] = {0.5: 0.94, 0.25: 0.75}
 #: reconstruction in every run).
 EVERYTHING = bool(os.environ.get("KVEVICT_KVPRESS_ALL"))
 RATIOS = None if EVERYTHING else (0.5,)
-QUICK_LAYERS = 6
+QUICK_LAYERS = 3
 SPREAD_OVER_LAYERS = {"pyramidkv", "kvzip", "kvzip-layerwise"}
 
 

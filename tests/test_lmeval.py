@@ -189,9 +189,9 @@ def test_sinkless_window_scores_worse_on_the_embedded_model(tmp_path):
     from kvevict.data import load_text
 
     essays = load_text("pg-essays")
-    contexts = [essays[i * 4000 : i * 4000 + 600].rsplit(" ", 1)[0] for i in range(1, 5)]
+    contexts = [essays[i * 4000 : i * 4000 + 600].rsplit(" ", 1)[0] for i in range(1, 3)]
     choices = [[essays[i * 4000 + 600 : i * 4000 + 700].split(" ", 1)[1].rsplit(" ", 1)[0], " purple"]
-               for i in range(1, 5)]
+               for i in range(1, 3)]
     choices = [[" " + a.strip(), b] for a, b in choices]
     tasks = write_tasks(tmp_path, contexts, choices)
     total = {}
