@@ -19,9 +19,10 @@ from transformers import AttentionInterface, DynamicCache
 
 from kvevict import KvevictError
 from kvevict.cache import EvictingCache
+from kvevict.eval import reconstruction
 from kvevict.eval.compress import compress
 from kvevict.eval.forward import body, logits
-from kvevict.eval.reconstruction import RepeatFraming, repeat_framing
+from kvevict.eval.reconstruction import KeptScores, RepeatFraming, repeat_framing
 from kvevict.eval.ruler.protocols import compress_at, prefill, snapshot
 from kvevict.policies import check_policy
 
@@ -199,6 +200,68 @@ def test_a_held_back_prefill_compressed_at_each_budget_keeps_what_compress_keeps
         copy_state = compress_at(snapshot(state), budget)
         alone = compress(model, context, spec, budget, tokenizer=FRAMING)
         assert torch.equal(kept_sets(copy_state.cache), kept_sets(alone.cache))
+
+
+def count_repeat_forwards(monkeypatch) -> list[int]:
+    """The repeat forwards run from now on, one entry each (the prefill's own forward is not counted)."""
+    calls: list[int] = []
+
+    def counted(model, ids, cache):
+        calls.append(ids.shape[-1])
+        return body(model, ids, cache)
+
+    monkeypatch.setattr(reconstruction, "body", counted)
+    return calls
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_kept_scores_compress_a_context_read_again_as_its_own_pass_does(model, context, tmp_path, monkeypatch,
+                                                                         layerwise):
+    """The second prefill of a context, at another budget, takes the scores the first one's pass kept and runs no
+    repeat forward; what it keeps is what `compress` keeps after a pass of its own (held to the hand reference
+    above). A context that differs by one token gets a pass of its own."""
+    spec = f"kvzip:chunk_size={CHUNK},layerwise={str(layerwise).lower()}"
+    kept = KeptScores(tmp_path)
+    calls = count_repeat_forwards(monkeypatch)
+    prefill(model, context, [spec], 20, "original", defer=True, tokenizer=FRAMING, kept=kept)
+    passes = len(calls)
+    assert passes == len(range(FRAMING.prefix, T, CHUNK)) and len(list(tmp_path.glob("*.pt"))) == 1
+    for budget in (9, 20):
+        before = len(calls)
+        again = compress_at(prefill(model, context, [spec], budget, "original", defer=True, tokenizer=FRAMING,
+                                    kept=kept), budget)
+        assert len(calls) == before  # scored from the folder
+        alone = compress(model, context, spec, budget, tokenizer=FRAMING)  # a pass of its own
+        assert torch.equal(kept_sets(again.cache), kept_sets(alone.cache))
+    other = context.clone()
+    other[-1] = (other[-1] + 1) % model.config.vocab_size
+    before = len(calls)
+    moved = compress_at(prefill(model, other, [spec], 9, "original", defer=True, tokenizer=FRAMING, kept=kept), 9)
+    assert len(calls) == before + passes and len(list(tmp_path.glob("*.pt"))) == 2
+    assert torch.equal(kept_sets(moved.cache), kept_sets(compress(model, other, spec, 9, tokenizer=FRAMING).cache))
+
+
+def test_kept_scores_that_do_not_fit_are_scored_again(model, context, tmp_path, monkeypatch):
+    """A file cut short, or scores of another shape under the same name, are not used: the pass runs again, and
+    the context is compressed as `compress` compresses it."""
+    spec = f"kvzip:chunk_size={CHUNK}"
+    kept = KeptScores(tmp_path)
+    calls = count_repeat_forwards(monkeypatch)
+    state = prefill(model, context, [spec], 9, "original", defer=True, tokenizer=FRAMING, kept=kept)
+    [path] = tmp_path.glob("*.pt")
+    passes = len(calls)
+    alone = kept_sets(compress(model, context, spec, 9, tokenizer=FRAMING).cache)
+    scores = state.cache.reconstruction_scores()
+    for broken in (b"cut sh", [{k: v[..., :-1] for k, v in layer.items()} for layer in scores]):
+        if isinstance(broken, bytes):
+            path.write_bytes(broken)
+        else:
+            torch.save(broken, path)
+        before = len(calls)
+        again = compress_at(prefill(model, context, [spec], 9, "original", defer=True, tokenizer=FRAMING,
+                                    kept=kept), 9)
+        assert len(calls) == before + passes  # scored again
+        assert torch.equal(kept_sets(again.cache), alone)
 
 
 def test_the_framing_is_the_chat_template_split_around_the_user_turn():

@@ -81,6 +81,29 @@ def test_ruler_records_every_answer_and_resumes_only_what_is_missing(tmp_path, t
     assert len(multi) == 3 * 4 and {r["form"] for r in multi} == {"turns"}  # 3 rows x 4 questions
 
 
+def test_a_rerun_adding_a_budget_to_kvzip_reads_each_contexts_scores_back(tmp_path, tiny_dir, monkeypatch):
+    """KVzip's scores are kept in the run folder (`reconstruction/`): a rerun that adds a budget answers it from a
+    prefill scored by what the first run's repeat forwards left, and runs none of them again."""
+    from kvevict.eval import reconstruction
+    from kvevict.eval.forward import body
+
+    passes: list[int] = []
+
+    def counted(model, ids, cache):
+        passes.append(ids.shape[-1])
+        return body(model, ids, cache)
+
+    monkeypatch.setattr(reconstruction, "body", counted)
+    args = ["ruler", "--model", str(tiny_dir), "--tasks", "niah_single_1", "--lengths", "400", "--samples", "2",
+            "--policies", "kvzip", "--max-new-tokens", "3", "--out", str(tmp_path), "--name", "r", "--budgets"]
+    assert _invoke(*args, "50%")[0] == 0
+    assert len(passes) == 2 and len(list((tmp_path / "r" / "reconstruction").glob("*.pt"))) == 2
+    assert _invoke(*args, "50%,25%")[0] == 0
+    assert len(passes) == 2
+    records = [json.loads(line) for line in (tmp_path / "r" / "results.jsonl").read_text().splitlines()]
+    assert sorted(r["budget"] for r in records if r["policy"] != "full") == ["25%", "25%", "50%", "50%"]
+
+
 def test_ruler_on_a_qa_file(tmp_path, tiny_dir):
     qa = tmp_path / "qa.jsonl"
     qa.write_text("\n".join(json.dumps({"context": f"Document {i}: the code word is tulip{i}.",

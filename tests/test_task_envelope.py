@@ -181,6 +181,34 @@ def test_on_a_tiny_model_every_cell_is_answered_on_the_full_caches_samples(tmp_p
     assert store.records() == before
 
 
+def test_kvzip_reconstructs_each_context_once_for_the_whole_search(tmp_path, tiny_dir, monkeypatch):
+    """A policy scored by reconstruction keeps each context's scores in the run folder: every later step that
+    answers the same sample at another budget reads them back instead of running the repeat forwards again.
+    The full cache answers nothing on a tiny random model, so every ratio is undecided and each cell runs to the
+    cap: the search takes several steps over the same samples."""
+    from kvevict import load_model
+    from kvevict.eval import reconstruction
+    from kvevict.eval.forward import body
+    from kvevict.report.records import RulerRecord
+
+    passes: list[int] = []
+
+    def counted(model, ids, cache):
+        passes.append(ids.shape[-1])
+        return body(model, ids, cache)
+
+    monkeypatch.setattr(reconstruction, "body", counted)
+    model, tokenizer = load_model(str(tiny_dir))
+    cfg = config(tmp_path, policies=["kvzip"], length=400, start=2, cap=2, floor=16, resolution=3.0,
+                 max_accuracy_drop=0.05, min_accuracy_ratio=0.1)
+    _, records = run_task_envelope(cfg, model, tokenizer)
+    answers = [r for r in records if isinstance(r, RulerRecord) and r.policy != "full"]
+    budgets = {r.budget for r in answers}
+    assert len(budgets) > 1  # more than one step over the same samples
+    assert len(passes) == len({r.sample for r in answers}) == 2  # one repeat forward (one chunk) a context
+    assert len(list((tmp_path / "runs" / "t" / "reconstruction").glob("*.pt"))) == 2
+
+
 def test_cli_prints_the_table_the_verdict_and_the_cost(tmp_path, tiny_dir):
     from support import cli
 

@@ -11,7 +11,7 @@ another protocol adds to the same folder.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ..eval.needle import max_positions
@@ -71,7 +71,7 @@ def run_ruler(run: RulerRun, model, tokenizer, progress: bool = True, executor=N
 
         spec = GridSpec(run.model, run.dtype, allow_download, device, model, tokenizer)
         with executor.opened():
-            run_shards(executor, spec, shard(run.grid, done), keeper(store, done, run.dtype), progress)
+            run_shards(executor, spec, shard(kept_in(run), done), keeper(store, done, run.dtype), progress)
         return load(store.records())
     with bars(progress) as bar:
         task = bar.add_task(f"ruler {run.name}: batches", total=total)
@@ -82,8 +82,14 @@ def run_ruler(run: RulerRun, model, tokenizer, progress: bool = True, executor=N
             stored(lines)
             bar.advance(task)
 
-        run_grid(model, tokenizer, run.grid, done, keep, limit, on_skip=lambda: bar.advance(task))
+        run_grid(model, tokenizer, kept_in(run), done, keep, limit, on_skip=lambda: bar.advance(task))
     return load(store.records())
+
+
+def kept_in(run: RulerRun) -> RulerGrid:
+    """The run's grid, keeping reconstruction scores (KVzip's) in the folder's `reconstruction/`: a rerun that
+    adds budgets or policies to a context already read skips its repeat forwards (`reconstruction.KeptScores`)."""
+    return run.grid if run.grid.scores is not None else replace(run.grid, scores=str(run.folder / "reconstruction"))
 
 
 def keeper(store: ResultStore, done: set[str], dtype: str) -> Callable[[list[dict]], None]:

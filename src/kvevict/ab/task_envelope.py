@@ -82,7 +82,7 @@ class TaskEnvelopeConfig:
     def grid(self, policies: list[str], budgets: list[int], samples: int) -> RulerGrid:
         return RulerGrid(tasks=[self.task], lengths=[self.length], samples=samples, policies=policies,
                          budgets=list(budgets), protocol=self.protocol, seed=self.seed, positions=self.positions,
-                         text=self.text)
+                         text=self.text, scores=str(run_folder(self.out, self.name) / "reconstruction"))
 
     def identity(self) -> dict:
         return {"model": self.model, "dtype": self.dtype, "seed": self.seed, "positions": self.positions,

@@ -14,8 +14,7 @@ stand for all of them (`shares_rows`): an A/B batch computes its shared prefill 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 import torch
 from transformers.cache_utils import Cache
@@ -24,17 +23,17 @@ from ..errors import KvevictError
 from ..policies import Policy, check_policy
 from ..position_modes import DEFAULT_POSITIONS, check_positions
 from .attention import attach
-from .layer_interface import CacheLayer
 from .layer_settings import Forward
 from .layer_setup import layer_classes, layer_settings, position_modes
 from .memory import CacheMemory, summed
 from .model_info import check_model, layer_kinds, text_config
 from .observers import KeptTracker, Observer, SinkTracker, held_pinned_lost, held_sink_loss
 from .per_head.reconstruction import layer_totals
+from .reconstructing import Reconstructing
 from .rows import RowLayout
 
 
-class EvictingCache(Cache):
+class EvictingCache(Reconstructing, Cache):
     """A bounded KV cache; each batch row may run its own policy at the same budget.
 
     `policy` is a spec string, a `Policy`, or a sequence of them (one per batch row).
@@ -263,43 +262,6 @@ class EvictingCache(Cache):
         for i, counts in zip(ragged, joint):
             totals[i] = torch.where(own.to(counts.device) >= 0, own.to(counts.device), counts)
         return totals
-
-    @contextmanager
-    def reconstructing(self, start: int, end: int) -> Iterator[None]:
-        """The forward inside is one of KVzip's repeat forwards over the context chunk `start .. end`: its
-        `"reconstruction"` requests score that chunk's entries (`per_head/reconstruction.window_mass`).
-        Only a held-back prefill (`defer`) is reconstructed, and the pass writes nothing: afterwards the
-        full-attention layers take the forward's tokens back out (`crop`), and each sliding-window layer,
-        which keeps only the model's last window (the repeat forward would push the context's end out of
-        it), is its own state again: the forward ran against a copy of it (`_aside`), dropped here."""
-        if not self.deferred:
-            raise KvevictError("a context is reconstructed between a held-back prefill (cache.defer()) and its "
-                               "eviction (evict_deferred): defer the prefill first")
-        seen = self.tokens_seen
-        aside = self._aside()
-        self._repeating = (start, end)
-        try:
-            yield
-            fed = self.tokens_seen - seen
-        finally:
-            self._repeating = None
-            for i, layer in aside.items():
-                self.layers[i] = layer
-        with torch.inference_mode():
-            for layer in self.layers:
-                if not layer.is_sliding:
-                    layer.crop(-fed)
-        self.reconstructed = True
-
-    def _aside(self) -> dict[int, CacheLayer]:
-        """Each sliding-window layer, set aside: a copy takes its place (sharing what is the model's) until
-        the caller puts the layer back. Its window is `window - 1` entries, so the copy is small."""
-        aside = {i: layer for i, layer in enumerate(self.layers) if layer.is_sliding}
-        memo = self._model_memo()
-        for i, layer in aside.items():
-            memo[id(layer.settings)] = layer.settings  # its fixed settings (rows, observers) stay the cache's
-            self.layers[i] = copy.deepcopy(layer, memo)
-        return aside
 
     # --- rows and policies ---------------------------------------------------------------
     @property

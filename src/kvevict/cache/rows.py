@@ -103,6 +103,11 @@ class RowLayout:
             rows.update({row: group.policy for row in group.rows})
         return [rows[i] for i in sorted(rows)]
 
+    @property
+    def reconstructed(self) -> list[str]:
+        """The statistics of the rows scored by reconstruction (`Policy.reconstructs`), sorted."""
+        return sorted({name for g in self.groups if g.policy.reconstructs for name in g.policy.stats})
+
     def merge(self, parts: list[torch.Tensor | None], batch: int, heads: int, total: int) -> torch.Tensor:
         """One `[B, H, n]` score tensor from each group's scores (`parts[i]` for `groups[i]`).
 

@@ -21,7 +21,11 @@ of the previous context exactly, starting with" and the previous chunk's last 8 
 
 from __future__ import annotations
 
+import hashlib
+import os
+import pickle
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -96,9 +100,55 @@ def reconstructing_policy(cache: EvictingCache) -> Policy | None:
     return next(iter(found.values()), None)
 
 
-def reconstruct(model, cache: EvictingCache, context: torch.Tensor, tokenizer) -> int:
+@dataclass(frozen=True)
+class KeptScores:
+    """A folder where reconstruction scores are kept, one file per context, rows and model, so that the same
+    context compressed again (a search's next budget, a resumed run) skips its repeat forwards.
+
+    Why: the repeat forwards cost several prefills (benchmarks.md, "KVzip: the reconstruction's cost"), and
+    their scores depend on the context, the rows' specs, the positions and the model alone, not on the
+    budget: a prefill read again and given the kept scores is compressed exactly as the pass would leave it
+    (`EvictingCache.restore_reconstruction`, which refuses scores that do not fit the state read).
+    """
+
+    folder: Path
+
+    def path(self, model, cache: EvictingCache, context: torch.Tensor, framing: RepeatFraming) -> Path:
+        """The file for this context `[T]`, rows, framing and model: a digest of all that decides the scores."""
+        config = getattr(model, "config", None)
+        described = config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else ""
+        named = [getattr(config, "_name_or_path", ""), described, str(getattr(model, "dtype", "")), cache.positions,
+                 *(p.spec() for p in cache.policies)]
+        digest = hashlib.sha256("\n".join(named).encode())
+        for ids in (context.reshape(-1), framing.first, framing.later, framing.suffix, torch.tensor([framing.prefix])):
+            digest.update(ids.to(torch.int64).cpu().numpy().tobytes())
+            digest.update(b"|")
+        return Path(self.folder) / f"{digest.hexdigest()[:32]}.pt"
+
+    def restore(self, model, cache: EvictingCache, context: torch.Tensor, framing: RepeatFraming) -> bool:
+        """Score the held-back prefill from the folder; False where nothing fitting is kept."""
+        path = self.path(model, cache, context, framing)
+        if not path.exists():
+            return False
+        try:
+            scores = torch.load(path, weights_only=True)
+        except (OSError, RuntimeError, EOFError, pickle.UnpicklingError):
+            return False  # a file cut short: score again, and keep it anew
+        return isinstance(scores, list) and cache.restore_reconstruction(scores)
+
+    def keep(self, model, cache: EvictingCache, context: torch.Tensor, framing: RepeatFraming) -> None:
+        """Write the pass's scores, whole or not at all (a rename), so an interrupted run leaves no half file."""
+        path = self.path(model, cache, context, framing)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part = path.with_suffix(f".part{os.getpid()}")
+        torch.save([{k: v.cpu() for k, v in layer.items()} for layer in cache.reconstruction_scores()], part)
+        os.replace(part, path)
+
+
+def reconstruct(model, cache: EvictingCache, context: torch.Tensor, tokenizer, kept: KeptScores | None = None) -> int:
     """Score the context `[T]` a held-back prefill (`cache.defer()`) just read: one repeat forward per chunk,
-    each taken back out. Returns the tokens the repeat forwards fed (the pass's extra work)."""
+    each taken back out. Returns the tokens the repeat forwards fed (the pass's extra work; 0 where `kept`
+    held this context's scores, which are then the cache's, and the pass did not run)."""
     policy = reconstructing_policy(cache)
     if policy is None:
         return 0
@@ -110,10 +160,15 @@ def reconstruct(model, cache: EvictingCache, context: torch.Tensor, tokenizer) -
     if cache.tokens_seen != context.numel():
         raise KvevictError(f"the cache holds {cache.tokens_seen} tokens, not the {context.numel()} of the context "
                            "to reconstruct: reconstruct right after its prefill")
+    framing = repeat_framing(tokenizer)
+    if kept is not None and kept.restore(model, cache, context, framing):
+        return 0
     fed = 0
     with torch.inference_mode():
-        for start, end, ids in repeat_inputs(context, repeat_framing(tokenizer), policy.chunk_size):
+        for start, end, ids in repeat_inputs(context, framing, policy.chunk_size):
             with cache.reconstructing(start, end):  # taken back out afterwards: the pass writes nothing
                 body(model, ids[None], cache)
             fed += ids.numel()
+    if kept is not None:
+        kept.keep(model, cache, context, framing)
     return fed

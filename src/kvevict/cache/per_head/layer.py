@@ -45,7 +45,7 @@ from ..rows import RowGroup
 from ..selection import LATEST_LAST
 from ..statistics import Statistics, measure
 from .allocation import allocate
-from .reconstruction import ranked_keys, window_mass
+from .reconstruction import by_position, put_back, ranked_keys, window_mass
 from .storage import RaggedStorage
 
 
@@ -244,6 +244,14 @@ class RaggedLayer(CacheLayer):
         s = self.settings
         scores = s.layout.merge([g.policy.scores(v) for g, v in zip(s.layout.groups, views)], *members.shape)
         return scores.masked_fill(~members, float("-inf"))
+
+    def reconstruction_scores(self) -> dict[str, torch.Tensor]:
+        """Per statistic of the rows scored by reconstruction, `[B, H_kv, T]` by head and position (`by_position`)."""
+        return {name: by_position(self.storage, name, self.seen) for name in self.settings.layout.reconstructed}
+
+    def restore_reconstruction(self, scores: dict[str, torch.Tensor]) -> bool:
+        """Put back `reconstruction_scores` after the same prefill; False, nothing written, where they do not fit."""
+        return set(scores) == set(self.settings.layout.reconstructed) and put_back(self.storage, scores, self.seen)
 
     def ranked(self) -> torch.Tensor:
         """`[B, H x capacity]` this layer's held entries as keys of a ranking across layers

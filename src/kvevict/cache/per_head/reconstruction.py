@@ -10,6 +10,9 @@ entry's score is the largest probability over the forward's queries of its head'
 `layer_totals`: kvpress's `compress_post` with `layerwise=False` ranks the scores of every layer and
 head together and counts, per layer, how many of the model's best it holds; each layer then keeps
 that many of its own best, jointly over its heads (`allocation.allocate`, no floor).
+
+`by_position` / `put_back`: a pass's scores by head and position, to be kept and put back after the same
+context is read again at another budget, whose slots lie elsewhere (`RaggedStorage.rebase`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 
 from ..probabilities import BLOCK_ELEMENTS
 from .allocation import order_keys
+from .storage import RaggedStorage
 
 _LOWEST = torch.iinfo(torch.long).min
 
@@ -78,3 +82,34 @@ def layer_totals(keys: list[torch.Tensor], total: int) -> list[torch.Tensor]:
     bounds = torch.tensor([k.shape[1] for k in keys], device=flat.device).cumsum(0)
     layer = torch.bucketize(top.indices, bounds, right=True)  # [B, total] the layer each best entry sits in
     return [((layer == i) & real).sum(dim=1) for i in range(len(keys))]
+
+
+def _slot_index(storage: RaggedStorage, seen: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[B, capacity]` each slot's place in a `[H_kv x seen]` head-by-position layout (0 for a hole), and
+    which slots hold an entry."""
+    live = storage.pos >= 0
+    return (storage.owner * seen + storage.pos).masked_fill(~live, 0), live
+
+
+def by_position(storage: RaggedStorage, name: str, seen: int) -> torch.Tensor:
+    """`[B, H_kv, seen]` the statistic `name` of each head's entry at each position, from a state where every
+    head still holds every token read (a held-back prefill); 0 where none is held."""
+    index, live = _slot_index(storage, seen)
+    out = torch.zeros(storage.batch, storage.heads * seen, device=storage.device)
+    out.scatter_(1, index, storage.stats[name].masked_fill(~live, 0.0))
+    return out.view(storage.batch, storage.heads, seen)
+
+
+def put_back(storage: RaggedStorage, scores: dict[str, torch.Tensor], seen: int) -> bool:
+    """Write `by_position`'s `scores` into the slots of this state; False, nothing written, where they do not
+    fit: another shape, or a head that no longer holds every token."""
+    shape = (storage.batch, storage.heads, seen)
+    if any(t.shape != shape for t in scores.values()):
+        return False
+    if int(storage.held.min()) != seen or int(storage.held.max()) != seen:
+        return False
+    index, live = _slot_index(storage, seen)
+    for name, saved in scores.items():
+        values = saved.to(storage.device).reshape(storage.batch, -1).gather(1, index)
+        storage.stats[name] = torch.where(live, values, storage.stats[name])
+    return True

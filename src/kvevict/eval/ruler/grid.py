@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from ...data import stream_start
 from ...errors import KvevictError
@@ -21,6 +22,7 @@ from ...policies import check_policy, shared_batches
 from ...policies.budget import Budget, budget_label, parse_budget, resolve_budget
 from ...policies.engine_defaults import with_stream_start
 from ...position_modes import DEFAULT_POSITIONS
+from ..reconstruction import KeptScores
 from .framing import framing
 from .protocols import answer_budgets, check_aware, check_protocol, full_shares_prefill, reads_question
 from .qa import QaFile
@@ -47,6 +49,7 @@ class RulerGrid:
     qa: QaFile | None = None
     max_new_tokens: int | None = None  # None: RULER's answer length of each task
     only: tuple[int, ...] | None = None  # the sample indices to answer (a shard of the grid); None: every one
+    scores: str | None = None  # a folder keeping reconstruction scores between runs (`reconstruction.KeptScores`)
 
     def check(self) -> None:
         """Everything that can be refused before a model is loaded."""
@@ -200,6 +203,7 @@ def run_grid(model, tokenizer, grid: RulerGrid, done: set[str] = frozenset(),
     preflight(grid, tokenizer, limit)
     plan = grid.batches()
     metric = grid.qa.metric if grid.qa is not None else None
+    kept = KeptScores(Path(grid.scores)) if grid.scores is not None else None
     out: list[dict] = []
     for prompt in prompts(grid, tokenizer, limit):
         sample = prompt.sample
@@ -214,7 +218,7 @@ def run_grid(model, tokenizer, grid: RulerGrid, done: set[str] = frozenset(),
                 continue
             entries = [check_budget(prompt, grid.protocol, specs, b, grid.form, grid.positions) for b in missing]
             replies = answer_budgets(model, tokenizer, prompt, specs, entries, grid.protocol, grid.form,
-                                     grid.positions, grid.max_new_tokens)
+                                     grid.positions, grid.max_new_tokens, kept=kept)
             for budget, count, answers in zip(missing, entries, replies, strict=True):
                 label = budget_label(budget)
                 records = []

@@ -61,7 +61,7 @@ from ...position_modes import DEFAULT_POSITIONS
 from ..compress import Compressed, greedy
 from ..forward import body
 from ..prompts import stop_ids
-from ..reconstruction import reconstruct, reconstructing_policy
+from ..reconstruction import KeptScores, reconstruct, reconstructing_policy
 from .sample import Prompt
 
 PROTOCOLS = ("agnostic", "aware", "stream", "multi")
@@ -126,7 +126,8 @@ class Answer:
 
 
 def prefill(model, ids: torch.Tensor, specs: list[str], entries: int | None, positions: str,
-            stream: bool = False, chunk: int = DEFAULT_CHUNK, defer: bool = False, tokenizer=None) -> Compressed:
+            stream: bool = False, chunk: int = DEFAULT_CHUNK, defer: bool = False, tokenizer=None,
+            kept: KeptScores | None = None) -> Compressed:
     """Read `ids` `[T]` into one cache whose rows are `specs`, the shared prefix fed once.
 
     Without `stream`, one forward reads all of it and each row's policy then compresses
@@ -137,7 +138,8 @@ def prefill(model, ids: torch.Tensor, specs: list[str], entries: int | None, pos
     what the policies need and evicts nothing: `compress_at` then compresses copies of
     the state at any budget (`state.cache.deferred` says whether it did). A policy scored by
     reconstruction (`kvzip`) always holds its prefill back, and the context is reconstructed
-    (`tokenizer`: the model's) before any budget compresses it.
+    (`tokenizer`: the model's) before any budget compresses it, or scored from `kept` where it holds this
+    context's scores (`reconstruction.KeptScores`).
     """
     rows = len(specs)
     with torch.inference_mode():
@@ -153,7 +155,7 @@ def prefill(model, ids: torch.Tensor, specs: list[str], entries: int | None, pos
         head = ids.numel() if not stream or entries is None else min(entries, ids.numel())
         hidden = body(model, ids[None, :head].long(), cache)[:, -1]
         if scored:
-            reconstruct(model, cache, ids, tokenizer)
+            reconstruct(model, cache, ids, tokenizer, kept)
             if not defer:
                 cache.evict_deferred()
         for start in range(head, ids.numel(), chunk):
@@ -238,7 +240,8 @@ def full_shares_prefill(protocol: str, form: str, specs: Sequence[str] = ()) -> 
 
 def answer_budgets(model, tokenizer, prompt: Prompt, specs: list[str], budgets: Sequence[int | None],
                    protocol: str, form: str = "requests", positions: str = DEFAULT_POSITIONS,
-                   max_new_tokens: int | None = None, stream_chunk: int = DEFAULT_CHUNK) -> list[list[Answer]]:
+                   max_new_tokens: int | None = None, stream_chunk: int = DEFAULT_CHUNK,
+                   kept: KeptScores | None = None) -> list[list[Answer]]:
     """`answer` at each of `budgets` (entries), one list per budget; `None` is the full cache, whose
     answers are named `full` (the rows' specs are the bounded budgets').
 
@@ -247,7 +250,8 @@ def answer_budgets(model, tokenizer, prompt: Prompt, specs: list[str], budgets: 
     compressed at each budget: the same answers as a prefill per budget, one forward
     instead of several. The full cache is that state left whole, one row kept, where it can
     be (`full_shares_prefill`). A budget's `seconds` are
-    its own (compression, question, answer) plus an equal share of the prefill.
+    its own (compression, question, answer) plus an equal share of the prefill. `kept`: where a policy
+    scored by reconstruction keeps and finds its scores (`reconstruction.KeptScores`).
     """
     check_protocol(protocol, form)
     check_model_form(model, protocol, form)
@@ -268,7 +272,7 @@ def answer_budgets(model, tokenizer, prompt: Prompt, specs: list[str], budgets: 
         served = [i for i, b in enumerate(budgets) if b is not None or fold]  # what one bounded read may serve
         t0 = time.perf_counter()
         state = _read(model, prompt, specs, bounded[0], protocol, form, positions, stream_chunk,
-                      defer=shares_prefill(protocol, form) and len(served) > 1, tokenizer=tokenizer)
+                      defer=shares_prefill(protocol, form) and len(served) > 1, tokenizer=tokenizer, kept=kept)
         if state.cache.deferred:
             share = (time.perf_counter() - t0) / len(served)
             for n, i in enumerate(served):
@@ -286,7 +290,7 @@ def answer_budgets(model, tokenizer, prompt: Prompt, specs: list[str], budgets: 
                 if i not in answers:
                     t1 = time.perf_counter()
                     own = _read(model, prompt, ["full"] if entries is None else specs, entries, protocol, form,
-                                positions, stream_chunk, tokenizer=tokenizer)
+                                positions, stream_chunk, tokenizer=tokenizer, kept=kept)
                     answers[i] = _answers(model, tokenizer, prompt, own, protocol, form, limit, stops, t1,
                                           stream_chunk)
     return [answers[i] for i in range(len(budgets))]
@@ -308,12 +312,13 @@ def whole(state: Compressed) -> Compressed:
 
 
 def _read(model, prompt: Prompt, specs: list[str], entries: int | None, protocol: str, form: str,
-          positions: str, stream_chunk: int, defer: bool = False, tokenizer=None) -> Compressed:
+          positions: str, stream_chunk: int, defer: bool = False, tokenizer=None,
+          kept: KeptScores | None = None) -> Compressed:
     """What the protocol reads before its first question is asked: the context (with the question, or
     the first question but its last token, where the protocol compresses it too)."""
     bounded = entries is not None
     if protocol == "aware" and bounded:
-        return prefill(model, prompt.ids[:-1], specs, entries, positions, defer=defer, tokenizer=tokenizer)
+        return prefill(model, prompt.ids[:-1], specs, entries, positions, defer=defer, tokenizer=tokenizer, kept=kept)
     if protocol == "stream" and bounded:
         return prefill(model, prompt.context, specs, entries, positions, stream=True, chunk=stream_chunk)
     span = pinned_span(prompt, protocol, form)
@@ -321,8 +326,9 @@ def _read(model, prompt: Prompt, specs: list[str], entries: int | None, protocol
         start = prompt.context.numel()
         rows = [pin_span(spec, span, start) for spec in specs] if bounded else specs
         return prefill(model, torch.cat([prompt.context, prompt.per_key[0][:-1]]), rows,
-                       None if entries is None else entries + span, positions, defer=defer, tokenizer=tokenizer)
-    return prefill(model, prompt.context, specs, entries, positions, defer=defer, tokenizer=tokenizer)
+                       None if entries is None else entries + span, positions, defer=defer, tokenizer=tokenizer,
+                       kept=kept)
+    return prefill(model, prompt.context, specs, entries, positions, defer=defer, tokenizer=tokenizer, kept=kept)
 
 
 def pinned_span(prompt: Prompt, protocol: str, form: str) -> int:
