@@ -108,7 +108,8 @@ class KeptScores:
     Why: the repeat forwards cost several prefills (benchmarks.md, "KVzip: the reconstruction's cost"), and
     their scores depend on the context, the rows' specs, the positions and the model alone, not on the
     budget: a prefill read again and given the kept scores is compressed exactly as the pass would leave it
-    (`EvictingCache.restore_reconstruction`, which refuses scores that do not fit the state read).
+    (`EvictingCache.restore_reconstruction`, which refuses scores that do not fit the state read). The digest
+    names the model by its config and dtype, not its weights: a folder serves one model, as a run folder does.
     """
 
     folder: Path
