@@ -99,3 +99,18 @@ def close(fig) -> None:
     import matplotlib.pyplot as plt
 
     plt.close(fig)
+
+
+def count_repeat_forwards(monkeypatch) -> list[int]:
+    """KVzip's repeat forwards run from now on, one entry each (its length); a prefill's forward is not counted."""
+    from kvevict.eval import reconstruction
+    from kvevict.eval.forward import body
+
+    calls: list[int] = []
+
+    def counted(model, ids, cache):
+        calls.append(ids.shape[-1])
+        return body(model, ids, cache)
+
+    monkeypatch.setattr(reconstruction, "body", counted)
+    return calls

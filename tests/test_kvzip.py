@@ -19,7 +19,6 @@ from transformers import AttentionInterface, DynamicCache
 
 from kvevict import KvevictError
 from kvevict.cache import EvictingCache
-from kvevict.eval import reconstruction
 from kvevict.eval.compress import compress
 from kvevict.eval.forward import body, logits
 from kvevict.eval.reconstruction import KeptScores, RepeatFraming, repeat_framing
@@ -27,7 +26,7 @@ from kvevict.eval.ruler.protocols import compress_at, prefill, snapshot
 from kvevict.policies import check_policy
 
 from conftest import make_tiny, random_tokens
-from support import attn
+from support import attn, count_repeat_forwards
 
 FRAMING = RepeatFraming(6, torch.tensor([5, 6, 7]), torch.tensor([8, 9]), torch.tensor([10, 11]))
 T, CHUNK, SINKS = 70, 24, 4
@@ -200,18 +199,6 @@ def test_a_held_back_prefill_compressed_at_each_budget_keeps_what_compress_keeps
         copy_state = compress_at(snapshot(state), budget)
         alone = compress(model, context, spec, budget, tokenizer=FRAMING)
         assert torch.equal(kept_sets(copy_state.cache), kept_sets(alone.cache))
-
-
-def count_repeat_forwards(monkeypatch) -> list[int]:
-    """The repeat forwards run from now on, one entry each (the prefill's own forward is not counted)."""
-    calls: list[int] = []
-
-    def counted(model, ids, cache):
-        calls.append(ids.shape[-1])
-        return body(model, ids, cache)
-
-    monkeypatch.setattr(reconstruction, "body", counted)
-    return calls
 
 
 @pytest.mark.parametrize("layerwise", [False, True])

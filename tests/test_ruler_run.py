@@ -84,16 +84,9 @@ def test_ruler_records_every_answer_and_resumes_only_what_is_missing(tmp_path, t
 def test_a_rerun_adding_a_budget_to_kvzip_reads_each_contexts_scores_back(tmp_path, tiny_dir, monkeypatch):
     """KVzip's scores are kept in the run folder (`reconstruction/`): a rerun that adds a budget answers it from a
     prefill scored by what the first run's repeat forwards left, and runs none of them again."""
-    from kvevict.eval import reconstruction
-    from kvevict.eval.forward import body
+    from support import count_repeat_forwards
 
-    passes: list[int] = []
-
-    def counted(model, ids, cache):
-        passes.append(ids.shape[-1])
-        return body(model, ids, cache)
-
-    monkeypatch.setattr(reconstruction, "body", counted)
+    passes = count_repeat_forwards(monkeypatch)
     args = ["ruler", "--model", str(tiny_dir), "--tasks", "niah_single_1", "--lengths", "400", "--samples", "2",
             "--policies", "kvzip", "--max-new-tokens", "3", "--out", str(tmp_path), "--name", "r", "--budgets"]
     assert _invoke(*args, "50%")[0] == 0

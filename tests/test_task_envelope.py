@@ -187,17 +187,11 @@ def test_kvzip_reconstructs_each_context_once_for_the_whole_search(tmp_path, tin
     The full cache answers nothing on a tiny random model, so every ratio is undecided and each cell runs to the
     cap: the search takes several steps over the same samples."""
     from kvevict import load_model
-    from kvevict.eval import reconstruction
-    from kvevict.eval.forward import body
     from kvevict.report.records import RulerRecord
 
-    passes: list[int] = []
+    from support import count_repeat_forwards
 
-    def counted(model, ids, cache):
-        passes.append(ids.shape[-1])
-        return body(model, ids, cache)
-
-    monkeypatch.setattr(reconstruction, "body", counted)
+    passes = count_repeat_forwards(monkeypatch)
     model, tokenizer = load_model(str(tiny_dir))
     cfg = config(tmp_path, policies=["kvzip"], length=400, start=2, cap=2, floor=16, resolution=3.0,
                  max_accuracy_drop=0.05, min_accuracy_ratio=0.1)
