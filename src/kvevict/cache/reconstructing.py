@@ -63,14 +63,13 @@ class Reconstructing:
         if (not self.deferred or len(scores) != len(layers) or not any(layer.heads_differ for layer in layers)
                 or any(bool(kept) != layer.heads_differ for kept, layer in zip(scores, layers))):
             return False
-        before = [dict(layer.storage.stats) if layer.heads_differ else None for layer in layers]
-        if all(layer.restore_reconstruction(kept) for kept, layer in zip(scores, layers) if layer.heads_differ):
-            self.reconstructed = True
-            return True
-        for layer, stats in zip(layers, before):  # a later layer did not fit: the earlier ones put back
-            if stats is not None:
-                layer.storage.stats = stats
-        return False
+        scored = [(layer, kept) for kept, layer in zip(scores, layers) if layer.heads_differ]
+        if not all(layer.reconstruction_fits(kept) for layer, kept in scored):  # checked whole before any write
+            return False
+        for layer, kept in scored:
+            layer.restore_reconstruction(kept)
+        self.reconstructed = True
+        return True
 
     def _aside(self) -> dict[int, CacheLayer]:
         """Each sliding-window layer, set aside: a copy takes its place (sharing what is the model's) until

@@ -22,7 +22,6 @@ of the previous context exactly, starting with" and the previous chunk's last 8 
 from __future__ import annotations
 
 import hashlib
-import os
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,7 @@ import torch
 
 from ..cache import EvictingCache
 from ..errors import KvevictError
+from ..files import atomic_write
 from ..policies import Policy
 from .forward import body
 
@@ -126,9 +126,9 @@ class KeptScores:
             digest.update(b"|")
         return Path(self.folder) / f"{digest.hexdigest()[:32]}.pt"
 
-    def restore(self, model, cache: EvictingCache, context: torch.Tensor, framing: RepeatFraming) -> bool:
-        """Score the held-back prefill from the folder; False where nothing fitting is kept."""
-        path = self.path(model, cache, context, framing)
+    @staticmethod
+    def restore(path: Path, cache: EvictingCache) -> bool:
+        """Score the held-back prefill from `path` (`path()`); False where nothing fitting is kept there."""
         if not path.exists():
             return False
         try:
@@ -137,13 +137,13 @@ class KeptScores:
             return False  # a file cut short: score again, and keep it anew
         return isinstance(scores, list) and cache.restore_reconstruction(scores)
 
-    def keep(self, model, cache: EvictingCache, context: torch.Tensor, framing: RepeatFraming) -> None:
-        """Write the pass's scores, whole or not at all (a rename), so an interrupted run leaves no half file."""
-        path = self.path(model, cache, context, framing)
+    @staticmethod
+    def keep(path: Path, cache: EvictingCache) -> None:
+        """Write the pass's scores to `path` (`path()`) whole or not at all, so an interrupted run leaves no half
+        file."""
+        scores = [{k: v.cpu() for k, v in layer.items()} for layer in cache.reconstruction_scores()]
         path.parent.mkdir(parents=True, exist_ok=True)
-        part = path.with_suffix(f".part{os.getpid()}")
-        torch.save([{k: v.cpu() for k, v in layer.items()} for layer in cache.reconstruction_scores()], part)
-        os.replace(part, path)
+        atomic_write(path, lambda handle: torch.save(scores, handle))
 
 
 def reconstruct(model, cache: EvictingCache, context: torch.Tensor, tokenizer, kept: KeptScores | None = None) -> int:
@@ -162,7 +162,8 @@ def reconstruct(model, cache: EvictingCache, context: torch.Tensor, tokenizer, k
         raise KvevictError(f"the cache holds {cache.tokens_seen} tokens, not the {context.numel()} of the context "
                            "to reconstruct: reconstruct right after its prefill")
     framing = repeat_framing(tokenizer)
-    if kept is not None and kept.restore(model, cache, context, framing):
+    path = kept.path(model, cache, context, framing) if kept is not None else None
+    if path is not None and kept.restore(path, cache):
         return 0
     fed = 0
     with torch.inference_mode():
@@ -170,6 +171,6 @@ def reconstruct(model, cache: EvictingCache, context: torch.Tensor, tokenizer, k
             with cache.reconstructing(start, end):  # taken back out afterwards: the pass writes nothing
                 body(model, ids[None], cache)
             fed += ids.numel()
-    if kept is not None:
-        kept.keep(model, cache, context, framing)
+    if path is not None:
+        kept.keep(path, cache)
     return fed

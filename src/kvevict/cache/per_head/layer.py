@@ -45,7 +45,7 @@ from ..rows import RowGroup
 from ..selection import LATEST_LAST
 from ..statistics import Statistics, measure
 from .allocation import allocate
-from .reconstruction import by_position, put_back, ranked_keys, window_mass
+from .reconstruction import by_position, fits, put_back, ranked_keys, window_mass
 from .storage import RaggedStorage
 
 
@@ -249,9 +249,13 @@ class RaggedLayer(CacheLayer):
         """Per statistic of the rows scored by reconstruction, `[B, H_kv, T]` by head and position (`by_position`)."""
         return {name: by_position(self.storage, name, self.seen) for name in self.settings.layout.reconstructed}
 
-    def restore_reconstruction(self, scores: dict[str, torch.Tensor]) -> bool:
-        """Put back `reconstruction_scores` after the same prefill; False, nothing written, where they do not fit."""
-        return set(scores) == set(self.settings.layout.reconstructed) and put_back(self.storage, scores, self.seen)
+    def reconstruction_fits(self, scores: dict[str, torch.Tensor]) -> bool:
+        """Whether `reconstruction_scores` of a prefill fit this state (`reconstruction.fits`)."""
+        return set(scores) == set(self.settings.layout.reconstructed) and fits(self.storage, scores, self.seen)
+
+    def restore_reconstruction(self, scores: dict[str, torch.Tensor]) -> None:
+        """Put back `reconstruction_scores` that fit this state (`reconstruction_fits`)."""
+        put_back(self.storage, scores, self.seen)
 
     def ranked(self) -> torch.Tensor:
         """`[B, H x capacity]` this layer's held entries as keys of a ranking across layers

@@ -11,7 +11,7 @@ entry's score is the largest probability over the forward's queries of its head'
 head together and counts, per layer, how many of the model's best it holds; each layer then keeps
 that many of its own best, jointly over its heads (`allocation.allocate`, no floor).
 
-`by_position` / `put_back`: a pass's scores by head and position, to be kept and put back after the same
+`by_position` / `fits` / `put_back`: a pass's scores by head and position, to be kept and put back after the same
 context is read again at another budget, whose slots lie elsewhere (`RaggedStorage.rebase`).
 """
 
@@ -100,16 +100,16 @@ def by_position(storage: RaggedStorage, name: str, seen: int) -> torch.Tensor:
     return out.view(storage.batch, storage.heads, seen)
 
 
-def put_back(storage: RaggedStorage, scores: dict[str, torch.Tensor], seen: int) -> bool:
-    """Write `by_position`'s `scores` into the slots of this state; False, nothing written, where they do not
-    fit: another shape, or a head that no longer holds every token."""
+def fits(storage: RaggedStorage, scores: dict[str, torch.Tensor], seen: int) -> bool:
+    """Whether `by_position`'s `scores` fit this state: the same shape, and every head holding every token."""
     shape = (storage.batch, storage.heads, seen)
-    if any(t.shape != shape for t in scores.values()):
-        return False
-    if int(storage.held.min()) != seen or int(storage.held.max()) != seen:
-        return False
+    held_all = int(storage.held.min()) == seen and int(storage.held.max()) == seen
+    return held_all and all(t.shape == shape for t in scores.values())
+
+
+def put_back(storage: RaggedStorage, scores: dict[str, torch.Tensor], seen: int) -> None:
+    """Write `by_position`'s `scores` into the slots of this state, where they `fit`."""
     index, live = _slot_index(storage, seen)
     for name, saved in scores.items():
         values = saved.to(storage.device).reshape(storage.batch, -1).gather(1, index)
         storage.stats[name] = torch.where(live, values, storage.stats[name])
-    return True
