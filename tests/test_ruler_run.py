@@ -73,6 +73,10 @@ def test_ruler_records_every_answer_and_resumes_only_what_is_missing(tmp_path, t
         return sorted((r["key"], r["output"], r["score"]) for r in map(json.loads, rows))
 
     assert again[:7] == lines[:7] and answers(again) == answers(lines)
+    # answers cut at another length are another experiment: refused, the records untouched
+    code, _, stderr = _invoke(*_args(tiny_dir, tmp_path)[:-4], "--max-new-tokens", "4", "--out", str(tmp_path),
+                              "--name", "r")
+    assert code == 2 and "use another --name" in stderr and results.read_text().splitlines() == again
     # another protocol adds to the same folder, under its own keys
     code, _, stderr = _invoke(*_args(tiny_dir, tmp_path, "--protocol", "multi", "--tasks", "niah_multikey_2",
                                      "--samples", "1", "--form", "turns"))
@@ -122,6 +126,7 @@ def test_ruler_on_a_qa_file(tmp_path, tiny_dir):
      "protocol multi --form aware-requests is meaningless for 'window'"),
     (["--protocol", "multi", "--form", "sideways", "--tasks", "niah_multikey_1"], "unknown multi form 'sideways'"),
     (["--lengths", "9000"], "more than the model's context of 8192: use lengths up to 8192"),
+    (["--max-new-tokens", "-2"], "--max-new-tokens must be 0 (RULER's answer length) or positive, got -2"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, tiny_dir, extra, says):
     code, _, stderr = _invoke(*_args(tiny_dir, tmp_path, *extra))

@@ -194,13 +194,35 @@ def test_kvzip_reconstructs_each_context_once_for_the_whole_search(tmp_path, tin
     passes = count_repeat_forwards(monkeypatch)
     model, tokenizer = load_model(str(tiny_dir))
     cfg = config(tmp_path, policies=["kvzip"], length=400, start=2, cap=2, floor=16, resolution=3.0,
-                 min_accuracy_ratio=0.1)
+                 min_accuracy_ratio=0.1, max_new_tokens=2)
     _, records = run_task_envelope(cfg, model, tokenizer)
     answers = [r for r in records if isinstance(r, RulerRecord) and r.policy != "full"]
     budgets = {r.budget for r in answers}
     assert len(budgets) > 1  # more than one step over the same samples
     assert len(passes) == len({r.sample for r in answers}) == 2  # one repeat forward (one chunk) a context
     assert len(list((tmp_path / "runs" / "t" / "reconstruction").glob("*.pt"))) == 2
+
+
+def test_the_answer_cap_reaches_every_answer_and_is_part_of_the_folders_experiment(tmp_path, tiny_dir,
+                                                                                   monkeypatch):
+    """`--max-new-tokens` caps each answer the search generates (RULER's own length for niah_single_1 is far
+    longer), and a folder of capped answers refuses a rerun at another cap: its cells would mix both."""
+    from kvevict import load_model
+    from kvevict.errors import KvevictError
+    from kvevict.eval.ruler import protocols
+    from kvevict.eval.ruler.registry import get_task
+
+    limits, real = [], protocols.greedy
+    monkeypatch.setattr(protocols, "greedy", lambda model, state, limit, *rest, **kw: (
+        limits.append(limit), real(model, state, limit, *rest, **kw))[1])
+    model, tokenizer = load_model(str(tiny_dir))
+    cfg = config(tmp_path, length=400, start=2, cap=2, floor=16, resolution=3.0, min_accuracy_ratio=0.1,
+                 max_new_tokens=3)
+    run_task_envelope(cfg, model, tokenizer)
+    assert limits and set(limits) == {3} and get_task("niah_single_1").tokens_to_generate > 3
+    with pytest.raises(KvevictError, match="use another --name"):
+        run_task_envelope(config(tmp_path, length=400, start=2, cap=2, floor=16, resolution=3.0,
+                                 min_accuracy_ratio=0.1), model, tokenizer)
 
 
 def test_cli_prints_the_table_the_verdict_and_the_cost(tmp_path, tiny_dir):
@@ -222,6 +244,7 @@ def test_cli_prints_the_table_the_verdict_and_the_cost(tmp_path, tiny_dir):
     (["--samples-start", "10", "--samples-max", "30", "--policies", "full"], "raise --samples-max to at least 76"),
     (["--tasks", "no_such_task"], "no_such_task"),
     (["--policies", "full"], "never evicts"),
+    (["--max-new-tokens", "-1"], "--max-new-tokens must be 0 (RULER's answer length) or positive, got -1"),
 ])
 def test_bad_task_envelope_input_is_one_line(args, needle):
     from support import cli_error

@@ -15,6 +15,12 @@ from ..report.records import UNRECORDED_DTYPE
 from ..report.store import ResultStore
 
 
+def cap_identity(max_new_tokens: int | None) -> dict:
+    """The identity's part for a cap on answer tokens: answers cut at another length are another experiment.
+    Absent at RULER's own answer length (None), so folders written before the cap was pinned still resume."""
+    return {} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}
+
+
 def open_run_folder(folder: Path, identity: dict, config: dict, what: str = "results") -> ResultStore:
     """Create a run folder, check it is writable and holds the same experiment (`identity`) or none yet,
     and pin `identity` and `config` in its `run.json`. `what` names what it holds in the refusal.

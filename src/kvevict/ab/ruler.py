@@ -19,7 +19,7 @@ from ..eval.ruler.grid import RulerGrid, preflight, run_grid
 from ..progress import bars
 from ..report.records import Record, RulerRecord, load
 from ..report.store import ResultStore
-from .folder import open_run_folder
+from .folder import cap_identity, open_run_folder
 from .plan import run_folder
 
 
@@ -41,7 +41,7 @@ class RulerRun:
     def identity(self) -> dict:
         g = self.grid
         return {"model": self.model, "dtype": self.dtype, "seed": g.seed, "positions": g.positions, "text": g.text,
-                "qa": self.qa_path}
+                "qa": self.qa_path, **cap_identity(g.max_new_tokens)}
 
     def config(self) -> dict:
         g = asdict(self.grid)

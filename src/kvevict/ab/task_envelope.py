@@ -41,7 +41,7 @@ from ..report.store import ResultStore
 from ..report.task_envelope import cells_of
 from ..report.tolerance import Tolerance, judge_accuracy
 from .bisection import Bracket, step
-from .folder import open_run_folder
+from .folder import cap_identity, open_run_folder
 from .grid_shards import GridSpec, run_shards, shard
 from .plan import canonical, run_folder
 from .ruler import keeper, max_positions
@@ -69,6 +69,7 @@ class TaskEnvelopeConfig:
     text: str = "pg-essays"
     name: str = "task-envelope"
     out: str = "runs"
+    max_new_tokens: int | None = None  # None: RULER's answer length of the task
 
     def looks(self) -> list[int]:
         """The sample counts a cell is judged at: start, 2 x start, ... up to and including cap."""
@@ -82,12 +83,13 @@ class TaskEnvelopeConfig:
     def grid(self, policies: list[str], budgets: list[int], samples: int) -> RulerGrid:
         return RulerGrid(tasks=[self.task], lengths=[self.length], samples=samples, policies=policies,
                          budgets=list(budgets), protocol=self.protocol, seed=self.seed, positions=self.positions,
-                         text=self.text, scores=str(run_folder(self.out, self.name) / "reconstruction"))
+                         text=self.text, max_new_tokens=self.max_new_tokens,
+                         scores=str(run_folder(self.out, self.name) / "reconstruction"))
 
     def identity(self) -> dict:
         return {"model": self.model, "dtype": self.dtype, "seed": self.seed, "positions": self.positions,
                 "text": self.text, "task": self.task, "length": self.length, "protocol": self.protocol,
-                "search": "task-envelope"}
+                "search": "task-envelope", **cap_identity(self.max_new_tokens)}
 
     def check(self) -> list[str]:
         """Everything refused before a model loads; the configurations' canonical specs."""

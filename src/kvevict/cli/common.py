@@ -161,6 +161,16 @@ def min_accuracy_ratio_option():
                         "a share of the full cache's, in (0, 1] (e.g. 0.95; replaces --max-accuracy-drop)")
 
 
+def max_new_tokens_option(scope: str = ""):
+    return typer.Option(0, "--max-new-tokens", help=f"{scope}cap on answer tokens (0: RULER's answer length per task)")
+
+
+def answer_cap(max_new_tokens: int) -> int | None:
+    """`--max-new-tokens` as `RulerGrid.max_new_tokens`: 0 is RULER's own answer length (None); a negative
+    value is passed on for the grid's check to refuse."""
+    return max_new_tokens or None
+
+
 def max_kl_option():
     return typer.Option(None, "--max-kl", help="verdict tolerance: mean KL(full ‖ policy) in nats per token "
                         "(default: KL not judged)")

@@ -20,11 +20,13 @@ from .common import (
     MODEL_HELP,
     POSITIONS_HELP,
     address_option,
+    answer_cap,
     check_device,
     check_dtype,
     check_positions,
     executor_option,
     max_accuracy_drop_option,
+    max_new_tokens_option,
     min_accuracy_ratio_option,
     one_line_errors,
     parse_chunk,
@@ -120,6 +122,7 @@ def envelope(
                                       help="--tasks: samples a cell is first judged on, and added per look"),
     samples_max: int = typer.Option(DEFAULT_SAMPLES_MAX,
                                     help="--tasks: the most samples a cell takes; undecided there = not inside"),
+    max_new_tokens: int = max_new_tokens_option("--tasks: "),
     executor: str = executor_option(),
     address: str = address_option(),
     workers: int = workers_option(),
@@ -133,7 +136,7 @@ def envelope(
         accuracy = tolerance_from(None, max_accuracy_drop, None, min_accuracy_ratio=min_accuracy_ratio)
         return _tasks(model, dtype, tasks, lengths, protocol, policies, floor, resolution, accuracy,
                       samples_start, samples_max, seed, positions, text, name, out_dir, allow_download, device,
-                      remote_executor(executor, address, workers, retries))
+                      remote_executor(executor, address, workers, retries), answer_cap(max_new_tokens))
     from ..ab.envelope import EnvelopeConfig, configurations, run_envelope
     from ..loading.models import model_dtype
     from ..policies.engine_defaults import run_positions
@@ -165,7 +168,7 @@ def envelope(
 
 
 def _tasks(model, dtype, tasks, lengths, protocol, policies, floor, resolution, accuracy, start, cap, seed,
-           positions, text, name, out_dir, allow_download, device, runner=None) -> None:
+           positions, text, name, out_dir, allow_download, device, runner=None, max_new_tokens=None) -> None:
     from ..eval.ruler.registry import parse_tasks
     from ..loading.models import model_dtype
     from ..policies.engine_defaults import run_positions
@@ -180,7 +183,8 @@ def _tasks(model, dtype, tasks, lengths, protocol, policies, floor, resolution, 
         policies=split_specs(policies), floor=floor, resolution=resolution,
         max_accuracy_drop=accuracy.max_accuracy_drop, min_accuracy_ratio=accuracy.min_accuracy_ratio, start=start,
         cap=cap,
-        seed=seed, positions=run_positions(split_specs(policies), positions), text=text, name=name, out=out_dir)
+        seed=seed, positions=run_positions(split_specs(policies), positions), text=text, name=name, out=out_dir,
+        max_new_tokens=max_new_tokens)
     run_tasks(options, allow_download, device, runner)
 
 

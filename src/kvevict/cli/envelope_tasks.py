@@ -32,6 +32,7 @@ class TaskOptions:
     text: str
     name: str
     out: str
+    max_new_tokens: int | None = None  # None: RULER's answer length of the task
 
 
 def task_configs(options: TaskOptions) -> list:
@@ -46,6 +47,7 @@ def task_configs(options: TaskOptions) -> list:
         start=options.start, cap=options.cap, seed=options.seed,
         positions=options.positions, text=options.text,
         name=f"{options.name}-{task}-{length}" if several else options.name, out=options.out,
+        max_new_tokens=options.max_new_tokens,
     ) for task in options.tasks for length in options.lengths]
     for config in configs:
         config.check()

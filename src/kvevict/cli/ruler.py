@@ -20,12 +20,14 @@ from .common import (
     MODEL_HELP,
     POSITIONS_HELP,
     address_option,
+    answer_cap,
     check_device,
     check_dtype,
     err,
     executor_option,
     max_accuracy_drop_option,
     max_kl_option,
+    max_new_tokens_option,
     max_ppl_ratio_option,
     min_accuracy_ratio_option,
     one_line_errors,
@@ -62,7 +64,7 @@ def ruler(
     text: str = typer.Option("pg-essays", help="essay haystack: embedded name, .txt file, folder or .jsonl"),
     seed: int = typer.Option(0, help="seed of every sample"),
     positions: str | None = typer.Option(None, show_default=False, help=POSITIONS_HELP),
-    max_new_tokens: int = typer.Option(0, help="cap on answer tokens (0: RULER's answer length per task)"),
+    max_new_tokens: int = max_new_tokens_option(),
     as_json: bool = typer.Option(False, "--json", help="print {'cells': [...]} as the last line"),
     allow_download: bool = typer.Option(False, "--allow-download", help=DOWNLOAD_HELP),
     device: str = typer.Option("cpu", help=DEVICE_HELP),
@@ -97,8 +99,6 @@ def ruler(
     if not specs:
         raise KvevictError("--policies is empty: give comma-separated specs such as window,h2o,snapkv")
     specs, positions = settle_specs(specs, None, positions)
-    if max_new_tokens < 0:
-        raise KvevictError(f"--max-new-tokens must be 0 (RULER's) or positive, got {max_new_tokens}")
     rows = tuple(load_qa(qa)) if qa else ()
     grid = RulerGrid(
         tasks=parse_tasks(tasks) if not qa else ["qa"],
@@ -106,7 +106,7 @@ def ruler(
         samples=samples if samples is not None else (len(rows) if qa else RULER_SAMPLES), policies=specs,
         budgets=[parse_budget(b) for b in split_specs(budgets)],
         protocol=protocol, form=form, seed=seed, positions=positions, text=text,
-        qa=QaFile(rows) if qa else None, max_new_tokens=max_new_tokens or None,
+        qa=QaFile(rows) if qa else None, max_new_tokens=answer_cap(max_new_tokens),
     )
     grid.check()
     from ..loading import load_model
