@@ -56,7 +56,7 @@ def answers(path) -> dict:
 
 def grid() -> RulerGrid:
     return RulerGrid(tasks=["niah_single_1", "niah_multikey_1"], lengths=[400], samples=3,
-                     policies=["window", "h2o"], budgets=["50%", "25%"])
+                     policies=["window", "h2o"], budgets=["50%", "25%"], max_new_tokens=4)
 
 
 def test_a_shard_is_one_sample_of_every_task_length_and_budget():
@@ -92,7 +92,7 @@ def test_the_task_envelope_on_shards_takes_the_local_searchs_steps(tmp_path, tin
 
     model, tokenizer = load_model(str(tiny_dir))
     base = dict(model=str(tiny_dir), length=400, policies=["window", "h2o"], start=2, cap=4, floor=16,
-                resolution=2.0, max_accuracy_drop=0.6, out=str(tmp_path / "runs"))
+                resolution=2.0, max_accuracy_drop=0.6, out=str(tmp_path / "runs"), max_new_tokens=4)
     steps: dict[str, list] = {"local": [], "sharded": []}
     run_task_envelope(TaskEnvelopeConfig(**base, name="local"), model, tokenizer, on_step=steps["local"].append)
     executor = Scattered()

@@ -171,7 +171,7 @@ def test_on_a_tiny_model_every_cell_is_answered_on_the_full_caches_samples(tmp_p
 
     model, tokenizer = load_model(str(tiny_dir))
     cfg = config(tmp_path, length=400, start=2, cap=4, floor=16, resolution=2.0,
-                 max_accuracy_drop=0.6)  # 4 agreeing answers can show 60 points at 97.5%: the search may end inside
+                 max_accuracy_drop=0.6, max_new_tokens=4)  # 4 agreeing answers can show 60 points at 97.5%: the search may end inside
     store, records = run_task_envelope(cfg, model, tokenizer)
     answers = [r for r in records if isinstance(r, RulerRecord)]
     full = {r.sample for r in answers if r.policy == "full"}
@@ -230,7 +230,8 @@ def test_cli_prints_the_table_the_verdict_and_the_cost(tmp_path, tiny_dir):
 
     result = cli("envelope", "--model", str(tiny_dir), "--tasks", "niah_single_1", "--lengths", "400", "--policies",
                  "window", "--floor", "16", "--resolution", "2", "--samples-start", "2", "--samples-max", "4",
-                 "--max-accuracy-drop", "0.6", "--out", str(tmp_path / "runs"), "--name", "t", env={"COLUMNS": "200"})
+                 "--max-accuracy-drop", "0.6", "--max-new-tokens", "4", "--out", str(tmp_path / "runs"), "--name", "t",
+                 env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.stderr
     assert "smallest inside" in result.stdout and "niah_single_1 at 400 tokens" in result.stdout
     answers = len((tmp_path / "runs" / "t" / "results.jsonl").read_text().splitlines())

@@ -51,7 +51,7 @@ def test_envelope_tasks_on_a_tiny_model_under_the_ratio_resumes(tmp_path, tiny_d
     answers nothing new."""
     args = ["envelope", "--model", str(tiny_dir), "--tasks", "niah_single_1", "--lengths", "400", "--policies",
             "window", "--floor", "16", "--resolution", "2", "--samples-start", "2", "--samples-max", "4",
-            "--min-accuracy-ratio", "0.5", "--out", str(tmp_path / "runs"), "--name", "t"]
+            "--min-accuracy-ratio", "0.5", "--max-new-tokens", "4", "--out", str(tmp_path / "runs"), "--name", "t"]
     result = cli(*args, env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.stderr
     folder = tmp_path / "runs" / "t"
