@@ -170,8 +170,9 @@ def test_on_a_tiny_model_every_cell_is_answered_on_the_full_caches_samples(tmp_p
     from kvevict.report.records import RulerRecord
 
     model, tokenizer = load_model(str(tiny_dir))
-    cfg = config(tmp_path, length=400, start=2, cap=4, floor=16, resolution=2.0,
-                 max_accuracy_drop=0.6, max_new_tokens=4)  # 4 agreeing answers can show 60 points at 97.5%: the search may end inside
+    # 4 agreeing answers can show 60 points at 97.5%: the search may end inside
+    cfg = config(tmp_path, length=400, start=2, cap=4, floor=16, resolution=2.0, max_accuracy_drop=0.6,
+                 max_new_tokens=4)
     store, records = run_task_envelope(cfg, model, tokenizer)
     answers = [r for r in records if isinstance(r, RulerRecord)]
     full = {r.sample for r in answers if r.policy == "full"}
