@@ -74,8 +74,7 @@ def test_ruler_records_every_answer_and_resumes_only_what_is_missing(tmp_path, t
 
     assert again[:7] == lines[:7] and answers(again) == answers(lines)
     # answers cut at another length are another experiment: refused, the records untouched
-    code, _, stderr = _invoke(*_args(tiny_dir, tmp_path)[:-4], "--max-new-tokens", "4", "--out", str(tmp_path),
-                              "--name", "r")
+    code, _, stderr = _invoke(*_args(tiny_dir, tmp_path, "--max-new-tokens", "4"))  # the last one given counts
     assert code == 2 and "use another --name" in stderr and results.read_text().splitlines() == again
     # another protocol adds to the same folder, under its own keys
     code, _, stderr = _invoke(*_args(tiny_dir, tmp_path, "--protocol", "multi", "--tasks", "niah_multikey_2",

@@ -17,8 +17,8 @@ from ..report.store import ResultStore
 
 def cap_identity(max_new_tokens: int | None) -> dict:
     """The identity's part for a cap on answer tokens: answers cut at another length are another experiment.
-    Absent at RULER's own answer length (None), so folders written before the cap was pinned still resume."""
-    return {} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}
+    Absent at RULER's own answer length (None or 0), so folders written before the cap was pinned still resume."""
+    return {"max_new_tokens": max_new_tokens} if max_new_tokens else {}
 
 
 def open_run_folder(folder: Path, identity: dict, config: dict, what: str = "results") -> ResultStore:

@@ -56,7 +56,7 @@ class RulerGrid:
         check_protocol(self.protocol, self.form)
         if self.samples < 1:
             raise KvevictError(f"--samples must be at least 1, got {self.samples}")
-        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+        if self.max_new_tokens is not None and self.max_new_tokens < 0:  # 0, like None: RULER's length
             raise KvevictError(f"--max-new-tokens must be 0 (RULER's answer length) or positive, "
                                f"got {self.max_new_tokens}")
         if self.qa is None:
