@@ -25,14 +25,37 @@
 | `inputs.py` | positions the model used; errors for inputs the cache refuses |
 | `replay.py` | token-by-token eviction inside a forward of many tokens (chunked evaluation) |
 | `attention.py` | the registered attention function and mask hook |
+
+The public names are imported on first use (PEP 562): a submodule such as `model_info` is read
+without importing transformers' cache and attention machinery.
 """
 
-from ..position_modes import POSITION_MODES
-from .attention import attach
-from .cache import EvictingCache
-from .layer import EvictingLayer
-from .observers import Eviction, KeptTracker, Observer, SinkTracker
+from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from ..lazy import exports
+from ..position_modes import POSITION_MODES
+
+# public name -> the submodule that defines it
+_EXPORTS = {
+    "EvictingCache": ".cache",
+    "EvictingLayer": ".layer",
+    "Eviction": ".observers",
+    "KeptTracker": ".observers",
+    "Observer": ".observers",
+    "SinkTracker": ".observers",
+    "attach": ".attention",
+}
+
+if TYPE_CHECKING:
+    from .attention import attach
+    from .cache import EvictingCache
+    from .layer import EvictingLayer
+    from .observers import Eviction, KeptTracker, Observer, SinkTracker
+
+
+__getattr__, __dir__ = exports(__name__, _EXPORTS)
 __all__ = [
     "POSITION_MODES",
     "EvictingCache",

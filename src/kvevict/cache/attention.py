@@ -22,8 +22,6 @@ import threading
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
 
 from ..errors import KvevictError
 from .inputs import padded_batch_error
@@ -145,7 +143,11 @@ def handoffs(model) -> dict[int, threading.local]:
 
 
 def attach(model) -> None:
-    """Route `model`'s attention through kvevict (idempotent)."""
+    """Route `model`'s attention through kvevict (idempotent). transformers' interfaces live with its modeling
+    code, which a loaded model has imported already: importing them here keeps the engine's import light."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
     AttentionInterface.register(NAME, kvevict_attention)
     AttentionMaskInterface.register(NAME, kvevict_mask)
     if getattr(model.config, "_attn_implementation", None) != NAME:

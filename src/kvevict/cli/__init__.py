@@ -14,6 +14,8 @@ The commands are plain functions; `COMMANDS` registers them on `app`, in the ord
 
 from __future__ import annotations
 
+import os
+
 import typer
 
 from . import ab, engine, envelope, lmeval, ruler, stream, tasks
@@ -29,10 +31,11 @@ for _command in COMMANDS:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of the `kvevict` script."""
-    from transformers.utils import logging as hf_logging
+    """Entry point of the `kvevict` script.
 
-    hf_logging.set_verbosity_error()  # config warnings are not the user's business here
+    Config warnings are not the user's business here: transformers reads its verbosity from the environment
+    when a command first imports it, so `--help` never imports transformers (or torch) at all."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     app(args=argv, standalone_mode=True)
 
 

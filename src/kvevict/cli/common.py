@@ -115,7 +115,7 @@ CHUNK_HELP = "tokens per forward after the prefill, evicting token by token insi
 
 def parse_chunk(text: str) -> int:
     """`--chunk` as a whole number >= 1 (parsed here, not by typer, so a bad value is one line)."""
-    from ..eval.streaming import check_chunk
+    from ..eval.chunks import check_chunk
 
     try:
         value = int(text)

@@ -9,7 +9,6 @@ import typer
 from ..defaults import DEFAULT_CHUNK
 from ..errors import KvevictError
 from ..report.columns import KV_BF16, KV_HELD, MEAN_KEPT, Column, Table, mean_kept
-from ..report.kv_bytes import mib, summary_bytes
 from .common import (
     CHUNK_HELP,
     DEVICE_HELP,
@@ -39,15 +38,19 @@ PPL: list[Column[dict]] = [
     Column("sink_loss", lambda r: f"{r.get('sink_loss', 0.0):.2f}", drop=5),
     Column("kept", lambda r: str(r["max_kept"]), drop=3),
     Column(MEAN_KEPT, lambda r: mean_kept(r.get("mean_kept")), drop=3),
-    Column(KV_HELD, lambda r: mib(r["kv"].held), drop=7),
-    Column(KV_BF16, lambda r: mib(r["kv"].bf16), drop=8),
+    Column(KV_HELD, lambda r: r["kv_held"], drop=7),
+    Column(KV_BF16, lambda r: r["kv_bf16"], drop=8),
     Column("s", lambda r: f"{r['seconds']:.1f}", drop=1),
 ]
 
 
 def _with_bytes(summaries: list[dict]) -> list[dict]:
-    """The rows with their KV bytes per sequence (`report.kv_bytes.summary_bytes`: the full row's from the others)."""
-    return [{**s, "kv": b} for s, b in zip(summaries, summary_bytes(summaries))]
+    """The rows with their KV bytes per sequence (`report.kv_bytes.summary_bytes`: the full row's from the others),
+    as numbers (`kv`) and as the table prints them."""
+    from ..report.kv_bytes import mib, summary_bytes
+
+    return [{**s, "kv": b, "kv_held": mib(b.held), "kv_bf16": mib(b.bf16)}
+            for s, b in zip(summaries, summary_bytes(summaries))]
 
 
 def note_unreached(budget: int, tokens: int) -> None:
@@ -75,7 +78,6 @@ def ppl(
 ) -> None:
     """Streaming perplexity of one policy at one budget."""
     from ..data import load_tokens
-    from ..eval.streaming import streaming_ppl
     from ..loading import load_model, load_tokenizer
     from ..loading.dtypes import dtype_name
 
@@ -91,6 +93,8 @@ def ppl(
     lm, _ = load_model(model, device=device, allow_download=allow_download, dtype=dtype)
     if repeated:
         err.print(f"note: '{text}' is shorter than {tokens} tokens; it was repeated to fill the stream")
+    from ..eval.streaming import streaming_ppl  # transformers' cache module, which the load has imported
+
     result = streaming_ppl(lm, ids, policy=policy, budget=budget, positions=positions, chunk=chunk_size)
     note_unreached(budget, ids.numel())
     summary = result.summary()

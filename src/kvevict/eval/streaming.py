@@ -30,6 +30,7 @@ from ..errors import KvevictError
 from ..policies.base import held_per_step
 from ..position_modes import DEFAULT_POSITIONS
 from ..progress import bars
+from .chunks import boundaries, check_chunk
 from .forward import body, log_probs
 from .sink_loss import sink_loss
 
@@ -192,18 +193,6 @@ class _Lane:
         hidden = body(self.model, ids, self.cache)
         self.seconds += time.perf_counter() - t0
         return hidden
-
-
-def check_chunk(chunk: object) -> int:
-    """A chunk is a whole number of tokens per forward, at least 1."""
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise KvevictError(f"chunk must be a whole number of tokens >= 1 (1 = token by token), got {chunk!r}")
-    return chunk
-
-
-def boundaries(length: int, prefill: int, chunk: int) -> list[tuple[int, int]]:
-    """`(start, stop)` of every forward: the prefill, then chunks of `chunk` tokens."""
-    return [(0, prefill)] + [(t, min(t + chunk, length)) for t in range(prefill, length, chunk)]
 
 
 def blocks(q: int, rows: int, vocab: int) -> list[tuple[int, int]]:
