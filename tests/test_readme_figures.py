@@ -120,12 +120,14 @@ def test_losing_the_sink_costs_what_the_records_say():
 
 
 def test_streamingllm_at_20000_tokens():
+    (factor,) = said(r"StreamingLLM's result holds at our scale, at (\d\.\d)× rather than 1000×")
     sink, window, dense = said(r"shifted positions scores (\d+\.\d\d) against (\d+\.\d\d) for the plain window; "
                                r"the full cache collapses .*? \((\d+\.\d) overall\)")
     name = "headline-20k-cache.jsonl"
     check(sink, ppl(name, "sink4+window", 1024).ppl, "StreamingLLM at 20K")
     check(window, ppl(name, "window", 1024).ppl, "the window at 20K")
     check(dense, full(name).ppl, "the full cache at 20K")
+    check(factor, ppl(name, "window", 1024).ppl / ppl(name, "sink4+window", 1024).ppl, "what the sinks are worth")
 
 
 def test_tova_and_h2o_on_perplexity():
@@ -294,15 +296,35 @@ def test_kvzip_and_tova_envelopes_on_gemma3():
 
 
 def test_kvzip_envelopes_on_smollm2():
-    floor, share, multikey = said(r"ends at the search's floor, (\d+) entries and (\d\.\d)% of the bytes, where TOVA "
-                                  r"and LagKV need 65% .*? shown within 5 points at (\d+)% of the context")
+    floor, share, others, multikey, on_gpu, on_cpu = said(
+        r"ends at the search's floor, (\d+) entries and (\d\.\d)% of the bytes, where TOVA and LagKV need (\d+)% .*? "
+        r"shown within 5 points at (\d+)% of the context, .*?: (\d+) answers on the GPU, (\d+) on the CPU\)")
+    (holds,) = said(r"KVzip holds at (\d+)% \(below, measured on a GPU\)")
     cells, _ = task_cells("envelope-single-ratio-2k-kvzip-smollm2.jsonl", "kvzip", 70)
     best, _ = smallest(cells)
     assert best.budget == int(floor) == min(cells)
     check(share, share_of_bytes(best), "KVzip's share of the bytes at its floor")
-    cells, shortest = task_cells("envelope-multikey-2k-kvzip-smollm2.jsonl", "kvzip", 80, ratio=None)
+    for spec in ("tova", "lagkv"):
+        tova, _ = smallest(task_cells("envelope-single-ratio-2k-smollm2.jsonl", spec, 70)[0])
+        check(others, share_of_bytes(tova), f"{spec}'s share of the bytes on the same task")
+    name = "envelope-multikey-2k-kvzip-smollm2.jsonl"
+    cells, shortest = task_cells(name, "kvzip", 80, ratio=None)
     best, _ = smallest(cells)
-    check(multikey, 100 * best.budget / shortest, "KVzip's share of the context among several keys")
+    for written in (multikey, holds):
+        check(written, 100 * best.budget / shortest, "KVzip's share of the context among several keys")
+    assert len(ruler_records(records(name))) == int(on_gpu) + int(on_cpu)
+
+
+def test_only_streamingllm_holds_among_several_keys_on_smollm2():
+    """"only StreamingLLM at SmolLM2's context less a handful is shown within 5 points": its smallest budget inside
+    evicts fewer than a dozen entries of any prompt, and H2O and TOVA are inside nowhere."""
+    said(r"only StreamingLLM at SmolLM2's context less a handful is shown within 5 points")
+    name = "envelope-multikey-2k-smollm2.jsonl"
+    found = ruler_records(records(name))
+    best, _ = smallest(task_cells(name, "sink4+window", 80, ratio=None)[0])  # streamingllm, as records spell it
+    assert 0 < max(r.context_tokens for r in found) - best.budget < 12
+    for spec in ("h2o", "tova"):
+        assert smallest(task_cells(name, spec, 80, ratio=None)[0])[0] is None, spec
 
 
 # --- the leading policies --------------------------------------------------------------------------------------
@@ -339,8 +361,9 @@ def test_kvzip_at_4k_on_smollm2_loses_no_answer():
 def test_expected_attention_on_the_single_needle():
     most, of, reach = said(r"finds at most (\d+) single needle in (\d+) on either embedded model at every share "
                            r"measured short of the whole context \(up to (\d+)% of it\)")
-    whole, n_whole, none_at = said(r"its envelope on SmolLM2 is the whole context, where it finds (\d+) of (\d+) "
-                                   r"\(none of 10 at (\d+)%")
+    whole, n_whole, none_at, safe_at = said(
+        r"its envelope on SmolLM2 is the whole context, where it finds (\d+) of (\d+) \(none of 10 at (\d+)%, where "
+        r"TOVA and LagKV are shown safe at (\d+)%")
     grids = [f"leading-{kind}-{length}-{model}.jsonl" for kind in ("grid", "aware") for length in ("2k", "4k")
              for model in ("smollm2", "gemma3")]
     cells = [answers(name, "expected-attention", budget, protocol="aware" if "aware" in name else "agnostic")
@@ -357,6 +380,9 @@ def test_expected_attention_on_the_single_needle():
     top = {r.sample: r.score for r in found if r.budget == str(probes[-1]) and r.policy != "full"}
     assert (hits(top), len(top)) == (int(whole), int(n_whole))
     assert probes[-1] >= shortest - 1  # the whole context: every entry the shortest prompt's context holds but one
+    for spec in ("tova", "lagkv"):
+        cells, context = task_cells("envelope-single-ratio-2k-smollm2.jsonl", spec, 70)
+        check(safe_at, 100 * smallest(cells)[0].budget / context, f"{spec}'s smallest safe share")
 
 
 # --- speed ---------------------------------------------------------------------------------------------------
