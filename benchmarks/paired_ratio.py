@@ -17,8 +17,8 @@ import argparse
 import math
 from pathlib import Path
 
-from kvevict.report.records import load, ppl_records
-from kvevict.report.store import ResultStore
+from kvevict.records.schema import load, ppl_records
+from kvevict.records.store import ResultStore
 from kvevict.report.uncertainty import blocks, paired_difference
 
 

@@ -10,8 +10,8 @@ from dataclasses import replace
 
 import pytest
 
+from kvevict.records.schema import RulerRecord
 from kvevict.report.markdown import run_markdown
-from kvevict.report.records import RulerRecord
 from kvevict.report.sections import decision
 from kvevict.report.tolerance import Tolerance
 from kvevict.report.verdict import verdict

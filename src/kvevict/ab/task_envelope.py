@@ -36,8 +36,8 @@ from ..eval.ruler.registry import get_task
 from ..loading.dtypes import dtype_name
 from ..policies import check_policy
 from ..position_modes import DEFAULT_POSITIONS
-from ..report.records import load
-from ..report.store import ResultStore
+from ..records.schema import load
+from ..records.store import ResultStore
 from ..report.task_envelope import cells_of
 from ..report.tolerance import Tolerance, judge_accuracy
 from .bisection import Bracket, step

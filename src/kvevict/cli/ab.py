@@ -59,8 +59,8 @@ def run_ab(config, allow_download: bool = False, executor=None, device: str = "c
     recorded in `run.json`."""
     from ..ab import run_sweep
     from ..ab.executors import LocalExecutor
+    from ..records.schema import ppl_records
     from ..report.kv_bytes import equal_bytes
-    from ..report.records import ppl_records
     from ..report.runs import load_run, record_tolerance
     from ..report.tables import summary_table
     from ..report.tolerance import Tolerance

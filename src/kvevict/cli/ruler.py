@@ -84,9 +84,9 @@ def ruler(
     from ..eval.ruler.qa import QaFile, load_qa
     from ..eval.ruler.registry import parse_tasks
     from ..policies.budget import parse_budget
+    from ..records.schema import ruler_records
     from ..report import ruler as ruler_report
     from ..report.html import render
-    from ..report.records import ruler_records
     from ..report.runs import record_tolerance
     from ..report.task_bytes import task_equal_bytes
     from ..report.verdict import verdict

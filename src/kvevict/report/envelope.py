@@ -16,8 +16,8 @@ import re
 from dataclasses import dataclass
 
 from ..errors import KvevictError
+from ..records.schema import PplRecord
 from .columns import Column, Table, number
-from .records import PplRecord
 from .tolerance import Judgement, Tolerance, judge_kl, judge_ppl
 from .uncertainty import blocks
 

@@ -19,7 +19,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .records import PplRecord
+from ..records.schema import PplRecord
 from .traits import kv_bits
 from .uncertainty import Interval, blocks, paired_difference
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..records.schema import Record, ppl_records, ruler_records
 from .compare import compare_table
 from .kv_bytes import equal_bytes
-from .records import Record, ppl_records, ruler_records
 from .ruler import bytes_table, ruler_table
 from .ruler import cells as ruler_cells
 from .runs import Run, run_names

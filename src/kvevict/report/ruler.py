@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 from scipy import stats
 
+from ..records.schema import OWN_LENGTHS, PplRecord, RulerRecord
 from .columns import Table
 from .kv_bytes import mib
-from .records import OWN_LENGTHS, PplRecord, RulerRecord
 from .tables import budget_order
 from .uncertainty import Interval, wilson
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..records.schema import RulerRecord
 from .kv_bytes import EQUAL_BYTES, mib
-from .records import RulerRecord
 from .ruler import where_label
 from .tolerance import drop_interval
 from .traits import kv_bits

@@ -14,9 +14,9 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, replace
 
+from ..records.schema import RulerRecord
 from .columns import Column, Table, number
 from .kv_bytes import mib
-from .records import RulerRecord
 from .tolerance import Judgement, Tolerance, judge_accuracy
 
 

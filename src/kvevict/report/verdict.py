@@ -38,9 +38,9 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from ..eval.sink_loss import unbounded_note
+from ..records.schema import PplRecord, Record, ppl_records, ruler_records, task_records
 from .columns import number
 from .kv_bytes import mib
-from .records import PplRecord, Record, ppl_records, ruler_records, task_records
 from .ruler import FLOOR, TaskScore, beyond, judged, rank_agreement, where_label
 from .tables import budget_order
 from .tolerance import Judgement, Tolerance, judge_accuracy, judge_kl, judge_pair, judge_ppl
