@@ -19,7 +19,7 @@ from pathlib import Path
 
 from kvevict.records.schema import load, ppl_records
 from kvevict.records.store import ResultStore
-from kvevict.report.uncertainty import blocks, paired_difference
+from kvevict.stats.uncertainty import blocks, paired_difference
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ from kvevict.ab.task_envelope import TaskEnvelopeConfig, context_top, keeper, ru
 from kvevict.eval.ruler.grid import run_grid
 from kvevict.records.schema import RulerRecord, load
 from kvevict.report.task_envelope import cells_of, scores
-from kvevict.report.tolerance import Tolerance, judge_accuracy
+from kvevict.stats.tolerance import Tolerance, judge_accuracy
 
 
 def main() -> None:

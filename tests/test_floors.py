@@ -1,5 +1,6 @@
-"""The floors below the harness and the report: `records/` (what a run writes) imports neither `ab/` nor
-`report/`, so both stand on it and neither stands on the other for it."""
+"""The floors below the harness and the report: `records/` (what a run writes) and `stats/` (the intervals and the
+tolerance rule) import neither `ab/` nor `report/`, so both stand on them and neither stands on the other for them;
+`stats/` knows no record either."""
 
 import ast
 import subprocess
@@ -10,7 +11,10 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "kvevict"
 #: floor -> packages it must never import
-FLOORS = {"records": ("kvevict.ab", "kvevict.report", "kvevict.cli", "kvevict.integrations")}
+FLOORS = {
+    "records": ("kvevict.ab", "kvevict.report", "kvevict.cli", "kvevict.integrations"),
+    "stats": ("kvevict.ab", "kvevict.report", "kvevict.cli", "kvevict.integrations", "kvevict.records"),
+}
 
 
 def _imported(path: Path, package: str) -> set[str]:

@@ -14,7 +14,7 @@ from kvevict.ab.task_envelope import TaskEnvelopeConfig, run_task_envelope
 from kvevict.eval.ruler.grid import record_key
 from kvevict.policies.budget import budget_label
 from kvevict.report.task_envelope import at_cap, cells_of, judge_cell, search_cost, smallest
-from kvevict.report.tolerance import judge_accuracy
+from kvevict.stats.tolerance import judge_accuracy
 
 TOP = 120  # the oracle's context: budgets are searched below it
 

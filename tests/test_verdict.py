@@ -13,9 +13,9 @@ from kvevict.records.schema import PplRecord, TaskRecord
 from kvevict.records.store import ResultStore
 from kvevict.report.html import render
 from kvevict.report.sections import SECTIONS
-from kvevict.report.tolerance import Tolerance
-from kvevict.report.uncertainty import blocks, mean_interval, paired_difference, wilson
 from kvevict.report.verdict import HOW, markdown, verdict
+from kvevict.stats.tolerance import Tolerance
+from kvevict.stats.uncertainty import blocks, mean_interval, paired_difference, wilson
 
 from support import cli
 

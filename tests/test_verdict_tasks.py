@@ -13,8 +13,8 @@ import pytest
 from kvevict.records.schema import RulerRecord
 from kvevict.report.markdown import run_markdown
 from kvevict.report.sections import decision
-from kvevict.report.tolerance import Tolerance
 from kvevict.report.verdict import verdict
+from kvevict.stats.tolerance import Tolerance
 from test_verdict import FULL, row
 
 

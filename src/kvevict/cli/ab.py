@@ -63,8 +63,8 @@ def run_ab(config, allow_download: bool = False, executor=None, device: str = "c
     from ..report.kv_bytes import equal_bytes
     from ..report.runs import load_run, record_tolerance
     from ..report.tables import summary_table
-    from ..report.tolerance import Tolerance
     from ..report.verdict import verdict
+    from ..stats.tolerance import Tolerance
 
     check_device(device)
     if config.positions is not None:

@@ -182,7 +182,7 @@ def tolerance_from(max_ppl_ratio: float | None, max_accuracy_drop: float | None,
     An impossible one (a ratio at or below 1, a drop outside [0, 1)) is one line naming the option. The accuracy
     rule is one of two: a drop given replaces a recorded ratio, a ratio given replaces the drop; both given at once
     is refused."""
-    from ..report.tolerance import Tolerance
+    from ..stats.tolerance import Tolerance
 
     if max_accuracy_drop is not None and min_accuracy_ratio is not None:
         raise KvevictError("--max-accuracy-drop and --min-accuracy-ratio are two accuracy rules, one at a time: give "

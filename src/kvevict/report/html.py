@@ -16,11 +16,11 @@ from pathlib import Path
 
 from ..files import atomic_write
 from ..records.schema import UNRECORDED_DTYPE, Record
+from ..stats.tolerance import Tolerance
 from .compare import compare_table
 from .markup import table_html
 from .runs import Run, run_names, run_notes, stream_start_label
 from .sections import SECTIONS
-from .tolerance import Tolerance
 from .verdict import section_html, verdict
 
 COMPARE_INTRO = (

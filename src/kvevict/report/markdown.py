@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..records.schema import Record, ppl_records, ruler_records
+from ..stats.tolerance import Tolerance
 from .compare import compare_table
 from .kv_bytes import equal_bytes
 from .ruler import bytes_table, ruler_table
@@ -16,7 +17,6 @@ from .ruler import cells as ruler_cells
 from .runs import Run, run_names
 from .tables import layer_budget_table, sinks_table, summary_table
 from .task_bytes import task_equal_bytes
-from .tolerance import Tolerance
 from .verdict import markdown as verdict_markdown
 from .verdict import verdict
 

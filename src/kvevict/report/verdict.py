@@ -5,7 +5,7 @@ not rest on a difference the data cannot carry. Safe means *shown* inside a tole
 user states (`tolerance.Tolerance`: by default PPL within 5% of the full cache's, task
 accuracy within 5 points), never "not told apart from the full cache": with a few samples
 almost nothing can be told apart. Every policy is judged against the full cache on the same
-data (`tolerance.judge_ppl`, `judge_kl`, `judge_accuracy`: paired intervals) on every metric
+data (`stats.judge.judge`: paired intervals) on every metric
 the run holds: PPL, KL where `max_kl` is stated, RULER task answers, pass-key trials. Per
 budget the verdict names, from the records alone:
 
@@ -39,13 +39,14 @@ from functools import cached_property
 
 from ..eval.sink_loss import unbounded_note
 from ..records.schema import PplRecord, Record, ppl_records, ruler_records, task_records
+from ..stats.judge import Judged, Measured, judge
+from ..stats.tolerance import Judgement, Tolerance
+from ..stats.uncertainty import Blocks, Interval, blocks, mean_interval, paired_difference, wilson
 from .columns import number
 from .kv_bytes import mib
 from .ruler import FLOOR, TaskScore, beyond, judged, rank_agreement, where_label
 from .tables import budget_order
-from .tolerance import Judgement, Tolerance, judge_accuracy, judge_kl, judge_pair, judge_ppl
 from .traits import is_preset, kv_bits, needs_attention, pinned
-from .uncertainty import Blocks, Interval, blocks, mean_interval, paired_difference, wilson
 
 #: outside and collapsed: the whole paired PPL ratio interval at or above this
 COLLAPSE_PPL = 2.0
@@ -136,11 +137,9 @@ class Candidate:
 
     @property
     def outcome(self) -> str:
-        """Outside if any metric is; inside if every stated metric is judged and inside; else undecided."""
-        found = [j.outcome for _, j in self.judgements]
-        if "outside" in found:
-            return "outside"
-        return "inside" if found and not self.missing and set(found) == {"inside"} else "undecided"
+        """Outside if any metric is; inside if every stated metric is judged and inside; else undecided
+        (`stats.judge.Judged.outcome`)."""
+        return Judged(self.judgements, self.missing).outcome
 
     def judged_text(self) -> str:
         return "; ".join(f"{label}: {j.text()}" for label, j in self.judgements) or "no paired data"
@@ -233,22 +232,15 @@ def _task_candidates(budget: str, tasks: dict[tuple[str, str], TaskScore]) -> li
 
 def _judged(c: Candidate, full: Blocks | None, tasks_stated: bool, tol: Tolerance) -> Candidate:
     """`c` with its judgements against the full cache on every metric the run states, and the ones it lacks."""
-    found: list[tuple[str, Judgement]] = []
-    missing: list[str] = []
-    if not math.isnan(c.ppl):
-        j = judge_ppl(c.nll_blocks, full, tol)
-        found.append(("PPL", j)) if j else missing.append("PPL")
-        if tol.max_kl is not None:
-            j = judge_kl(c.kl_blocks, tol)
-            found.append(("KL", j)) if j else missing.append("KL")
+    answers: dict[str, list[float]] = {}
+    reference: dict[str, list[float]] = {}
     if c.task is not None:
-        found.append(("tasks", judge_accuracy(c.task.scores, c.task.full_scores, tol)))
-    elif tasks_stated:
-        missing.append("tasks")
+        answers["tasks"], reference["tasks"] = c.task.scores, c.task.full_scores
     if c.needle is not None and c.needle.pairs:
-        found.append(("pass-key", judge_accuracy([p for p, _ in c.needle.pairs], [f for _, f in c.needle.pairs],
-                                                 tol)))
-    return replace(c, judgements=tuple(found), missing=tuple(missing))
+        answers["pass-key"], reference["pass-key"] = [p for p, _ in c.needle.pairs], [f for _, f in c.needle.pairs]
+    found = judge(Measured(c.nll_blocks, c.kl_blocks, answers, stream=not math.isnan(c.ppl)),
+                  Measured(full, answers=reference), tol, due=("tasks",) if tasks_stated else ())
+    return replace(c, judgements=found.judgements, missing=found.missing)
 
 
 def _collapse(c: Candidate) -> str | None:
@@ -267,16 +259,15 @@ def _collapse(c: Candidate) -> str | None:
 
 def _pair_outcome(a: Candidate, b: Candidate, tol: Tolerance) -> list[tuple[str, Judgement]]:
     """a against b (how much a loses to b) on every metric both hold paired: PPL ratio a / b, task answers."""
-    out = []
-    j = judge_ppl(a.nll_blocks, b.nll_blocks, tol)
-    if j:
-        out.append(("PPL", j))
+    answers_a: dict[str, list[float]] = {}
+    answers_b: dict[str, list[float]] = {}
     if a.task is not None and b.task is not None:
         ua, ub = a.task.by_unit(), b.task.by_unit()
         both = sorted(set(ua) & set(ub), key=lambda u: tuple(map(str, u)))
         if both:
-            out.append(("tasks", judge_pair([ua[u] for u in both], [ub[u] for u in both], tol)))
-    return out
+            answers_a["tasks"], answers_b["tasks"] = [ua[u] for u in both], [ub[u] for u in both]
+    return list(judge(Measured(a.nll_blocks, answers=answers_a), Measured(b.nll_blocks, answers=answers_b),
+                      tol).judgements)
 
 
 def _tied(a: Candidate, b: Candidate, tol: Tolerance) -> bool:
