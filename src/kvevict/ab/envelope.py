@@ -30,7 +30,7 @@ from ..position_modes import DEFAULT_POSITIONS
 from ..progress import bars
 from ..records.schema import PplRecord, load, ppl_records
 from ..records.store import ResultStore
-from ..report.capacity import KvShape, shape_of
+from ..capacity import KvShape, shape_of
 from ..report.envelope import judge_probe, tolerance_of
 from .bisection import Bracket, step
 from .executors import WorkerSpec

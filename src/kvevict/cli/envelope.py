@@ -3,7 +3,7 @@
 Two modes. With a model, a search (`ab.envelope`) per configuration for the smallest
 budget inside the tolerance, then the table, the verdict and the HTML page. With
 `--config-only CONFIG.json`, no model and no search: the KV arithmetic of the named
-configurations at the deployment's context (`report.capacity`).
+configurations at the deployment's context (`kvevict.capacity`).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _optional_float(text: str, option: str) -> float | None:
 
 def _deployment(deploy_context: int, memory: str, weights: str) -> tuple[int, int, int] | None:
     """(context, accelerator bytes, weight bytes), or None when no deployment is described."""
-    from ..report.capacity import parse_size
+    from ..capacity import parse_size
 
     if not deploy_context and not memory:
         return None
@@ -61,7 +61,7 @@ def _deployment(deploy_context: int, memory: str, weights: str) -> tuple[int, in
 
 
 def _capacity(shape, configs, deployment, weights_given: bool, held: dict | None = None):
-    from ..report.capacity import arithmetic, capacity_rows, gib
+    from ..capacity import arithmetic, capacity_rows, gib
 
     context, memory, weights = deployment
     rows = capacity_rows(shape, configs, context, memory, weights, held)
@@ -73,7 +73,7 @@ def _capacity(shape, configs, deployment, weights_given: bool, held: dict | None
 
 def config_only(path: str, configs: str, deployment, weights_given: bool, dtype: str) -> None:
     """Print the KV arithmetic of named configurations for a model's config.json."""
-    from ..report.capacity import named_configs, read_config
+    from ..capacity import named_configs, read_config
     from ..report.envelope_page import capacity_table
 
     if deployment is None:
@@ -205,7 +205,7 @@ def parse_lengths(text: str) -> list[int]:
 
 def show_envelope(config, records, deployment, weight_bytes: str) -> list:
     """The envelope table, the verdict, the capacity of each configuration inside; the HTML page's path."""
-    from ..report.capacity import KvShape
+    from ..capacity import KvShape
     from ..report.envelope import envelope_rows, envelope_table, envelope_verdict
     from ..report.envelope_page import capacity_table, render_envelope
 
