@@ -22,6 +22,7 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 
+from ..capacity import KvShape, shape_of
 from ..defaults import DEFAULT_CHUNK
 from ..errors import KvevictError
 from ..loading.dtypes import dtype_name
@@ -30,7 +31,6 @@ from ..position_modes import DEFAULT_POSITIONS
 from ..progress import bars
 from ..records.schema import PplRecord, load, ppl_records
 from ..records.store import ResultStore
-from ..capacity import KvShape, shape_of
 from ..report.envelope import judge_probe, tolerance_of
 from .bisection import Bracket, step
 from .executors import WorkerSpec

@@ -9,8 +9,8 @@ import html
 from datetime import UTC, datetime
 from pathlib import Path
 
-from ..records.schema import PplRecord
 from ..capacity import CapacityRow, gib
+from ..records.schema import PplRecord
 from .columns import Column, Table
 from .envelope import EnvelopeRow, describe_tolerance, envelope_table, envelope_verdict
 from .envelope_plot import envelope_figure
