@@ -15,7 +15,8 @@ from kvevict.records.schema import PplRecord
 from kvevict.report.compare import compare_table
 from kvevict.report.runs import load_run
 from kvevict.report.tables import summary_table
-from kvevict.report.verdict import markdown, verdict
+from kvevict.report.verdict import verdict
+from kvevict.report.verdict_text import markdown
 
 from test_ab import TEXT, CharTokenizer
 

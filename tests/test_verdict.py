@@ -13,7 +13,8 @@ from kvevict.records.schema import PplRecord, TaskRecord
 from kvevict.records.store import ResultStore
 from kvevict.report.html import render
 from kvevict.report.sections import SECTIONS
-from kvevict.report.verdict import HOW, markdown, verdict
+from kvevict.report.verdict import verdict
+from kvevict.report.verdict_text import HOW, markdown
 from kvevict.stats.tolerance import Tolerance
 from kvevict.stats.uncertainty import blocks, mean_interval, paired_difference, wilson
 

@@ -21,7 +21,8 @@ from .compare import compare_table
 from .markup import table_html
 from .runs import Run, run_names, run_notes, stream_start_label
 from .sections import SECTIONS
-from .verdict import section_html, verdict
+from .verdict import verdict
+from .verdict_text import section_html
 
 COMPARE_INTRO = (
     "<p>One row per policy and budget found in any run; each run's columns: its streaming PPL, PPL over its own "

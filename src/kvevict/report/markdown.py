@@ -17,8 +17,8 @@ from .ruler import cells as ruler_cells
 from .runs import Run, run_names
 from .tables import layer_budget_table, sinks_table, summary_table
 from .task_bytes import task_equal_bytes
-from .verdict import markdown as verdict_markdown
 from .verdict import verdict
+from .verdict_text import markdown as verdict_markdown
 
 
 def run_markdown(records: Sequence[Record], title: str = "Verdict", tolerance: Tolerance | None = None,
