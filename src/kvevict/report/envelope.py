@@ -12,7 +12,6 @@ them (`memory()` at the end of the stream: entries actually held, in the loaded 
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
 from ..errors import KvevictError
@@ -21,9 +20,7 @@ from ..stats.judge import Measured, judge
 from ..stats.tolerance import Judgement, Tolerance, judge_ppl
 from ..stats.uncertainty import blocks
 from .columns import Column, Table, number
-
-#: a storage form in front of a spec (`q8+window`): the configuration quantizes what it keeps
-STORAGE_PREFIX = re.compile(r"^q\d+\+")
+from .traits import kv_bits
 
 
 def tolerance_of(max_ppl_ratio: float | None, max_kl: float | None) -> Tolerance:
@@ -100,7 +97,8 @@ class EnvelopeRow:
 
     @property
     def eviction_only(self) -> bool:
-        return STORAGE_PREFIX.match(self.spec) is None
+        """The configuration holds its entries at full width (no storage form, as its policy declares)."""
+        return kv_bits(self.spec) is None
 
 
 def envelope_rows(records: list[PplRecord], tolerance: Tolerance) -> tuple[PplRecord | None, list[EnvelopeRow]]:
