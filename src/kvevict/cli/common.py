@@ -138,6 +138,11 @@ def check_policies(specs: list[str], budget: int | None, positions: str = DEFAUL
         check_policy(spec, budget, positions)
 
 
+def print_json(data: dict) -> None:
+    """`--json`: the command's result as one JSON object on the last line of stdout (after its tables)."""
+    print(json.dumps(data))
+
+
 def save_json(path: str | None, data: dict) -> None:
     """Write `data` to `path` (a `--save` option) if one was given."""
     if path:
