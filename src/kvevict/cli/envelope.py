@@ -143,7 +143,7 @@ def envelope(
         return _tasks(model, dtype, tasks, lengths, protocol, policies, floor, resolution, accuracy,
                       samples_start, samples_max, seed, positions, text, name, out_dir, allow_download, device,
                       remote_executor(executor, address, workers, retries), answer_cap(max_new_tokens), as_json)
-    from ..ab.envelope import EnvelopeConfig, configurations, run_envelope
+    from ..ab.envelope import EnvelopeConfig
     from ..loading.models import model_dtype
     from ..policies.engine_defaults import run_positions
 
@@ -161,6 +161,15 @@ def envelope(
         positions=positions, chunk=parse_chunk(chunk), seed=seed, name=name if len(sizes) == 1 else f"{name}-{size}",
         out=out_dir,
     ) for size in sizes]
+    _search(configs, runner, deployment, weight_bytes, allow_download, device, as_json)
+
+
+def _search(configs: list, runner, deployment, weight_bytes: str, allow_download: bool, device: str,
+            as_json: bool) -> None:
+    """Every length's search (each length's options checked before the first starts), its table, verdict and
+    page; the lengths side by side; with `as_json` every envelope as one JSON object on the last line."""
+    from ..ab.envelope import configurations, run_envelope
+
     for config in configs:  # every length's options checked before the first search starts
         configurations(config)
     per_length, found = {}, []
@@ -172,8 +181,9 @@ def envelope(
 
         show(lengths_table(per_length), "smallest budget inside the tolerance, per context length")
     if as_json:
-        print_json({"model": model, "dtype": dtype, "text": text, "tolerance": configs[0].tolerance().as_dict(),
-                    "envelopes": found})
+        first = configs[0]
+        print_json({"model": first.model, "dtype": first.dtype, "text": first.text,
+                    "tolerance": first.tolerance().as_dict(), "envelopes": found})
 
 
 def _tasks(model, dtype, tasks, lengths, protocol, policies, floor, resolution, accuracy, start, cap, seed,
