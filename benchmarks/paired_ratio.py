@@ -5,7 +5,7 @@ the reference one wants (a 20,000-token stream runs SmolLM2 past its trained pos
 so its full cache scores worse than every bounded policy), a team asks instead what one
 setting costs against another: llama.cpp's default against Ollama's, say (`--also`: rows
 of another run of the same stream, in another position mode). Same blocks,
-same resampling as the report (`report/uncertainty.py`), the ratio exp(mean NLL a - b).
+same resampling as the report (`stats/uncertainty.py`), the ratio exp(mean NLL a - b).
 
     .venv/bin/python benchmarks/paired_ratio.py runs/engines-smollm2-20k-cache \
         'llamacpp:keep=0,bos=0' 'ollama:keep=4,bos=0'
@@ -17,9 +17,9 @@ import argparse
 import math
 from pathlib import Path
 
-from kvevict.report.records import load, ppl_records
-from kvevict.report.store import ResultStore
-from kvevict.report.uncertainty import blocks, paired_difference
+from kvevict.records.schema import load, ppl_records
+from kvevict.records.store import ResultStore
+from kvevict.stats.uncertainty import blocks, paired_difference
 
 
 def main() -> None:

@@ -13,8 +13,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from kvevict.report.records import load, ppl_records  # noqa: E402
-from kvevict.report.store import ResultStore  # noqa: E402
+from kvevict.records.schema import load, ppl_records  # noqa: E402
+from kvevict.records.store import ResultStore  # noqa: E402
 
 
 def main() -> None:

@@ -22,9 +22,9 @@ from pathlib import Path
 from kvevict import load_model
 from kvevict.ab.task_envelope import TaskEnvelopeConfig, context_top, keeper, run_task_envelope
 from kvevict.eval.ruler.grid import run_grid
-from kvevict.report.records import RulerRecord, load
+from kvevict.records.schema import RulerRecord, load
 from kvevict.report.task_envelope import cells_of, scores
-from kvevict.report.tolerance import Tolerance, judge_accuracy
+from kvevict.stats.tolerance import Tolerance, judge_accuracy
 
 
 def main() -> None:

@@ -17,8 +17,8 @@ import torch
 from kvevict.ab import SweepConfig, plan, prepare_folder, run_sweep
 from kvevict.ab import worker as ab_worker
 from kvevict.errors import KvevictError
+from kvevict.records.schema import PplRecord
 from kvevict.report.html import render
-from kvevict.report.records import PplRecord
 
 from conftest import make_tiny
 from support import attn, band_sink_nll, cli

@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoConfig
 
 from kvevict import KvevictError
-from kvevict.report.capacity import capacity_rows, concurrent, parse_size, read_config, shape_of
+from kvevict.capacity import capacity_rows, concurrent, parse_size, read_config, shape_of
 
 from support import cli, cli_error
 

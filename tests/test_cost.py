@@ -13,7 +13,7 @@ import pytest
 
 from kvevict.ab import SweepConfig, meter, run_sweep
 from kvevict.ab.meter import measure
-from kvevict.report.records import PplRecord
+from kvevict.records.schema import PplRecord
 from kvevict.report.tables import summary_table
 
 from conftest import make_tiny

@@ -138,7 +138,7 @@ def test_float16_runs_on_the_cpu_and_agrees_with_float32():
 
 
 def test_a_record_without_a_dtype_reads_as_float32_and_round_trips():
-    from kvevict.report.records import PplRecord, RulerRecord
+    from kvevict.records.schema import PplRecord, RulerRecord
 
     old = {"key": "policy|h2o|64", "kind": "policy", "policy": "h2o", "budget": 64, "ppl": 20.0,
            "positions": "original", "n_predictions": 10, "curve": []}
@@ -172,7 +172,7 @@ def _tiny_in(dtype: torch.dtype):
 
 def test_records_name_the_dtype_and_count_its_bytes(tmp_path):
     from kvevict.ab import run_sweep
-    from kvevict.report.records import ppl_records
+    from kvevict.records.schema import ppl_records
 
     kv = {}
     for dtype, name in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16")):

@@ -12,7 +12,7 @@ import torch
 
 from kvevict import EvictingCache
 from kvevict.ab.envelope import EnvelopeConfig, run_envelope
-from kvevict.report.capacity import KvShape
+from kvevict.capacity import KvShape
 
 from conftest import make_tiny, random_tokens
 

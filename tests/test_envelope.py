@@ -12,13 +12,13 @@ from kvevict.ab.bisection import Bracket, step
 from kvevict.ab.envelope import EnvelopeConfig, run_envelope
 from kvevict.data import load_tokens
 from kvevict.eval.streaming import compare, full_reference
+from kvevict.records.schema import PplRecord, load, ppl_records
+from kvevict.records.store import ResultStore
 from kvevict.report.envelope import envelope_rows, envelope_verdict
 from kvevict.report.envelope_page import render_envelope
 from kvevict.report.envelope_plot import envelope_figure, pareto
-from kvevict.report.records import PplRecord, load, ppl_records
-from kvevict.report.store import ResultStore
-from kvevict.report.tolerance import Tolerance, judge_ppl
-from kvevict.report.uncertainty import blocks
+from kvevict.stats.tolerance import Tolerance, judge_ppl
+from kvevict.stats.uncertainty import blocks
 
 from conftest import make_tiny
 from support import cli, cli_error

@@ -11,8 +11,8 @@ import pytest
 from kvevict.ab.plan import SweepConfig, plan
 from kvevict.ab.worker import batches
 from kvevict.eval.streaming import compare
+from kvevict.records.schema import PplRecord, cell_key
 from kvevict.report.kv_bytes import EQUAL_BYTES, equal_bytes
-from kvevict.report.records import PplRecord, cell_key
 from kvevict.report.tables import summary_table
 
 from conftest import random_tokens

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from kvevict.records.schema import DoneMarker, PplRecord, SinkMapRecord, TaskRecord, cell_key, from_dict, load
+from kvevict.records.store import ResultStore
 from kvevict.report import plots
 from kvevict.report.columns import MEAN_KEPT, Table
 from kvevict.report.html import render
-from kvevict.report.records import DoneMarker, PplRecord, SinkMapRecord, TaskRecord, cell_key, from_dict, load
 from kvevict.report.sections import SECTIONS
-from kvevict.report.store import ResultStore
 from kvevict.report.tables import BYTES_COLUMNS, COST_COLUMNS, SUMMARY, sinks_table, summary_rows, summary_table
 
 from support import close, series

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvevict.report.records import PplRecord, TaskRecord
-from kvevict.report.store import ResultStore
+from kvevict.records.schema import PplRecord, TaskRecord
+from kvevict.records.store import ResultStore
 
 from support import cli, one_line_error
 

@@ -12,8 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from kvevict.cli import app
+from kvevict.records.schema import PplRecord, RulerRecord
 from kvevict.report import ruler as ruler_report
-from kvevict.report.records import PplRecord, RulerRecord
 
 runner = CliRunner()
 

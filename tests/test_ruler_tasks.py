@@ -21,7 +21,7 @@ from kvevict.eval.ruler.registry import TASKS, parse_tasks
 from kvevict.eval.ruler.sample import encode, fit, seeded
 from kvevict.eval.ruler.scoring import match_all, match_part
 from kvevict.eval.ruler.words import Material, sentences, spread_depths, van_der_corput
-from kvevict.report.uncertainty import wilson
+from kvevict.stats.uncertainty import wilson
 
 LENGTH = 1000
 

@@ -11,11 +11,12 @@ import torch
 from architectures import BUILDERS, GEMMA_WINDOW
 from kvevict.ab import SweepConfig, run_sweep
 from kvevict.errors import KvevictError
+from kvevict.records.schema import PplRecord
 from kvevict.report.compare import compare_table
-from kvevict.report.records import PplRecord
 from kvevict.report.runs import load_run
 from kvevict.report.tables import summary_table
-from kvevict.report.verdict import markdown, verdict
+from kvevict.report.verdict import verdict
+from kvevict.report.verdict_text import markdown
 
 from test_ab import TEXT, CharTokenizer
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvevict.files import atomic_write
-from kvevict.report.store import ResultStore
+from kvevict.records.store import ResultStore
 
 
 def record(i: int) -> dict:

@@ -7,7 +7,7 @@ import math
 
 from scipy import stats
 
-from kvevict.report.records import RulerRecord
+from kvevict.records.schema import RulerRecord
 from kvevict.report.task_bytes import task_equal_bytes
 
 

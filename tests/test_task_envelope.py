@@ -14,7 +14,7 @@ from kvevict.ab.task_envelope import TaskEnvelopeConfig, run_task_envelope
 from kvevict.eval.ruler.grid import record_key
 from kvevict.policies.budget import budget_label
 from kvevict.report.task_envelope import at_cap, cells_of, judge_cell, search_cost, smallest
-from kvevict.report.tolerance import judge_accuracy
+from kvevict.stats.tolerance import judge_accuracy
 
 TOP = 120  # the oracle's context: budgets are searched below it
 
@@ -167,7 +167,7 @@ def test_on_a_tiny_model_every_cell_is_answered_on_the_full_caches_samples(tmp_p
     """The real grid runner: each probed cell's samples are ones the full cache answered too, records are
     `RulerRecord`s, and a rerun answers nothing new."""
     from kvevict import load_model
-    from kvevict.report.records import RulerRecord
+    from kvevict.records.schema import RulerRecord
 
     model, tokenizer = load_model(str(tiny_dir))
     # 4 agreeing answers can show 60 points at 97.5%: the search may end inside
@@ -188,7 +188,7 @@ def test_kvzip_reconstructs_each_context_once_for_the_whole_search(tmp_path, tin
     The full cache answers nothing on a tiny random model, so every ratio is undecided and each cell runs to the
     cap: the search takes several steps over the same samples."""
     from kvevict import load_model
-    from kvevict.report.records import RulerRecord
+    from kvevict.records.schema import RulerRecord
 
     from support import count_repeat_forwards
 
@@ -260,7 +260,7 @@ def test_bad_task_envelope_input_is_one_line(args, needle):
 def test_the_table_and_verdict_show_bytes_and_rank_by_them():
     """Two configurations inside: h2o at 100 entries holding 1,000 bytes a sample, q8+h2o at 150 entries holding
     600; the full cache holds 4,000. The cheapest is the one with fewer bytes, at 15.0% of the full cache's."""
-    from kvevict.report.records import RulerRecord
+    from kvevict.records.schema import RulerRecord
     from kvevict.report.task_envelope import task_envelope_table, task_rows, task_verdict
 
     def line(policy: str, budget: str, sample: int, size: int) -> RulerRecord:

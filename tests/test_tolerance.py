@@ -14,8 +14,8 @@ import pytest
 from scipy import stats
 
 from kvevict import KvevictError
-from kvevict.report.tolerance import Tolerance, decide, drop_interval, judge_accuracy, judge_pair, judge_ppl
-from kvevict.report.uncertainty import Blocks, mean_interval, paired_difference, wilson
+from kvevict.stats.tolerance import Tolerance, decide, drop_interval, judge_accuracy, judge_pair, judge_ppl
+from kvevict.stats.uncertainty import Blocks, mean_interval, paired_difference, wilson
 
 TOL = Tolerance()
 

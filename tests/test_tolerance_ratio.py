@@ -11,9 +11,9 @@ import pytest
 
 from kvevict import KvevictError
 from kvevict.ab.task_envelope import TaskEnvelopeConfig, run_task_envelope
-from kvevict.report.paired_ratio import bonett_price, ratio_interval
 from kvevict.report.task_envelope import cells_of, smallest, task_envelope_table, task_rows, task_verdict
-from kvevict.report.tolerance import Tolerance, judge_accuracy, judge_pair
+from kvevict.stats.paired_ratio import bonett_price, ratio_interval
+from kvevict.stats.tolerance import Tolerance, judge_accuracy, judge_pair
 from test_task_envelope import TOP, with_oracle  # noqa: F401 - the fixture is used by name
 
 RATIO = Tolerance(min_accuracy_ratio=0.9)

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from kvevict.report.tolerance import Tolerance
 from kvevict.report.verdict import verdict
+from kvevict.stats.tolerance import Tolerance
 from test_verdict_tasks import answers
 
 from support import cli, cli_error

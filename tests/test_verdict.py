@@ -9,13 +9,14 @@ import math
 import pytest
 
 from kvevict.errors import KvevictError
+from kvevict.records.schema import PplRecord, TaskRecord
+from kvevict.records.store import ResultStore
 from kvevict.report.html import render
-from kvevict.report.records import PplRecord, TaskRecord
 from kvevict.report.sections import SECTIONS
-from kvevict.report.store import ResultStore
-from kvevict.report.tolerance import Tolerance
-from kvevict.report.uncertainty import blocks, mean_interval, paired_difference, wilson
-from kvevict.report.verdict import HOW, markdown, verdict
+from kvevict.report.verdict import verdict
+from kvevict.report.verdict_text import HOW, markdown
+from kvevict.stats.tolerance import Tolerance
+from kvevict.stats.uncertainty import blocks, mean_interval, paired_difference, wilson
 
 from support import cli
 

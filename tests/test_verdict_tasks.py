@@ -10,11 +10,11 @@ from dataclasses import replace
 
 import pytest
 
+from kvevict.records.schema import RulerRecord
 from kvevict.report.markdown import run_markdown
-from kvevict.report.records import RulerRecord
 from kvevict.report.sections import decision
-from kvevict.report.tolerance import Tolerance
 from kvevict.report.verdict import verdict
+from kvevict.stats.tolerance import Tolerance
 from test_verdict import FULL, row
 
 

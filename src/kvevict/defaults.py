@@ -10,6 +10,6 @@ DEFAULT_ORACLE_STRIDE = 8
 
 #: A task envelope's sequential sampling: a cell is first judged on this many samples and gains as many per look,
 #: up to the cap. With 5 points of tolerance at the envelope's level, agreeing answers show "inside" only from 69 on
-#: (`report.tolerance`), so the cap of 80 is what lets an inside cell be found at all (looks 20, 40, 60, 80).
+#: (`stats.tolerance`), so the cap of 80 is what lets an inside cell be found at all (looks 20, 40, 60, 80).
 DEFAULT_SAMPLES_START = 20
 DEFAULT_SAMPLES_MAX = 80

@@ -7,7 +7,7 @@ temporary sibling (named with the process id, so two processes never share one),
 flushes it to disk (`fsync`), renames it over the target (atomic within a folder on
 POSIX) and fsyncs the folder, so the target is always the old file or the new one.
 
-`results.jsonl` is not rewritten this way: it grows by whole lines (`report.store`).
+`results.jsonl` is not rewritten this way: it grows by whole lines (`records.store`).
 """
 
 from __future__ import annotations

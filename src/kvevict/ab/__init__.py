@@ -6,7 +6,7 @@
   writing each finished batch to `results.jsonl`, and resuming;
 * `tasks` — the protocols beyond perplexity (needle, generation, sink map) inside a sweep.
 
-The harness writes typed records (`report.records`) and knows nothing of how they are
+The harness writes typed records (`records.schema`) and knows nothing of how they are
 drawn; the report knows nothing of the harness.
 """
 

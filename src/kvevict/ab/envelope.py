@@ -22,16 +22,16 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 
+from ..capacity import KvShape, shape_of
 from ..defaults import DEFAULT_CHUNK
 from ..errors import KvevictError
 from ..loading.dtypes import dtype_name
 from ..policies import check_policy, shared_batches
 from ..position_modes import DEFAULT_POSITIONS
 from ..progress import bars
-from ..report.capacity import KvShape, shape_of
+from ..records.schema import PplRecord, load, ppl_records
+from ..records.store import ResultStore
 from ..report.envelope import judge_probe, tolerance_of
-from ..report.records import PplRecord, load, ppl_records
-from ..report.store import ResultStore
 from .bisection import Bracket, step
 from .executors import WorkerSpec
 from .folder import open_run_folder

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from ..errors import KvevictError
 from ..files import atomic_write
-from ..report.records import UNRECORDED_DTYPE
-from ..report.store import ResultStore
+from ..records.schema import UNRECORDED_DTYPE
+from ..records.store import ResultStore
 
 
 def cap_identity(max_new_tokens: int | None) -> dict:

@@ -16,7 +16,7 @@ from ..errors import KvevictError
 from ..eval.ruler.grid import RulerGrid
 from ..policies import check_policy, parse_policy
 from ..policies.engine_defaults import run_positions, with_stream_start
-from ..report.records import cell_key
+from ..records.schema import cell_key
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """`kvevict ruler`'s harness: the run folder, the records appended as each batch is answered, resume, report.
 
 The folder is OUT/NAME, like a sweep's: `results.jsonl` holds one `RulerRecord` per
-answer (appended atomically by `report.store`, so a killed run loses at most the batch
+answer (appended atomically by `records.store`, so a killed run loses at most the batch
 in flight), `run.json` pins what the answers depend on (model, dtype, seed, positions, text,
 QA file), and `report.html` is redrawn at the end. A rerun of the same command skips
 every answer already stored; a rerun with more tasks, lengths, samples, budgets or
@@ -17,8 +17,8 @@ from pathlib import Path
 from ..eval.needle import max_positions
 from ..eval.ruler.grid import RulerGrid, preflight, run_grid
 from ..progress import bars
-from ..report.records import Record, RulerRecord, load
-from ..report.store import ResultStore
+from ..records.schema import Record, RulerRecord, load
+from ..records.store import ResultStore
 from .folder import cap_identity, open_run_folder
 from .plan import run_folder
 

@@ -5,7 +5,7 @@ are read once per decode step for all of them; a policy that declares `own_batch
 budget per layer, `pyramidkv`, or per head, `adakv:P`) runs in a batch of its own
 (`policies.shared_batches`). An executor runs the batches (in this
 process, or on Ray workers, see `executors`) and hands each finished batch back; only
-this process appends to `results.jsonl`, atomically (see `report.store`). Rerunning the
+this process appends to `results.jsonl`, atomically (see `records.store`). Rerunning the
 same command skips finished cells. `run.json` pins what the cells were measured on, so
 a rerun with another model, text or length cannot mix results.
 """
@@ -22,8 +22,8 @@ from ..files import atomic_write
 from ..loading import load_config, load_model, load_tokenizer
 from ..loading.dtypes import dtype_name
 from ..progress import bars
-from ..report.records import Record, load
-from ..report.store import ResultStore
+from ..records.schema import Record, load
+from ..records.store import ResultStore
 from . import tasks
 from .executors import Executor, LocalExecutor, WorkerSpec
 from .folder import open_run_folder

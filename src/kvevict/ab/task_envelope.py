@@ -3,7 +3,7 @@
 The perplexity envelope (`envelope.py`) bisects budgets on a stream; this one bisects
 them on a RULER task, where a probe is a (configuration, budget) cell answered on the
 same seeded samples as the full cache, and judged paired against it by the tolerance rule
-(`report.tolerance.judge_accuracy`: Bonett and Price's paired interval of the accuracy drop, or
+(`stats.tolerance.judge_accuracy`: Bonett and Price's paired interval of the accuracy drop, or
 with `min_accuracy_ratio` their paired interval of the accuracy ratio). Both count every prompt, so
 "inside" takes many agreeing answers: at the default looks (20, 40, 60, 80) a 5-point drop is
 shown at 69 answers that all agree with the full cache, and never at 30.
@@ -36,10 +36,10 @@ from ..eval.ruler.registry import get_task
 from ..loading.dtypes import dtype_name
 from ..policies import check_policy
 from ..position_modes import DEFAULT_POSITIONS
-from ..report.records import load
-from ..report.store import ResultStore
+from ..records.schema import load
+from ..records.store import ResultStore
 from ..report.task_envelope import cells_of
-from ..report.tolerance import Tolerance, judge_accuracy
+from ..stats.tolerance import Tolerance, judge_accuracy
 from .bisection import Bracket, step
 from .folder import cap_identity, open_run_folder
 from .grid_shards import GridSpec, run_shards, shard
@@ -114,7 +114,7 @@ class TaskEnvelopeConfig:
 
     def perfect_cell_inside(self) -> bool:
         """Whether a cell that answers all `cap` samples as the full cache does, every one right, is inside: both
-        rules' intervals count every prompt (`report.tolerance`), so agreeing answers bound a loss only so
+        rules' intervals count every prompt (`stats.tolerance`), so agreeing answers bound a loss only so
         tightly."""
         n = self.cap
         return judge_accuracy([1.0] * n, [1.0] * n, self.tolerance()).outcome == "inside"

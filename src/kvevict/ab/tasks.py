@@ -15,8 +15,8 @@ from ..eval.generation import run_generation
 from ..eval.needle import run_needle
 from ..eval.ruler.grid import run_grid
 from ..eval.sinkmap import sink_map
-from ..report.records import DoneMarker, RulerRecord, SinkMapRecord, TaskRecord
-from ..report.store import ResultStore
+from ..records.schema import DoneMarker, RulerRecord, SinkMapRecord, TaskRecord
+from ..records.store import ResultStore
 from .plan import SweepConfig, ruler_grid
 from .ruler import max_positions
 

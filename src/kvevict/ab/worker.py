@@ -21,7 +21,7 @@ from ..eval.streaming import Reference, RowResult, compare, full_reference
 from ..loading import load_model
 from ..policies import parse_policy, shared_batches
 from ..position_modes import DEFAULT_POSITIONS
-from ..report.records import PplRecord
+from ..records.schema import PplRecord
 from .meter import Cost, measure
 from .plan import Cell, SweepConfig
 

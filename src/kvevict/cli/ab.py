@@ -33,6 +33,7 @@ from .common import (
     parse_chunk,
     parse_floats,
     parse_ints,
+    print_json,
     retries_option,
     split_specs,
     tolerance_from,
@@ -50,21 +51,22 @@ DEMO = dict(tokens=2000, budgets=[64, 128, 256], policies=["window", "streamingl
             ruler=["niah_single_1"], ruler_length=500, ruler_samples=2)
 
 
-def run_ab(config, allow_download: bool = False, executor=None, device: str = "cpu", tolerance=None) -> None:
+def run_ab(config, allow_download: bool = False, executor=None, device: str = "cpu", tolerance=None,
+           as_json: bool = False) -> None:
     """Plan, validate, run and report one sweep (a `SweepConfig`); prints the summary and the report path.
 
     Batches an `executor` gave up on are named on stderr after the summary, and the
     command exits with code 1 (after writing the report): a rerun finishes them. `device`: where the
     model runs (checked before anything loads); `tolerance`: what the verdict judges by (default `Tolerance()`),
-    recorded in `run.json`."""
+    recorded in `run.json`; `as_json`: the result also as one JSON object on the last line."""
     from ..ab import run_sweep
     from ..ab.executors import LocalExecutor
+    from ..records.schema import ppl_records
     from ..report.kv_bytes import equal_bytes
-    from ..report.records import ppl_records
     from ..report.runs import load_run, record_tolerance
     from ..report.tables import summary_table
-    from ..report.tolerance import Tolerance
     from ..report.verdict import verdict
+    from ..stats.tolerance import Tolerance
 
     check_device(device)
     if config.positions is not None:
@@ -82,9 +84,11 @@ def run_ab(config, allow_download: bool = False, executor=None, device: str = "c
              f"{run.config.get('positions')}")
     show(summary_table(ppl_records(records)), title)
     print(f"tolerance: {tolerance.describe()}")
-    for found in verdict(records, tolerance):
+    verdicts = verdict(records, tolerance)
+    for found in verdicts:
         print(found.sentence)
-    for group in equal_bytes(ppl_records(records)):  # rows of different KV widths at the same memory
+    groups = equal_bytes(ppl_records(records))
+    for group in groups:  # rows of different KV widths at the same memory
         print(group.sentence())
     for note in run.notes():
         print(f"Note: {note}.")
@@ -93,6 +97,13 @@ def run_ab(config, allow_download: bool = False, executor=None, device: str = "c
         err.print(f"failed: {batch.name} ({cells}): {reason}; rerun the same command to finish it",
                   markup=False, highlight=False, soft_wrap=True)
     print(report.resolve())
+    if as_json:
+        from ..report import as_json as to_json
+
+        print_json({"model": config.model, "dtype": config.dtype, "tokens": config.tokens,
+                    "tolerance": tolerance.as_dict(), "rows": to_json.ppl_rows(ppl_records(records)),
+                    "verdict": to_json.verdicts(verdicts), "equal_bytes": [g.sentence() for g in groups],
+                    "failed": [batch.name for batch, _ in executor.failed], "report": str(report.resolve())})
     if executor.failed:
         raise typer.Exit(1)
 
@@ -144,6 +155,7 @@ def ab(
     ruler_length: int = typer.Option(1000, help="--ruler: prompt length in tokens, answer included"),
     ruler_samples: int = typer.Option(5, help="--ruler: seeded samples per task"),
     ruler_protocol: str = typer.Option("agnostic", help="--ruler: agnostic | aware | stream | multi"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object as the last line"),
     allow_download: bool = typer.Option(False, "--allow-download", help=DOWNLOAD_HELP),
     executor: str = executor_option(),
     address: str = address_option(),
@@ -175,7 +187,8 @@ def ab(
         ruler=_ruler_tasks(ruler), ruler_length=ruler_length, ruler_samples=ruler_samples,
         ruler_protocol=ruler_protocol,
     )
-    run_ab(config, allow_download, make_executor(executor, address or None, workers, retries), device, tolerance)
+    run_ab(config, allow_download, make_executor(executor, address or None, workers, retries), device, tolerance,
+           as_json)
 
 
 @one_line_errors

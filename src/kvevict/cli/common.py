@@ -138,6 +138,11 @@ def check_policies(specs: list[str], budget: int | None, positions: str = DEFAUL
         check_policy(spec, budget, positions)
 
 
+def print_json(data: dict) -> None:
+    """`--json`: the command's result as one JSON object on the last line of stdout (after its tables)."""
+    print(json.dumps(data))
+
+
 def save_json(path: str | None, data: dict) -> None:
     """Write `data` to `path` (a `--save` option) if one was given."""
     if path:
@@ -182,7 +187,7 @@ def tolerance_from(max_ppl_ratio: float | None, max_accuracy_drop: float | None,
     An impossible one (a ratio at or below 1, a drop outside [0, 1)) is one line naming the option. The accuracy
     rule is one of two: a drop given replaces a recorded ratio, a ratio given replaces the drop; both given at once
     is refused."""
-    from ..report.tolerance import Tolerance
+    from ..stats.tolerance import Tolerance
 
     if max_accuracy_drop is not None and min_accuracy_ratio is not None:
         raise KvevictError("--max-accuracy-drop and --min-accuracy-ratio are two accuracy rules, one at a time: give "

@@ -3,7 +3,7 @@
 Two modes. With a model, a search (`ab.envelope`) per configuration for the smallest
 budget inside the tolerance, then the table, the verdict and the HTML page. With
 `--config-only CONFIG.json`, no model and no search: the KV arithmetic of the named
-configurations at the deployment's context (`report.capacity`).
+configurations at the deployment's context (`kvevict.capacity`).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from .common import (
     min_accuracy_ratio_option,
     one_line_errors,
     parse_chunk,
+    print_json,
     remote_executor,
     retries_option,
     split_specs,
@@ -50,7 +51,7 @@ def _optional_float(text: str, option: str) -> float | None:
 
 def _deployment(deploy_context: int, memory: str, weights: str) -> tuple[int, int, int] | None:
     """(context, accelerator bytes, weight bytes), or None when no deployment is described."""
-    from ..report.capacity import parse_size
+    from ..capacity import parse_size
 
     if not deploy_context and not memory:
         return None
@@ -61,7 +62,7 @@ def _deployment(deploy_context: int, memory: str, weights: str) -> tuple[int, in
 
 
 def _capacity(shape, configs, deployment, weights_given: bool, held: dict | None = None):
-    from ..report.capacity import arithmetic, capacity_rows, gib
+    from ..capacity import arithmetic, capacity_rows, gib
 
     context, memory, weights = deployment
     rows = capacity_rows(shape, configs, context, memory, weights, held)
@@ -71,9 +72,9 @@ def _capacity(shape, configs, deployment, weights_given: bool, held: dict | None
     return note, rows
 
 
-def config_only(path: str, configs: str, deployment, weights_given: bool, dtype: str) -> None:
+def config_only(path: str, configs: str, deployment, weights_given: bool, dtype: str, as_json: bool = False) -> None:
     """Print the KV arithmetic of named configurations for a model's config.json."""
-    from ..report.capacity import named_configs, read_config
+    from ..capacity import named_configs, read_config
     from ..report.envelope_page import capacity_table
 
     if deployment is None:
@@ -82,6 +83,10 @@ def config_only(path: str, configs: str, deployment, weights_given: bool, dtype:
     note, rows = _capacity(shape, named_configs(configs or "full", deployment[0]), deployment, weights_given)
     print(note)
     show(capacity_table(rows), f"capacity at {deployment[0]} tokens")
+    if as_json:
+        from ..report import as_json as to_json
+
+        print_json({"config": path, "context": deployment[0], "capacity": to_json.capacity(note, rows)})
 
 
 @one_line_errors
@@ -127,17 +132,18 @@ def envelope(
     address: str = address_option(),
     workers: int = workers_option(),
     retries: int = retries_option(),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object as the last line"),
 ) -> None:
     """Find, per policy, the smallest KV budget within a quality tolerance; bytes, capacity, a verdict."""
     deployment = _deployment(deploy_context, accelerator_memory, weight_bytes)
     if config_only_path:
-        return config_only(config_only_path, configs, deployment, bool(weight_bytes), kv_dtype)
+        return config_only(config_only_path, configs, deployment, bool(weight_bytes), kv_dtype, as_json)
     if tasks.strip():
         accuracy = tolerance_from(None, max_accuracy_drop, None, min_accuracy_ratio=min_accuracy_ratio)
         return _tasks(model, dtype, tasks, lengths, protocol, policies, floor, resolution, accuracy,
                       samples_start, samples_max, seed, positions, text, name, out_dir, allow_download, device,
-                      remote_executor(executor, address, workers, retries), answer_cap(max_new_tokens))
-    from ..ab.envelope import EnvelopeConfig, configurations, run_envelope
+                      remote_executor(executor, address, workers, retries), answer_cap(max_new_tokens), as_json)
+    from ..ab.envelope import EnvelopeConfig
     from ..loading.models import model_dtype
     from ..policies.engine_defaults import run_positions
 
@@ -155,20 +161,34 @@ def envelope(
         positions=positions, chunk=parse_chunk(chunk), seed=seed, name=name if len(sizes) == 1 else f"{name}-{size}",
         out=out_dir,
     ) for size in sizes]
+    _search(configs, runner, deployment, weight_bytes, allow_download, device, as_json)
+
+
+def _search(configs: list, runner, deployment, weight_bytes: str, allow_download: bool, device: str,
+            as_json: bool) -> None:
+    """Every length's search (each length's options checked before the first starts), its table, verdict and
+    page; the lengths side by side; with `as_json` every envelope as one JSON object on the last line."""
+    from ..ab.envelope import configurations, run_envelope
+
     for config in configs:  # every length's options checked before the first search starts
         configurations(config)
-    per_length = {}
+    per_length, found = {}, []
     for config in configs:
         _, records = run_envelope(config, allow_download=allow_download, device=device, executor=runner)
-        per_length[config.tokens] = show_envelope(config, records, deployment, weight_bytes)
+        per_length[config.tokens] = show_envelope(config, records, deployment, weight_bytes, found)
     if len(per_length) > 1:
         from ..report.envelope import lengths_table
 
         show(lengths_table(per_length), "smallest budget inside the tolerance, per context length")
+    if as_json:
+        first = configs[0]
+        print_json({"model": first.model, "dtype": first.dtype, "text": first.text,
+                    "tolerance": first.tolerance().as_dict(), "envelopes": found})
 
 
 def _tasks(model, dtype, tasks, lengths, protocol, policies, floor, resolution, accuracy, start, cap, seed,
-           positions, text, name, out_dir, allow_download, device, runner=None, max_new_tokens=None) -> None:
+           positions, text, name, out_dir, allow_download, device, runner=None, max_new_tokens=None,
+           as_json: bool = False) -> None:
     from ..eval.ruler.registry import parse_tasks
     from ..loading.models import model_dtype
     from ..policies.engine_defaults import run_positions
@@ -185,7 +205,7 @@ def _tasks(model, dtype, tasks, lengths, protocol, policies, floor, resolution, 
         cap=cap,
         seed=seed, positions=run_positions(split_specs(policies), positions), text=text, name=name, out=out_dir,
         max_new_tokens=max_new_tokens)
-    run_tasks(options, allow_download, device, runner)
+    run_tasks(options, allow_download, device, runner, as_json)
 
 
 def parse_lengths(text: str) -> list[int]:
@@ -203,9 +223,10 @@ def parse_lengths(text: str) -> list[int]:
     return sorted(set(out))
 
 
-def show_envelope(config, records, deployment, weight_bytes: str) -> list:
-    """The envelope table, the verdict, the capacity of each configuration inside; the HTML page's path."""
-    from ..report.capacity import KvShape
+def show_envelope(config, records, deployment, weight_bytes: str, found: list | None = None) -> list:
+    """The envelope table, the verdict, the capacity of each configuration inside; the HTML page's path. `found`:
+    where the same result goes as a JSON object (`report.as_json.envelope`) for `--json`."""
+    from ..capacity import KvShape
     from ..report.envelope import envelope_rows, envelope_table, envelope_verdict
     from ..report.envelope_page import capacity_table, render_envelope
 
@@ -213,7 +234,8 @@ def show_envelope(config, records, deployment, weight_bytes: str) -> list:
     full, rows = envelope_rows(records, tolerance)
     show(envelope_table(rows), f"kvevict envelope: {config.model} ({config.dtype}) on {config.text}, "
                               f"{config.tokens} tokens")
-    print(envelope_verdict(full, rows, tolerance))
+    sentence = envelope_verdict(full, rows, tolerance)
+    print(sentence)
     capacity = None
     if deployment is not None and full is not None and "kv_shape" in full.extra:
         context, memory, weights = deployment
@@ -228,4 +250,9 @@ def show_envelope(config, records, deployment, weight_bytes: str) -> list:
         show(capacity_table(capacity[1]), f"capacity at {context} tokens (budgets as found at {config.tokens})")
     path = render_envelope(vars(config), full, rows, tolerance, config.sweep().folder / "envelope.html", capacity)
     print(path.resolve())
+    if found is not None:
+        from ..report import as_json as to_json
+
+        found.append({**to_json.envelope(config.tokens, full, rows, sentence), "report": str(path.resolve()),
+                      "capacity": to_json.capacity(*capacity) if capacity else None})
     return rows

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .common import print_json
 from .tables import show
 
 
@@ -54,15 +55,17 @@ def task_configs(options: TaskOptions) -> list:
     return configs
 
 
-def run_tasks(options: TaskOptions, allow_download: bool, device: str, executor=None) -> None:
+def run_tasks(options: TaskOptions, allow_download: bool, device: str, executor=None, as_json: bool = False) -> None:
     """Every task search, one after another on one loaded model; a table, a verdict and the cost of each. With an
-    `executor` (Ray's) each step's samples are answered on its workers."""
+    `executor` (Ray's) each step's samples are answered on its workers; `as_json`: every search's result also as
+    one JSON object on the last line."""
     from ..ab.ruler import max_positions
     from ..ab.task_envelope import context_top, run_task_envelope
     from ..loading import load_model
+    from ..report import as_json as to_json
     from ..report.task_envelope import fixed_n_cost, search_cost, task_envelope_table, task_rows, task_verdict
 
-    configs = task_configs(options)
+    configs, found = task_configs(options), []
     model, tokenizer = load_model(options.model, device=device, allow_download=allow_download, dtype=options.dtype)
     for config in configs:
         specs = config.check()
@@ -73,10 +76,15 @@ def run_tasks(options: TaskOptions, allow_download: bool, device: str, executor=
                          context)
         show(task_envelope_table(rows), f"kvevict envelope: {config.model} ({config.dtype}) on {config.task}, "
                                         f"{config.length} tokens, {config.protocol}")
-        print(task_verdict(rows, config.tolerance(), config.task, config.length))
+        sentence = task_verdict(rows, config.tolerance(), config.task, config.length)
+        print(sentence)
+        found.append({**to_json.task_envelope(config.task, config.length, config.protocol, rows, sentence),
+                      "records": str(store.path)})
         answers, seconds = search_cost(records)
         print(f"cost: {answers} answers ({seconds:.0f} s of answering); a grid of the same cells at a fixed "
               f"n = {config.cap} would take {fixed_n_cost(records, config.cap)} answers. Records: {store.path}")
+    if as_json:
+        print_json({"model": options.model, "dtype": options.dtype, "envelopes": found})
 
 
 def _say_round(config):

@@ -8,8 +8,6 @@ answer. Results go to OUT/NAME like a sweep's, and a rerun resumes.
 
 from __future__ import annotations
 
-import json
-
 import typer
 
 from ..errors import KvevictError
@@ -32,6 +30,7 @@ from .common import (
     min_accuracy_ratio_option,
     one_line_errors,
     parse_numbers,
+    print_json,
     remote_executor,
     retries_option,
     settle_specs,
@@ -84,9 +83,9 @@ def ruler(
     from ..eval.ruler.qa import QaFile, load_qa
     from ..eval.ruler.registry import parse_tasks
     from ..policies.budget import parse_budget
+    from ..records.schema import ruler_records
     from ..report import ruler as ruler_report
     from ..report.html import render
-    from ..report.records import ruler_records
     from ..report.runs import record_tolerance
     from ..report.task_bytes import task_equal_bytes
     from ..report.verdict import verdict
@@ -123,7 +122,7 @@ def ruler(
     path = render(records, config, run.folder / "report.html")
     cells = ruler_report.cells(ruler_records(records))
     if as_json:
-        print(json.dumps({"cells": [vars(c) for c in cells], "report": str(path)}))
+        print_json({"cells": [vars(c) for c in cells], "report": str(path)})
         return _failed(runner)
     show(ruler_report.ruler_table(cells), f"RULER, {model} ({run.dtype}; {path})")
     held = ruler_report.bytes_table(cells)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import typer
 
 from ..defaults import DEFAULT_CHUNK
@@ -21,6 +19,7 @@ from .common import (
     err,
     one_line_errors,
     parse_chunk,
+    print_json,
     settle_specs,
     split_specs,
 )
@@ -104,7 +103,7 @@ def ppl(
     if window:
         summary["ppl_windows"] = result.ppl_windows(window)
     if as_json:
-        print(json.dumps(summary))
+        print_json(summary)
         return
     show(Table.of(PPL, _with_bytes([summary])), f"streaming perplexity, {model} ({held}) on {text}, {tokens} tokens")
     for w in summary.get("ppl_windows", []):
@@ -146,7 +145,7 @@ def compare(
     summaries = [full.summary()] + [r.summary() for r in rows]
     held = dtype_name(lm.dtype)
     if as_json:
-        print(json.dumps({"model": model, "dtype": held, "rows": summaries}))
+        print_json({"model": model, "dtype": held, "rows": summaries})
         return
     show(Table.of(PPL, _with_bytes(summaries)),
          f"streaming perplexity, {model} ({held}) on {text}, {tokens} tokens, budget {budget}")

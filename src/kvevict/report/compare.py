@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ..records.schema import ppl_records, task_records
 from .columns import Column, Table, number
-from .records import ppl_records, task_records
 from .runs import Run
 from .tables import KIND_ORDER, SummaryRow, ppl_text, summary_rows
 from .verdict import needle_means

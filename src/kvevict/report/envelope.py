@@ -12,17 +12,15 @@ them (`memory()` at the end of the stream: entries actually held, in the loaded 
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
 from ..errors import KvevictError
+from ..records.schema import PplRecord
+from ..stats.judge import Measured, judge
+from ..stats.tolerance import Judgement, Tolerance, judge_ppl
+from ..stats.uncertainty import blocks
 from .columns import Column, Table, number
-from .records import PplRecord
-from .tolerance import Judgement, Tolerance, judge_kl, judge_ppl
-from .uncertainty import blocks
-
-#: a storage form in front of a spec (`q8+window`): the configuration quantizes what it keeps
-STORAGE_PREFIX = re.compile(r"^q\d+\+")
+from .traits import kv_bits
 
 
 def tolerance_of(max_ppl_ratio: float | None, max_kl: float | None) -> Tolerance:
@@ -37,17 +35,12 @@ def judge_probe(probe: PplRecord, full: PplRecord, tolerance: Tolerance) -> Judg
     """One probe against the full cache on every metric the tolerance bounds (PPL ratio; KL when set): inside
     only when inside on all of them, outside when outside on any; the judgement returned is the one that
     decided."""
-    found = [judge_ppl(blocks(probe.curve, "ppl"), blocks(full.curve, "ppl"), tolerance)]
-    if tolerance.max_kl is not None:
-        found.append(judge_kl(blocks(probe.kl_curve, "kl"), tolerance))
-    if any(j is None for j in found):
+    found = judge(Measured(blocks(probe.curve, "ppl"), blocks(probe.kl_curve, "kl"), stream=True),
+                  Measured(blocks(full.curve, "ppl")), tolerance)
+    if found.missing:
         raise KvevictError(f"the probe of {probe.name} at budget {probe.budget} holds no curve to judge: "
                            "remove its line from results.jsonl and rerun to measure it again")
-    for outcome in ("outside", "undecided"):
-        hit = next((j for j in found if j.outcome == outcome), None)
-        if hit is not None:
-            return hit
-    return found[0]
+    return found.deciding
 
 
 @dataclass(frozen=True)
@@ -104,7 +97,8 @@ class EnvelopeRow:
 
     @property
     def eviction_only(self) -> bool:
-        return STORAGE_PREFIX.match(self.spec) is None
+        """The configuration holds its entries at full width (no storage form, as its policy declares)."""
+        return kv_bits(self.spec) is None
 
 
 def envelope_rows(records: list[PplRecord], tolerance: Tolerance) -> tuple[PplRecord | None, list[EnvelopeRow]]:

@@ -9,14 +9,14 @@ import html
 from datetime import UTC, datetime
 from pathlib import Path
 
-from .capacity import CapacityRow, gib
+from ..capacity import CapacityRow, gib
+from ..records.schema import PplRecord
 from .columns import Column, Table
 from .envelope import EnvelopeRow, describe_tolerance, envelope_table, envelope_verdict
 from .envelope_plot import envelope_figure
 from .html import STYLE
 from .markup import image_html, table_html
 from .plots import png
-from .records import PplRecord
 
 HOW = (
     "Each configuration is bisected in log budget between the floor and the stream's length to the stated "

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from matplotlib.figure import Figure
 
+from ..records.schema import PplRecord
 from .envelope import EnvelopeRow, Probe
 from .plots import LEGEND_SIZE
-from .records import PplRecord
 
 MARKERS = {"inside": ("o", True), "undecided": ("o", False), "outside": ("x", True)}
 

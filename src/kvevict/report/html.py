@@ -15,13 +15,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from ..files import atomic_write
+from ..records.schema import UNRECORDED_DTYPE, Record
+from ..stats.tolerance import Tolerance
 from .compare import compare_table
 from .markup import table_html
-from .records import UNRECORDED_DTYPE, Record
 from .runs import Run, run_names, run_notes, stream_start_label
 from .sections import SECTIONS
-from .tolerance import Tolerance
-from .verdict import section_html, verdict
+from .verdict import verdict
+from .verdict_text import section_html
 
 COMPARE_INTRO = (
     "<p>One row per policy and budget found in any run; each run's columns: its streaming PPL, PPL over its own "
@@ -65,7 +66,7 @@ def _write(parts: list[str], path: Path) -> Path:
 
 
 def render(records: Sequence[Record], config: dict, path: Path) -> Path:
-    """Write the report for `records` (typed, see `report.records`) to `path` and return it.
+    """Write the report for `records` (typed, see `records.schema`) to `path` and return it.
 
     `config` is the run's settings as recorded in `run.json` (any missing key shows as None); its `tolerance`
     is what the verdict judges against (the default where none is recorded).

@@ -19,9 +19,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .records import PplRecord
+from ..records.schema import PplRecord
+from ..stats.uncertainty import Interval, blocks, paired_difference
 from .traits import kv_bits
-from .uncertainty import Interval, blocks, paired_difference
 
 #: two rows hold equal bytes when the larger is within this share of the smaller (bf16 bytes per sequence)
 EQUAL_BYTES = 0.05

@@ -8,17 +8,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..records.schema import Record, ppl_records, ruler_records
+from ..stats.tolerance import Tolerance
 from .compare import compare_table
 from .kv_bytes import equal_bytes
-from .records import Record, ppl_records, ruler_records
 from .ruler import bytes_table, ruler_table
 from .ruler import cells as ruler_cells
 from .runs import Run, run_names
 from .tables import layer_budget_table, sinks_table, summary_table
 from .task_bytes import task_equal_bytes
-from .tolerance import Tolerance
-from .verdict import markdown as verdict_markdown
 from .verdict import verdict
+from .verdict_text import markdown as verdict_markdown
 
 
 def run_markdown(records: Sequence[Record], title: str = "Verdict", tolerance: Tolerance | None = None,

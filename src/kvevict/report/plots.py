@@ -17,8 +17,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
+from ..records.schema import PplRecord  # noqa: E402
 from . import traits  # noqa: E402
-from .records import PplRecord  # noqa: E402
 
 #: legend text size (points): readable in the report at the figure's embedded width
 LEGEND_SIZE = 8

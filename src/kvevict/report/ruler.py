@@ -31,11 +31,11 @@ from dataclasses import dataclass
 
 from scipy import stats
 
+from ..records.schema import OWN_LENGTHS, PplRecord, RulerRecord
+from ..stats.uncertainty import Interval, wilson
 from .columns import Table
 from .kv_bytes import mib
-from .records import OWN_LENGTHS, PplRecord, RulerRecord
 from .tables import budget_order
-from .uncertainty import Interval, wilson
 
 #: below this full-cache accuracy a task is beyond the model at that length
 FLOOR = 0.5
@@ -104,7 +104,7 @@ class TaskScore:
 
     `hits` and `full_hits` are sums of scores in [0, 1] over the same `n` answers (a fractional score counts as
     that many successes of one trial, as in every cell). `pairs`: per answer (its unit, the policy's score, the
-    full cache's), sorted by unit: what the paired judgements (`report.tolerance`) read."""
+    full cache's), sorted by unit: what the paired judgements (`stats.tolerance`) read."""
 
     hits: float
     full_hits: float

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import KvevictError
-from .records import UNRECORDED_DTYPE, Record, load
-from .store import ResultStore
+from ..records.schema import UNRECORDED_DTYPE, Record, load
+from ..records.store import ResultStore
 
 
 @dataclass

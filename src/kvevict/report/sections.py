@@ -13,11 +13,11 @@ from collections.abc import Callable, Sequence
 
 from ..eval.generation import GenerationResult
 from ..eval.needle import NeedleResult
-from . import plots, ruler_plots, task_plots, verdict
+from ..records.schema import Record, SinkMapRecord, ppl_records, ruler_records, task_records
+from . import plots, ruler_plots, task_plots, verdict, verdict_text
 from . import ruler as ruler_report
 from .kv_bytes import EQUAL_BYTES, equal_bytes
 from .markup import image_html, table_html
-from .records import Record, SinkMapRecord, ppl_records, ruler_records, task_records
 from .tables import generation_table, layer_budget_table, needle_table, sinks_table, summary_table
 from .task_bytes import task_equal_bytes
 
@@ -43,7 +43,7 @@ PPL_INTRO = (
 def decision(records: Sequence[Record]) -> tuple[str, str] | None:
     """The verdict first: what to ship at each budget, and what to avoid (see `verdict`)."""
     found = verdict.verdict(records)
-    return ("Verdict", verdict.section_html(found)) if found else None
+    return ("Verdict", verdict_text.section_html(found)) if found else None
 
 
 def at_equal_bytes(records: Sequence[Record]) -> tuple[str, str] | None:

@@ -16,11 +16,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..records.schema import PplRecord
+from ..stats.uncertainty import blocks, mean_interval
 from . import traits
 from .columns import KV_BF16, KV_HELD, MEAN_KEPT, Column, Table, mean_kept, number
 from .kv_bytes import RowBytes, mib, row_bytes
-from .records import PplRecord
-from .uncertainty import blocks, mean_interval
 
 KIND_ORDER = {"full": 0, "oracle": 1, "policy": 2, "sinks": 3}
 

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..records.schema import RulerRecord
+from ..stats.tolerance import drop_interval
 from .kv_bytes import EQUAL_BYTES, mib
-from .records import RulerRecord
 from .ruler import where_label
-from .tolerance import drop_interval
 from .traits import kv_bits
 
 LEVEL = 0.95

@@ -2,7 +2,7 @@
 
 A cell is a configuration at a budget, answered on the first n seeded samples of a task by
 it and by the full cache. It is judged by the tolerance rule's paired accuracy interval
-(`tolerance.judge_accuracy`) at each look of the sampling schedule (`looks`: the sample
+(`stats.judge.judge` on the answers) at each look of the sampling schedule (`looks`: the sample
 counts a cell is judged at) in turn, up to the largest look both answered; a cell still
 undecided there needs the next look, unless it is at the cap. `ab/task_envelope.py` runs
 the search these judgements steer.
@@ -14,10 +14,11 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, replace
 
+from ..records.schema import RulerRecord
+from ..stats.judge import Measured, judge
+from ..stats.tolerance import Judgement, Tolerance
 from .columns import Column, Table, number
 from .kv_bytes import mib
-from .records import RulerRecord
-from .tolerance import Judgement, Tolerance, judge_accuracy
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,8 @@ def judge_cell(looks: list[int], tolerance: Tolerance, spec: str, budget: int, a
     for n in looks:
         if not all(i in answered and i in full for i in range(n)):
             break
-        judgement = judge_accuracy([answered[i] for i in range(n)], [full[i] for i in range(n)], tolerance)
+        judgement = judge(Measured(answers={"tasks": [answered[i] for i in range(n)]}),
+                          Measured(answers={"tasks": [full[i] for i in range(n)]}), tolerance).deciding
         need = None if judgement.outcome != "undecided" or n == looks[-1] else next(m for m in looks if m > n)
         if judgement.outcome != "undecided":
             break

@@ -5,7 +5,7 @@ not rest on a difference the data cannot carry. Safe means *shown* inside a tole
 user states (`tolerance.Tolerance`: by default PPL within 5% of the full cache's, task
 accuracy within 5 points), never "not told apart from the full cache": with a few samples
 almost nothing can be told apart. Every policy is judged against the full cache on the same
-data (`tolerance.judge_ppl`, `judge_kl`, `judge_accuracy`: paired intervals) on every metric
+data (`stats.judge.judge`: paired intervals) on every metric
 the run holds: PPL, KL where `max_kl` is stated, RULER task answers, pass-key trials. Per
 budget the verdict names, from the records alone:
 
@@ -26,47 +26,33 @@ The oracle is left out: it re-computes every token and is a reference, not a pol
 can serve with. Closeness to the full cache is the ranking's goal only while the full cache
 is the better model: where a policy's paired PPL lies wholly below the full cache's (a
 stream past the model's trained positions), the policies are ranked by PPL and the sentence
-says why (`BudgetVerdict.unsound_reference`).
+says why (`BudgetVerdict.unsound`).
+
+This module decides; how each decision is said (the sentence, the facts under it, the verdict
+as Markdown and HTML) is `verdict_text`'s, which reads these dataclasses and decides nothing.
 """
 
 from __future__ import annotations
 
-import html
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from ..eval.sink_loss import unbounded_note
-from .columns import number
-from .kv_bytes import mib
-from .records import PplRecord, Record, ppl_records, ruler_records, task_records
-from .ruler import FLOOR, TaskScore, beyond, judged, rank_agreement, where_label
+from ..records.schema import PplRecord, Record, ppl_records, ruler_records, task_records
+from ..stats.judge import Judged, Measured, judge
+from ..stats.tolerance import Judgement, Tolerance
+from ..stats.uncertainty import Blocks, Interval, blocks, mean_interval, paired_difference, wilson
+from . import verdict_text
+from .ruler import TaskScore, beyond, judged, rank_agreement, where_label
 from .tables import budget_order
-from .tolerance import Judgement, Tolerance, judge_accuracy, judge_kl, judge_pair, judge_ppl
 from .traits import is_preset, kv_bits, needs_attention, pinned
-from .uncertainty import Blocks, Interval, blocks, mean_interval, paired_difference, wilson
 
 #: outside and collapsed: the whole paired PPL ratio interval at or above this
 COLLAPSE_PPL = 2.0
 #: ... or the whole accuracy interval below this share of the full cache's rate
 COLLAPSE_NEEDLE = 0.5
-
-#: how the verdict decides, said in the report under the verdict
-HOW = (
-    "How the verdict decides: each policy is compared with the full cache on the same data, with a paired 95% "
-    "interval per metric: the PPL ratio by a bootstrap over blocks of tokens (scipy.stats.bootstrap), task and "
-    "pass-key accuracy by Bonett and Price's adjusted Wald interval of the paired difference (JEBS 2012), or "
-    "with a minimum accuracy ratio by Bonett and Price's paired interval of the ratio (Stat Med 2006). "
-    "Inside: the whole interval within the stated tolerance; outside: the whole interval past it (collapsed: "
-    "past 2× the full cache's PPL or below half its accuracy); undecided otherwise, with the samples that would "
-    "decide it. Ship: the cheapest policy inside on every metric (fewest KV bytes where the budget's rows differ "
-    "in storage width, then no attention statistics, then fewest pinned slots); "
-    "tied: inside the tolerance of each other both ways. Tasks are judged on one protocol (agnostic "
-    f"first), on the answers every policy gave, within the model's reach (full cache ≥ {FLOOR:.0%}). Where the full "
-    "cache itself is worse beyond the noise, policies are ranked by PPL."
-)
-
 
 @dataclass(frozen=True)
 class Needle:
@@ -136,14 +122,20 @@ class Candidate:
 
     @property
     def outcome(self) -> str:
-        """Outside if any metric is; inside if every stated metric is judged and inside; else undecided."""
-        found = [j.outcome for _, j in self.judgements]
-        if "outside" in found:
-            return "outside"
-        return "inside" if found and not self.missing and set(found) == {"inside"} else "undecided"
+        """Outside if any metric is; inside if every stated metric is judged and inside; else undecided
+        (`stats.judge.Judged.outcome`)."""
+        return Judged(self.judgements, self.missing).outcome
 
-    def judged_text(self) -> str:
-        return "; ".join(f"{label}: {j.text()}" for label, j in self.judgements) or "no paired data"
+
+@dataclass(frozen=True)
+class Unsound:
+    """The full cache is no sound reference at a budget: the policies whose paired PPL lies wholly below its own
+    (`better`, lowest PPL first; `every`: all of the budget's), its PPL and that PPL's interval."""
+
+    better: tuple[str, ...]
+    every: bool
+    full_ppl: float
+    interval: Interval | None
 
 
 @dataclass
@@ -165,13 +157,23 @@ class BudgetVerdict:
     lost_sink: list[Candidate] = field(default_factory=list)
     tied: list[Candidate] = field(default_factory=list)
     recommended: Candidate | None = None
-    sentence: str = ""
     agreement: list[dict] = field(default_factory=list)
     opposed: list[tuple[Candidate, Candidate]] = field(default_factory=list)
     beyond: list[str] = field(default_factory=list)
     protocol: str | None = None  # the protocol the tasks are judged on (`ruler.judged_protocol`)
     partial: list[tuple[str, int, int]] = field(default_factory=list)  # (policy, answered, asked): not ranked
-    unsound_reference: str | None = None  # why the policies are ranked by PPL, not by KL to the full cache
+    unsound: Unsound | None = None  # why the policies are ranked by PPL, not by KL to the full cache
+
+    @property
+    def sentence(self) -> str:
+        """The verdict at this budget in one sentence (`verdict_text.sentence`)."""
+        return verdict_text.sentence(self)
+
+    @property
+    def unsound_reference(self) -> str | None:
+        """Why the policies are ranked by PPL, in words (`verdict_text.unsound_text`); None where the full cache
+        is a sound reference."""
+        return None if self.unsound is None else verdict_text.unsound_text(self.unsound)
 
     @property
     def has_ppl(self) -> bool:
@@ -233,22 +235,15 @@ def _task_candidates(budget: str, tasks: dict[tuple[str, str], TaskScore]) -> li
 
 def _judged(c: Candidate, full: Blocks | None, tasks_stated: bool, tol: Tolerance) -> Candidate:
     """`c` with its judgements against the full cache on every metric the run states, and the ones it lacks."""
-    found: list[tuple[str, Judgement]] = []
-    missing: list[str] = []
-    if not math.isnan(c.ppl):
-        j = judge_ppl(c.nll_blocks, full, tol)
-        found.append(("PPL", j)) if j else missing.append("PPL")
-        if tol.max_kl is not None:
-            j = judge_kl(c.kl_blocks, tol)
-            found.append(("KL", j)) if j else missing.append("KL")
+    answers: dict[str, list[float]] = {}
+    reference: dict[str, list[float]] = {}
     if c.task is not None:
-        found.append(("tasks", judge_accuracy(c.task.scores, c.task.full_scores, tol)))
-    elif tasks_stated:
-        missing.append("tasks")
+        answers["tasks"], reference["tasks"] = c.task.scores, c.task.full_scores
     if c.needle is not None and c.needle.pairs:
-        found.append(("pass-key", judge_accuracy([p for p, _ in c.needle.pairs], [f for _, f in c.needle.pairs],
-                                                 tol)))
-    return replace(c, judgements=tuple(found), missing=tuple(missing))
+        answers["pass-key"], reference["pass-key"] = [p for p, _ in c.needle.pairs], [f for _, f in c.needle.pairs]
+    found = judge(Measured(c.nll_blocks, c.kl_blocks, answers, stream=not math.isnan(c.ppl)),
+                  Measured(full, answers=reference), tol, due=("tasks",) if tasks_stated else ())
+    return replace(c, judgements=found.judgements, missing=found.missing)
 
 
 def _collapse(c: Candidate) -> str | None:
@@ -267,16 +262,15 @@ def _collapse(c: Candidate) -> str | None:
 
 def _pair_outcome(a: Candidate, b: Candidate, tol: Tolerance) -> list[tuple[str, Judgement]]:
     """a against b (how much a loses to b) on every metric both hold paired: PPL ratio a / b, task answers."""
-    out = []
-    j = judge_ppl(a.nll_blocks, b.nll_blocks, tol)
-    if j:
-        out.append(("PPL", j))
+    answers_a: dict[str, list[float]] = {}
+    answers_b: dict[str, list[float]] = {}
     if a.task is not None and b.task is not None:
         ua, ub = a.task.by_unit(), b.task.by_unit()
         both = sorted(set(ua) & set(ub), key=lambda u: tuple(map(str, u)))
         if both:
-            out.append(("tasks", judge_pair([ua[u] for u in both], [ub[u] for u in both], tol)))
-    return out
+            answers_a["tasks"], answers_b["tasks"] = [ua[u] for u in both], [ub[u] for u in both]
+    return list(judge(Measured(a.nll_blocks, answers=answers_a), Measured(b.nll_blocks, answers=answers_b),
+                      tol).judgements)
 
 
 def _tied(a: Candidate, b: Candidate, tol: Tolerance) -> bool:
@@ -305,7 +299,7 @@ def _judge(v: BudgetVerdict, full: Blocks | None) -> None:
             v.lost_sink.append(c)
     if v.inside:
         # past a degraded full cache every policy may be inside: then only those within the tolerance of the best
-        pool = [c for c in v.inside if c is v.inside[0] or not v.unsound_reference or _tied(c, v.inside[0], tol)]
+        pool = [c for c in v.inside if c is v.inside[0] or v.unsound is None or _tied(c, v.inside[0], tol)]
         v.recommended = min(pool, key=lambda c: (c.cost, c.rank))
         v.tied = [c for c in v.candidates if c is not v.recommended and _tied(c, v.recommended, tol)]
     if v.has_ppl and v.has_tasks:
@@ -334,11 +328,11 @@ def verdict(records: Sequence[Record], tolerance: Tolerance | None = None) -> li
     for budget in [*ppl_budgets, *task_only]:
         candidates = (_candidates(rows, budget, needle, tasks) if isinstance(budget, int)
                       else _task_candidates(budget, tasks))
-        reason = _unsound_reference(full, candidates) if isinstance(budget, int) else None
-        if reason:
+        unsound = _unsound(full, candidates) if isinstance(budget, int) else None
+        if unsound is not None:
             candidates = [replace(c, by_ppl=True) for c in candidates]
         v = BudgetVerdict(budget, full_ppl if isinstance(budget, int) else None,
-                          sorted(candidates, key=lambda c: c.rank), tol, unsound_reference=reason)
+                          sorted(candidates, key=lambda c: c.rank), tol, unsound=unsound)
         if answers:
             v.agreement = [a for a in agreement if a["budget"] == str(budget)]
             v.beyond = out_of_reach
@@ -346,14 +340,13 @@ def verdict(records: Sequence[Record], tolerance: Tolerance | None = None) -> li
             v.partial = [(policy, *counts) for (policy, label), counts in found.partial.items()
                          if label == str(budget)]
         _judge(v, full_blocks)
-        v.sentence = _sentence(v)
         out.append(v)
     return out
 
 
-def _unsound_reference(full: PplRecord | None, candidates: Sequence[Candidate]) -> str | None:
-    """Why the full cache cannot be the reference the policies are ranked by closeness to, or None: some policy's
-    paired PPL difference from it (NLL over the same resampled blocks) lies wholly below 0."""
+def _unsound(full: PplRecord | None, candidates: Sequence[Candidate]) -> Unsound | None:
+    """Whether the full cache cannot be the reference the policies are ranked by closeness to: some policy's paired
+    PPL difference from it (NLL over the same resampled blocks) lies wholly below 0. None where it can."""
     reference = blocks(full.curve, "ppl") if full is not None else None
     if reference is None:
         return None
@@ -364,212 +357,5 @@ def _unsound_reference(full: PplRecord | None, candidates: Sequence[Candidate]) 
             better.append(c)
     if not better:
         return None
-    shown = mean_interval(reference, exp=True)
-    who = "every policy" if len(better) == len(candidates) else _names(sorted(better, key=lambda c: c.ppl))
-    return (f"ranked by PPL, not by closeness to the full cache, which is worse than {who} here "
-            f"(PPL {full.ppl:.2f}" + (f" {shown.text()}" if shown else "") + ": a stream past the positions the "
-            "model was trained on degrades the full cache itself)")
-
-
-def _names(candidates: Sequence[Candidate]) -> str:
-    return ", ".join(c.name for c in candidates)
-
-
-def _scores(c: Candidate) -> str:
-    kl = "" if c.kl is None else f"KL {c.kl:.3f}" + (f" {c.kl_interval.text(3)}" if c.kl_interval else "") + ", "
-    return kl + f"PPL {c.ppl:.2f}" + (f" {c.ppl_interval.text()}" if c.ppl_interval else "")
-
-
-def _cost_text(c: Candidate) -> str:
-    pins = "no pinned slots" if not c.pins else f"{c.pins} pinned slot{'s' if c.pins > 1 else ''}"
-    held = "" if c.kv_bf16 is None else f"{mib(c.kv_bf16)} MiB KV per sequence at bf16, "
-    return held + pins + (", attention statistics" if c.reads_attention else ", no attention statistics")
-
-
-def _task_scores(c: Candidate) -> str:
-    return f"tasks {c.task.text()} vs full {c.task.full_text()}"
-
-
-def _more_text(c: Candidate) -> str:
-    """What would decide an undecided policy: per straddling metric, the samples an estimate asks for."""
-    parts = []
-    for label, j in c.judgements:
-        if j.outcome != "undecided":
-            continue
-        if j.reason is not None:
-            parts.append(f"its {label} ratio is undefined ({j.reason})")
-        elif j.more_samples is None:
-            parts.append(f"no number of samples decides its {label} (the estimate sits on the limit)")
-        elif j.metric == "ppl-ratio" and c.nll_blocks is not None:
-            tokens = j.more_samples * float(c.nll_blocks.weights.mean())
-            parts.append(f"about {j.more_samples} more blocks of tokens ({tokens:,.0f} tokens) would decide its PPL")
-        else:
-            unit = {"tasks": "task answers", "pass-key": "pass-key trials"}.get(label, "blocks of tokens")
-            parts.append(f"about {j.more_samples} more {unit} would decide its {label}")
-    parts += [f"it has no paired {m} data to judge" for m in c.missing]
-    return "; ".join(parts)
-
-
-def _avoid_text(v: BudgetVerdict, skip: Candidate | None = None) -> str:
-    bad = dict((c.name, why) for c, why in v.collapsed)
-    named = [f"{c.name} (collapsed)" if c.name in bad else c.name for c in v.outside if c is not skip]
-    return f"; avoid {', '.join(named)} (outside the tolerance)" if named else ""
-
-
-def _sentence(v: BudgetVerdict) -> str:
-    """Ship the recommendation; else the closest undecided policy and what would decide it; else the closest
-    policy, shown outside. Then what to avoid, and token 0's fate for the one shipped."""
-    if v.closest is None:
-        if v.partial:
-            return (f"At budget {v.budget} no policy answered every {v.protocol} answer the budget asks "
-                    f"({', '.join(f'{p} {k}/{n}' for p, k, n in v.partial)}): run the same tasks and samples for each.")
-        if v.beyond:
-            return (f"At budget {v.budget} every task the run holds is beyond this model at its length (the full "
-                    f"cache scores below {FLOOR:.0%}: {', '.join(v.beyond)}): the tasks cannot judge the policies.")
-        return f"At budget {v.budget} the run holds no policy rows: nothing to recommend."
-    best = v.recommended
-    if best is None:
-        if v.undecided:
-            c = v.undecided[0]
-            text = (f"At budget {v.budget} nothing is shown inside the tolerance yet; undecided: {c.name} "
-                    f"({c.judged_text()}): {_more_text(c)}")
-            others = v.undecided[1:]
-            if others:
-                text += f"; also undecided: {_names(others)}"
-        else:
-            c = v.closest
-            text = (f"At budget {v.budget} nothing is shown inside the tolerance; closest is {c.name} "
-                    f"({c.judged_text()}): raise the budget")
-        return text + _avoid_text(v, skip=v.closest if not v.undecided else None) + "."
-    full = f" vs {v.full_ppl:.2f} full" if v.full_ppl and not math.isnan(best.ppl) else ""
-    scores = _scores(best) + full + "; " if not math.isnan(best.ppl) else ""
-    text = f"At budget {v.budget} ship {best.name} ({scores}{best.judged_text()}): inside the tolerance"
-    if v.unsound_reference:
-        text += f"; {v.unsound_reference}"
-    others = [c for c in v.inside if c is not best]
-    if others:
-        text += f"; also inside: {_names(others)}, and it is the cheapest ({_cost_text(best)})"
-    if best.heads_lost:
-        text += f", but it lost token 0 on {best.heads_lost} of {best.heads} heads"
-        keeper = next((c for c in v.inside if not c.heads_lost), None)
-        if keeper is None and best.preset:
-            text += ": keep sinks with the engine's own option (the preset's keep or sink count, e.g. 4)"
-        elif keeper is None:
-            text += f": pin sinks (sinkN+{best.name})"
-        else:
-            text += f"; the closest policy inside the tolerance that kept it on every head is {keeper.name}"
-    return text + _avoid_text(v) + "."
-
-
-def _closest_text(v: BudgetVerdict) -> str:
-    c = v.closest
-    if c is None:
-        return "-"
-    if math.isnan(c.ppl):
-        return f"{c.name} ({_task_scores(c)})"
-    kl = "" if c.kl is None else f"KL {number(c.kl, 3)}, "
-    return f"{c.name} ({kl}PPL {c.ppl:.2f})"
-
-
-def _needle_text(v: BudgetVerdict) -> str | None:
-    found = [c for c in v.candidates if c.needle is not None]
-    if not found:
-        return None
-    parts = []
-    for c in found:
-        interval = c.needle.interval
-        parts.append(f"{c.name} {c.needle.hits:g}/{c.needle.trials}" + (f" {interval.text()}" if interval else ""))
-    return "; ".join(parts)
-
-def _facts(v: BudgetVerdict) -> list[tuple[str, str]]:
-    """The budget's facts under its sentence: the judgements, the rankings', then the policies left out."""
-    return _ranking_facts(v) + ([_partial_fact(v)] if v.partial else [])
-
-
-def _judgement_facts(v: BudgetVerdict) -> list[tuple[str, str]]:
-    facts = []
-    for outcome, found in (("inside", v.inside), ("undecided", v.undecided), ("outside", v.outside)):
-        if found:
-            facts.append((f"{outcome} the tolerance (paired 95% intervals)" if outcome != "undecided"
-                          else "undecided (paired 95% intervals straddle a limit)",
-                          "; ".join(f"{c.name}: {c.judged_text()}" for c in found)))
-    return facts
-
-
-def _ranking_facts(v: BudgetVerdict) -> list[tuple[str, str]]:
-    collapsed = "; ".join(f"{c.name} ({why})" for c, why in v.collapsed) or "none"
-    lost = "; ".join(f"{c.name} on {c.heads_lost} of {c.heads} heads" for c in v.lost_sink) or "none"
-    tied = _names(v.tied) or "none"
-    if not v.has_ppl:  # tasks alone: the closest by task rate, the judgements, then the tasks' facts
-        return ([("closest to full", _closest_text(v))] + _judgement_facts(v)
-                + [("tied with the one shipped (inside the tolerance both ways)", tied),
-                   ("collapsed", collapsed)] + _task_facts(v))
-    first = "lowest PPL (the full cache is worse)" if v.unsound_reference else "closest to full"
-    facts = [(first, _closest_text(v))] + _judgement_facts(v)
-    facts += [("tied with the one shipped (inside the tolerance both ways)", tied),
-              ("collapsed", collapsed), ("lost token 0", lost)]
-    note = next((c.layers_note for c in v.candidates if c.layers_note), None)
-    if note:
-        facts.append(("not counted", note))
-    needle = _needle_text(v)
-    if needle:
-        facts.append(("pass-key hits (95% Wilson interval)", needle))
-    if v.has_tasks:
-        facts += _task_facts(v)
-    return facts
-
-
-def _partial_fact(v: BudgetVerdict) -> tuple[str, str]:
-    """The policies left out of the tasks' ranking: fewer answers than the others at the budget, with their counts."""
-    return (f"not ranked on the tasks (fewer {v.protocol} answers than the other policies at this budget; a run of "
-            "the same tasks and samples fills them)",
-            "; ".join(f"{name} {answered}/{asked}" for name, answered, asked in v.partial))
-
-
-def _task_facts(v: BudgetVerdict) -> list[tuple[str, str]]:
-    found = [c for c in v.candidates if c.task is not None]
-    full = found[0].task.full_text() if found else "-"
-    facts = [(f"RULER answers within reach ({v.protocol}; hits/answers, 95% Wilson interval)",
-              "; ".join(f"{c.name} {c.task.text()}" for c in found) + f"; full {full} (on the same answers)")]
-    if v.agreement:
-        rho = "; ".join(f"{a['protocol']}: " + ("n/a (no spread)" if a["rho"] is None else f"{a['rho']:+.2f}")
-                        + f" over {len(a['policies'])} policies" for a in v.agreement)
-        opposed = "; ".join(f"PPL ranks {a.name} ahead of {b.name}, the tasks {b.name} ahead of {a.name}"
-                            for a, b in v.opposed)
-        facts.append(("PPL vs task ranking (Spearman ρ)", rho + (f"; they disagree: {opposed}" if opposed else
-                                                                   "; no pair is shown in opposite orders "
-                                                                   "beyond the tolerance by both measures")))
-    if v.beyond:
-        facts.append((f"beyond this model at this length (full cache below {FLOOR:.0%}; left out)",
-                      ", ".join(v.beyond)))
-    return facts
-
-
-def markdown(verdicts: Sequence[BudgetVerdict], title: str = "Verdict") -> str:
-    """The verdict as Markdown under `## title`: the tolerance, then one bullet list per budget, the sentence first."""
-    lines = [f"## {title}", ""]
-    if verdicts:
-        lines += [f"Tolerance: {verdicts[0].tolerance.describe()}.", ""]
-    for v in verdicts:
-        lines.append(f"**Budget {v.budget}.** {v.sentence}")
-        lines.append("")
-        for label, text in _facts(v):
-            lines.append(f"- {label}: {text}")
-        lines.append("")
-    if verdicts:
-        lines.append(HOW)
-    return "\n".join(lines).rstrip()
-
-
-def section_html(verdicts: Sequence[BudgetVerdict]) -> str:
-    """The verdict as HTML: the tolerance, per budget the sentence in bold, then the facts; how it decides at the
-    end."""
-    parts = []
-    if verdicts:
-        parts.append(f'<p class="tolerance">Tolerance: {html.escape(verdicts[0].tolerance.describe())}.</p>')
-    for v in verdicts:
-        items = "".join(f"<li>{html.escape(label)}: {html.escape(text)}</li>" for label, text in _facts(v))
-        parts.append(f'<div class="verdict" data-budget="{v.budget}"><p><strong>{html.escape(v.sentence)}'
-                     f"</strong></p><ul>{items}</ul></div>")
-    parts.append(f'<p class="how">{html.escape(HOW)}</p>')
-    return "".join(parts)
+    return Unsound(tuple(c.name for c in sorted(better, key=lambda c: c.ppl)), len(better) == len(candidates),
+                   full.ppl, mean_interval(reference, exp=True))

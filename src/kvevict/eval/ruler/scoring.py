@@ -1,4 +1,4 @@
-"""RULER's scores (scripts/eval/synthetic/constants.py); their binomial interval is `report.uncertainty.wilson`.
+"""RULER's scores (scripts/eval/synthetic/constants.py); their binomial interval is `stats.uncertainty.wilson`.
 
 `string_match_all`: the share of a sample's references found in its answer,
 case-insensitively. `string_match_part`: 1 when any reference is found. RULER averages

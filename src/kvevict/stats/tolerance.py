@@ -47,11 +47,10 @@ from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
 import numpy as np
-from scipy import stats
 
 from ..errors import KvevictError
 from .paired_ratio import ratio_interval
-from .uncertainty import Blocks, bootstrap, mean_interval, paired_difference
+from .uncertainty import Blocks, bootstrap, is_binary, mean_interval, mean_of, paired_difference, z
 
 Outcome = Literal["inside", "outside", "undecided"]
 Metric = Literal["ppl-ratio", "accuracy-drop", "accuracy-ratio", "kl"]
@@ -188,7 +187,7 @@ def judge_ppl(policy: Blocks | None, full: Blocks | None, tol: Tolerance) -> Jud
     found = paired_difference(policy, full, tol.confidence)
     if found is None:
         return None
-    estimate = math.exp(_mean(policy) - _mean(full))
+    estimate = math.exp(mean_of(policy) - mean_of(full))
     return decide("ppl-ratio", estimate, math.exp(found.low), math.exp(found.high), tol.max_ppl_ratio,
                   len(policy.means), scale="log")
 
@@ -198,11 +197,7 @@ def judge_kl(policy: Blocks | None, tol: Tolerance) -> Judgement | None:
     if tol.max_kl is None or policy is None:
         return None
     found = mean_interval(policy, level=tol.confidence)
-    return decide("kl", _mean(policy), found.low, found.high, tol.max_kl, len(policy.means))
-
-
-def _mean(b: Blocks) -> float:
-    return float((b.means * b.weights).sum() / b.weights.sum())
+    return decide("kl", mean_of(policy), found.low, found.high, tol.max_kl, len(policy.means))
 
 
 def judge_accuracy(policy_hits: Sequence[float], full_hits: Sequence[float], tol: Tolerance) -> Judgement:
@@ -223,7 +218,7 @@ def judge_pair(a_hits: Sequence[float], b_hits: Sequence[float], tol: Tolerance)
     low, high = drop_interval(a, b, tol.confidence)
     n, limit = len(a), tol.max_accuracy_drop
     found = decide("accuracy-drop", float((b - a).mean()), low, high, limit, n)
-    if found.outcome != "undecided" or not _binary(a, b):
+    if found.outcome != "undecided" or not is_binary(a, b):
         return found
     lost, won = _discordant(a, b)
     return replace(found, more_samples=_more_answers(lost / n, won / n, n, tol.confidence, limit))
@@ -233,10 +228,10 @@ def _more_answers(lost: float, won: float, n: int, level: float, limit: float) -
     """How many more prompts would decide the drop if the shares answered by one side alone (`lost`, `won`)
     persist: the interval narrows as 1/(n + 2), not as 1/sqrt(n), where few or none are discordant, so the
     bootstrap's scaling in `decide` would overstate it many times. None when no number of prompts decides."""
-    z = float(stats.norm.ppf(0.5 + level / 2))
+    critical = z(level)
 
     def decides(m: int) -> bool:
-        low, high = _wald(lost * m, won * m, m, z)
+        low, high = _wald(lost * m, won * m, m, critical)
         return high <= limit or low > limit
 
     if lost - won == limit:
@@ -251,10 +246,6 @@ def _more_answers(lost: float, won: float, n: int, level: float, limit: float) -
         mid = (top + bottom) // 2
         bottom, top = (bottom, mid) if decides(mid) else (mid, top)
     return top - n
-
-
-def _binary(a: np.ndarray, b: np.ndarray) -> bool:
-    return bool(np.isin(a, (0.0, 1.0)).all() and np.isin(b, (0.0, 1.0)).all())
 
 
 def judge_ratio(a: np.ndarray, b: np.ndarray, ratio: float, level: float) -> Judgement:
@@ -277,7 +268,7 @@ def judge_ratio(a: np.ndarray, b: np.ndarray, ratio: float, level: float) -> Jud
 def drop_interval(a: np.ndarray, b: np.ndarray, level: float) -> tuple[float, float]:
     """The paired interval of mean(b − a) (module docstring): Bonett and Price's adjusted Wald for 0/1 scores,
     else a paired bootstrap."""
-    if not _binary(a, b):
+    if not is_binary(a, b):
         if len(a) < 2:
             return (-1.0, 1.0)  # one partial answer: anything is possible
         found = bootstrap((a, b), lambda x, y, axis: (y - x).mean(axis=axis), level)
@@ -293,11 +284,11 @@ def _discordant(a: np.ndarray, b: np.ndarray) -> tuple[int, int]:
 def adjusted_wald(lost: float, won: float, n: float, level: float) -> tuple[float, float]:
     """Bonett and Price's (2012) interval of p_lost − p_won over `n` paired prompts, `lost` of them answered by the
     reference alone and `won` by the other side alone (module docstring), clipped to [−1, 1]."""
-    return _wald(lost, won, n, float(stats.norm.ppf(0.5 + level / 2)))
+    return _wald(lost, won, n, z(level))
 
 
-def _wald(lost: float, won: float, n: float, z: float) -> tuple[float, float]:
+def _wald(lost: float, won: float, n: float, critical: float) -> tuple[float, float]:
     p_lost, p_won = (lost + 1) / (n + 2), (won + 1) / (n + 2)
     centre = p_lost - p_won
-    half = z * math.sqrt((p_lost + p_won - centre**2) / (n + 2))
+    half = critical * math.sqrt((p_lost + p_won - centre**2) / (n + 2))
     return (max(-1.0, centre - half), min(1.0, centre + half))

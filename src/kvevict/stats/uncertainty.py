@@ -25,8 +25,22 @@ from scipy import stats
 LEVEL = 0.95
 DRAWS = 2000
 SEED = 0
-#: the normal quantile of LEVEL (two-sided 95%)
-Z = float(stats.norm.ppf(1 - (1 - LEVEL) / 2))
+
+
+def z(level: float = LEVEL) -> float:
+    """The standard normal quantile of a two-sided `level` (1.96 at 95%): every interval written out here uses it."""
+    return float(stats.norm.ppf(0.5 + level / 2))
+
+
+def level_of(critical: float) -> float:
+    """The two-sided level whose quantile is `critical` (the inverse of `z`), for an interval asked at a critical
+    value rather than a level (Bonett and Price's shrunk one)."""
+    return float(1 - 2 * stats.norm.sf(critical))
+
+
+def is_binary(*scores: np.ndarray) -> bool:
+    """Whether every score is 0 or 1 (answers right or wrong, no partial credit)."""
+    return all(bool(np.isin(s, (0.0, 1.0)).all()) for s in scores)
 
 
 @dataclass(frozen=True)
@@ -69,13 +83,19 @@ def bootstrap(samples: tuple[np.ndarray, ...], statistic, level: float = LEVEL) 
     return Interval(float(found.confidence_interval.low), float(found.confidence_interval.high))
 
 
-def _weighted(values: np.ndarray, weights: np.ndarray, axis: int = -1) -> np.ndarray:
+def weighted_mean(values: np.ndarray, weights: np.ndarray, axis: int = -1) -> np.ndarray:
+    """Mean of `values` weighted by `weights` along `axis` (blocks weighted by their predictions)."""
     return (values * weights).sum(axis=axis) / weights.sum(axis=axis)
+
+
+def mean_of(b: Blocks) -> float:
+    """The weighted mean of one curve's blocks: the row's mean NLL (KL) over its predictions."""
+    return float(weighted_mean(b.means, b.weights))
 
 
 def mean_interval(b: Blocks, exp: bool = False, level: float = LEVEL) -> Interval:
     """Interval of the weighted mean over blocks (of exp(mean) with `exp`: PPL from NLL)."""
-    found = bootstrap((b.means, b.weights), _weighted, level)
+    found = bootstrap((b.means, b.weights), weighted_mean, level)
     return Interval(math.exp(found.low), math.exp(found.high)) if exp else found
 
 
@@ -85,24 +105,25 @@ def paired_difference(a: Blocks, b: Blocks, level: float = LEVEL) -> Interval | 
         return None
 
     def difference(am, aw, bm, bw, axis=-1):
-        return _weighted(am, aw, axis) - _weighted(bm, bw, axis)
+        return weighted_mean(am, aw, axis) - weighted_mean(bm, bw, axis)
 
     return bootstrap((a.means, a.weights, b.means, b.weights), difference, level)
 
 
-def wilson(hits: float, n: int) -> Interval | None:
-    """Wilson's score interval of a hit rate from `hits` of `n` trials (None without trials): scipy's
+def wilson(hits: float, n: int, level: float = LEVEL) -> Interval | None:
+    """Wilson's score interval of a hit rate from `hits` of `n` trials at `level` (None without trials): scipy's
     (`binomtest(...).proportion_ci(method="wilson")`) for whole hits. A list task's partial answers sum to fractional
     hits, which scipy's test refuses; for those the same score interval (Wilson, JASA 1927) is written out."""
     if n <= 0:
         return None
     p = hits / n
     if float(hits).is_integer():
-        found = stats.binomtest(int(hits), n).proportion_ci(confidence_level=LEVEL, method="wilson")
+        found = stats.binomtest(int(hits), n).proportion_ci(confidence_level=level, method="wilson")
         low, high = float(found.low), float(found.high)
     else:
-        centre = (p + Z * Z / (2 * n)) / (1 + Z * Z / n)
-        half = Z * math.sqrt(p * (1 - p) / n + Z * Z / (4 * n * n)) / (1 + Z * Z / n)
+        c = z(level)
+        centre = (p + c * c / (2 * n)) / (1 + c * c / n)
+        half = c * math.sqrt(p * (1 - p) / n + c * c / (4 * n * n)) / (1 + c * c / n)
         low, high = centre - half, centre + half
     # The interval always holds p; at p = 0 or 1 its end is p itself, which rounding can miss by an ulp
     # (10/10 gave a high of 0.9999999999999999): a figure's error bar would then point the wrong way.

@@ -17,9 +17,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..cache.model_info import layer_kinds, text_config
-from ..errors import KvevictError
-from ..position_modes import DEFAULT_POSITIONS
+from .cache.model_info import layer_kinds, text_config
+from .errors import KvevictError
+from .position_modes import DEFAULT_POSITIONS
 
 #: bytes per element of the dtypes a KV cache is stored in
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -165,7 +165,7 @@ def arithmetic(shape: KvShape, context: int) -> str:
 
 def budget_at(text: str, context: int) -> int | None:
     """A configuration's budget as written after `@`: entries, a share of the context (`25%`), or `full`."""
-    from ..policies.budget import parse_budget, resolve_budget
+    from .policies.budget import parse_budget, resolve_budget
 
     return resolve_budget(parse_budget(text), context)
 
@@ -173,7 +173,7 @@ def budget_at(text: str, context: int) -> int | None:
 def named_configs(text: str, context: int) -> list[tuple[str, int | None]]:
     """`full,window@4096,h2o@25%`: each configuration as (name, budget in entries at `context`), every policy
     checked at its budget (an unknown one is one line naming the choices)."""
-    from ..policies import check_policy
+    from .policies import check_policy
 
     out = []
     for item in filter(None, (part.strip() for part in text.split(","))):

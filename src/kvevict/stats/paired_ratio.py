@@ -27,9 +27,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from scipy import stats
 
-from .uncertainty import bootstrap
+from .uncertainty import bootstrap, is_binary, level_of, wilson, z
 
 
 def ratio_interval(a: np.ndarray, b: np.ndarray, level: float) -> tuple[float, float, float] | None:
@@ -38,7 +37,7 @@ def ratio_interval(a: np.ndarray, b: np.ndarray, level: float) -> tuple[float, f
     if not b.sum() > 0:
         return None
     estimate = float(a.sum() / b.sum())
-    if bool(np.isin(a, (0.0, 1.0)).all() and np.isin(b, (0.0, 1.0)).all()):
+    if is_binary(a, b):
         both = int(((a == 1) & (b == 1)).sum())
         alone_a, alone_b = int(((a == 1) & (b == 0)).sum()), int(((a == 0) & (b == 1)).sum())
         return (estimate, *bonett_price(both, alone_a, alone_b, level))
@@ -61,13 +60,6 @@ def bonett_price(both: int, alone_a: int, alone_b: int, level: float) -> tuple[f
     se_ratio = math.sqrt((alone_a + alone_b + 2) / ((hits_a + 1) * (hits_b + 1)))
     se_a = math.sqrt((1 - (hits_a + 1) / (n + 2)) / (hits_a + 1))
     se_b = math.sqrt((1 - (hits_b + 1) / (n + 2)) / (hits_b + 1))
-    z = se_ratio / (se_a + se_b) * float(stats.norm.ppf(1 - (1 - level) / 2))
-    low_a, high_a = _wilson(hits_a, n, z)
-    low_b, high_b = _wilson(hits_b, n, z)
-    return low_a / high_b, high_a / low_b
-
-
-def _wilson(hits: int, n: int, z: float) -> tuple[float, float]:
-    """Wilson's score interval of hits / n at critical value z (Wilson, JASA 1927)."""
-    centre, spread = 2 * hits + z * z, z * math.sqrt(z * z + 4 * hits * (1 - hits / n))
-    return (centre - spread) / (2 * (n + z * z)), (centre + spread) / (2 * (n + z * z))
+    shrunk = level_of(se_ratio / (se_a + se_b) * z(level))
+    rate_a, rate_b = wilson(hits_a, n, shrunk), wilson(hits_b, n, shrunk)
+    return rate_a.low / rate_b.high, rate_a.high / rate_b.low
