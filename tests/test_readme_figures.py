@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 from scipy import stats
 
+from kvevict.records.schema import load, ppl_records, ruler_records
+from kvevict.records.store import ResultStore
 from kvevict.report.envelope import envelope_rows
-from kvevict.report.records import load, ppl_records, ruler_records
-from kvevict.report.store import ResultStore
 from kvevict.report.task_envelope import cells_of, smallest
-from kvevict.report.tolerance import Tolerance, judge_ppl
-from kvevict.report.uncertainty import blocks
+from kvevict.stats.tolerance import Tolerance, judge_ppl
+from kvevict.stats.uncertainty import blocks
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
