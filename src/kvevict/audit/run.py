@@ -1,0 +1,142 @@
+"""One audit, start to end: learn the servers, check both sides see the same ids, run the fidelity stream as
+deployed and once more with the sinks kept where the server takes `n_keep`, judge, write the record.
+
+Everything the user can get wrong is refused before the first workload request (`probe.py`, `StreamPlan.check`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from ..errors import KvevictError
+from ..files import atomic_write
+from ..report.tolerance import Tolerance
+from .client import Client, Endpoint
+from .judge import audit_tolerance, rerun_effect
+from .probe import Server, check_model, check_tokenizer, describe
+from .records import Records
+from .reference import endpoint_reference, local_reference
+from .stream import References, Side, StreamPlan, StreamResult, run_stream
+
+
+@dataclass(frozen=True)
+class AuditSpec:
+    """What to audit and how. `reference_url` None: kvevict's own full cache on `model` is the reference."""
+
+    deployment: Endpoint
+    route: str = "llama"
+    served_model: str | None = None
+    reference: Endpoint | None = None
+    reference_route: str | None = None
+    model: str = "smollm2-135m"
+    text: str = "pg-essays"
+    prompt_tokens: int = 32
+    new_tokens: int = 448
+    top_k: int = 20
+    offset: int = 0
+    n_keep: int | None = None
+    sinks: int = 4
+    context: int | None = None
+    out: Path = Path("runs/audit")
+    tolerance: Tolerance = field(default_factory=Tolerance)
+
+
+@dataclass
+class AuditResult:
+    server: Server
+    deployed: StreamResult
+    rerun: StreamResult | None = None
+    effect: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        return {"server": {"url": self.server.url, "n_ctx": self.server.n_ctx, "n_keep": self.server.n_keep,
+                           "models": list(self.server.models)},
+                "deployed": self.deployed.summary(), "rerun": self.rerun and self.rerun.summary(),
+                "effect": self.effect, "notes": self.notes}
+
+
+def prompt_ids(tokenizer, text: str, count: int, offset: int) -> tuple[int, ...]:
+    """`count` tokens of `text` from token `offset` on, after what the tokenizer puts first (Gemma's BOS)."""
+    from ..data import load_text, stream_start, tokenize
+
+    ids = tokenize(load_text(text), tokenizer).tolist()
+    if offset < 0 or offset + count > len(ids):
+        raise KvevictError(f"--offset {offset} with --prompt-tokens {count} runs past the {len(ids)} tokens of "
+                           f"'{text}'")
+    return tuple(stream_start(tokenizer) + ids[offset:offset + count])
+
+
+class _LocalModel:
+    """kvevict's full cache on the audit's weights, loaded on first use (a resumed audit may need no forward)."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self._model = name, None
+
+    def get(self):
+        if self._model is None:
+            from ..loading import load_model
+
+            self._model, _ = load_model(self.name)
+        return self._model
+
+
+def _references(spec: AuditSpec, tokenizer, records: Records, local: _LocalModel, need: int) -> References:
+    if spec.reference is None:
+        return lambda prompt, gen: local_reference(local.get(), prompt, gen.steps, spec.top_k)
+    client = Client(spec.reference)
+    server = describe(client)
+    check_model(server, spec.served_model)
+    check_tokenizer(client, tokenizer, spec.served_model)
+    if server.n_ctx is not None and server.n_ctx < need + 1:
+        raise KvevictError(f"the reference's context ({server.n_ctx} tokens) is shorter than the workload's {need}: "
+                           "it would evict too; start it with a context of at least "
+                           f"{need + 1} (llama-server --ctx-size)")
+    route = spec.reference_route or spec.route
+    side = Side(client, "llama" if route == "chat" else route, spec.served_model)
+    return lambda prompt, gen: endpoint_reference(side.client, side.route, side.model, prompt, gen.steps, spec.top_k,
+                                                  records.step, records.keep_step)
+
+
+def run_audit(spec: AuditSpec, local: _LocalModel | None = None) -> AuditResult:
+    """Run the audit `spec` describes; its records and `audit.json` go to `spec.out`."""
+    from ..loading import load_tokenizer
+
+    if spec.route == "chat":
+        raise KvevictError("--api chat carries no token ids to pair a stream by: audit fidelity with --api llama or "
+                           "--api completions (chat serves the tasks and the conversation)")
+    client = Client(spec.deployment)
+    server = describe(client)
+    check_model(server, spec.served_model)
+    tokenizer = load_tokenizer(spec.model)
+    notes = [] if check_tokenizer(client, tokenizer, spec.served_model) else [
+        "the deployment has no /tokenize route: its tokenizer was not checked against the local one"]
+    n_ctx = spec.context or server.n_ctx
+    if n_ctx is None:
+        raise KvevictError("the deployment does not declare its context: give it with --context N (its KV limit)")
+    from ..data import stream_start
+
+    prompt = prompt_ids(tokenizer, spec.text, spec.prompt_tokens, spec.offset)
+    plan = StreamPlan(prompt, spec.new_tokens, spec.top_k, n_ctx, spec.n_keep, max(0, server.n_keep or 0),
+                      bool(stream_start(tokenizer)))
+    plan.check()
+    records = Records(spec.out)
+    local = local or _LocalModel(spec.model)
+    references = _references(spec, tokenizer, records, local, len(prompt) + spec.new_tokens)
+    tol = audit_tolerance(spec.tolerance)
+    side = Side(client, spec.route, spec.served_model)
+    deployed = run_stream("as deployed", side, plan, references, records, tol)
+    result = AuditResult(server, deployed, notes=notes)
+    if deployed.verdict.events and deployed.generation.truncated is False:
+        notes.append("the server reports truncated=false although its declared context places an eviction event: "
+                     "its context is larger than declared, or it evicts without saying")
+    rerun_plan = replace(plan, n_keep=spec.sinks)
+    if server.native and spec.sinks > 0 and rerun_plan.keep > plan.keep:
+        result.rerun = run_stream(f"n_keep={spec.sinks}", side, rerun_plan, references, records, tol)
+        result.effect = rerun_effect(deployed.verdict, result.rerun.verdict)
+    elif not server.native:
+        notes.append("the server takes no per-request n_keep the audit knows of: no rerun with the sinks kept")
+    atomic_write(spec.out / "audit.json", json.dumps(result.summary(), indent=1))
+    return result

@@ -1,0 +1,259 @@
+"""`kvevict audit` without a real server: the client's manners, the per-token fidelity against an independent
+computation, llama-server's shift arithmetic, resumption, and every bad input (one line, exit 2).
+
+The server is `audit_fake.FakeServer` on 127.0.0.1: llama-server's routes over a synthetic model whose
+distribution changes once the first token leaves the cache.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from audit_fake import FakeConfig, FakeServer
+from kvevict.audit.api import Ask, Step, generate
+from kvevict.audit.client import Client, Endpoint
+from kvevict.audit.events import effective_keep, shift_steps
+from kvevict.audit.fidelity import TopK, kl_topk
+from kvevict.audit.run import AuditSpec, run_audit
+from kvevict.cli import app
+from kvevict.errors import KvevictError
+from kvevict.loading import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("smollm2-135m")
+
+
+def _spec(url: str, tmp_path: Path, reference: str | None, **kw) -> AuditSpec:
+    settings = {"backoff": 0.0, "retries": 3}
+    return AuditSpec(deployment=Endpoint(url, **settings), reference=reference and Endpoint(reference, **settings),
+                     prompt_tokens=16, new_tokens=200, out=tmp_path, **kw)
+
+
+# --- the shift arithmetic against a simulation of llama-server's slot --------------------------------------
+
+
+@pytest.mark.parametrize("prompt,n_ctx,keep", [(16, 128, 0), (16, 128, 4), (40, 64, 1), (5, 32, 30)])
+def test_shift_steps_match_a_simulated_slot(prompt, n_ctx, keep):
+    """The events are where the fake slot (a list of held tokens, shifted as `pre_decode` does) shifted."""
+    from audit_fake import generate as slot
+
+    cfg = FakeConfig(n_ctx=n_ctx)
+    kept = effective_keep(keep, prompt, n_ctx, add_bos=False)
+    entries, _ = slot(cfg, list(range(100, 100 + prompt)), 300, 1, kept)
+    held, seen = prompt, []  # independent replay: count held tokens, note each generated index after a shift
+    for j in range(1, 300):
+        if held + 1 >= n_ctx:
+            held -= max(0, min((held - kept) // 2, held - kept - 1))
+            seen.append(j)
+        held += 1
+    assert shift_steps(prompt, 300, n_ctx, kept) == seen
+    assert seen and seen[0] == n_ctx - prompt
+
+
+def test_effective_keep_follows_llama_server():
+    assert effective_keep(0, 16, 256, add_bos=True) == 1  # BOS: one more
+    assert effective_keep(-1, 16, 256, add_bos=False) == 16  # -1: the whole prompt
+    assert effective_keep(500, 16, 256, add_bos=False) == 252  # at most n_ctx - 4
+
+
+# --- the top-k KL against the full-vocabulary KL it approximates ------------------------------------------
+
+
+def test_topk_kl_is_exact_when_the_top_k_holds_the_mass_and_a_lower_bound_otherwise():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        p = rng.dirichlet(np.full(30, 0.3))
+        q = rng.dirichlet(np.full(30, 0.3))
+        full = float((p * np.log(p / q)).sum())
+        every = TopK(tuple(range(30)), tuple(np.log(p)))
+        known = TopK(tuple(range(30)), tuple(np.log(q)))
+        assert kl_topk(every, known)[0] == pytest.approx(full, rel=1e-9)
+        # the reference exact (every id known), the deployment's top 8 only: coarse-grained, never above the full KL
+        order = np.argsort(-q)[:8]
+        partial = TopK(tuple(int(i) for i in order), tuple(float(np.log(q[i])) for i in order))
+        ref = TopK(tuple(int(i) for i in np.argsort(-p)[:8]), tuple(float(np.log(np.sort(p)[::-1][i]))
+                                                                     for i in range(8)),
+                   tuple((i, float(np.log(p[i]))) for i in range(30)))
+        lower, tail = kl_topk(ref, partial)
+        assert 0 <= lower <= full + 1e-9
+        union = set(ref.ids) | set(partial.ids)
+        assert tail == pytest.approx(1 - sum(p[i] for i in union), abs=1e-9)
+
+
+def test_topk_kl_of_disjoint_top_k_is_large():
+    a = TopK((1, 2), (math.log(0.6), math.log(0.3)))
+    b = TopK((3, 4), (math.log(0.6), math.log(0.3)))
+    assert kl_topk(a, b)[0] > 1.0
+
+
+# --- the client -------------------------------------------------------------------------------------------
+
+
+def test_retries_wait_out_503_and_429_and_count_every_request(tokenizer):
+    slept = []
+    with FakeServer(FakeConfig(busy=2, limited=1), tokenizer) as server:
+        client = Client(Endpoint(server.url, backoff=0.25, retries=3), sleep=slept.append)
+        assert client.get("/props")["default_generation_settings"]["n_ctx"] == 128
+    assert client.sent == 4
+    assert slept[0] >= 0.25 and slept[1] >= 0.5 and slept[2] < 0.1  # doubled, then Retry-After: 0
+
+
+def test_retries_give_up_in_one_line(tokenizer):
+    with FakeServer(FakeConfig(busy=10), tokenizer) as server:
+        client = Client(Endpoint(server.url, backoff=0.0, retries=2), sleep=lambda s: None)
+        with pytest.raises(KvevictError, match="answered 503"):
+            client.get("/props")
+    assert client.sent == 3
+
+
+def test_the_key_is_sent_and_never_written(tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setenv("AUDIT_TEST_KEY", "s3cr3t-value")
+    with FakeServer(FakeConfig(key="s3cr3t-value"), tokenizer) as dep, \
+            FakeServer(FakeConfig(n_ctx=1024, key="s3cr3t-value"), tokenizer) as ref:
+        settings = {"api_key_env": "AUDIT_TEST_KEY", "backoff": 0.0}
+        spec = AuditSpec(deployment=Endpoint(dep.url, **settings), reference=Endpoint(ref.url, **settings),
+                         prompt_tokens=16, new_tokens=200, out=tmp_path)
+        run_audit(spec)
+    written = "".join(p.read_text() for p in tmp_path.iterdir() if p.is_file())
+    assert "s3cr3t" not in written and "AUDIT_TEST_KEY" not in written
+    assert all(h.get("Authorization") == "Bearer s3cr3t-value" for _, _, h in dep.cfg.requests)
+
+
+def test_requests_in_flight_stay_within_concurrency(tokenizer):
+    import threading
+    import time
+
+    live, most, lock = [0], [0], threading.Lock()
+
+    def work(x):
+        with lock:
+            live[0] += 1
+            most[0] = max(most[0], live[0])
+        time.sleep(0.02)
+        with lock:
+            live[0] -= 1
+        return x
+
+    client = Client(Endpoint("http://127.0.0.1:9", concurrency=3))
+    assert client.map(work, range(20)) == list(range(20))
+    assert most[0] == 3
+
+
+# --- the audit end to end on the synthetic model ----------------------------------------------------------
+
+
+def test_keep_0_is_outside_with_the_signature_and_n_keep_removes_it(tokenizer, tmp_path):
+    with FakeServer(FakeConfig(n_ctx=128, keep=0), tokenizer) as dep, \
+            FakeServer(FakeConfig(n_ctx=1024), tokenizer) as ref:
+        result = run_audit(_spec(dep.url, tmp_path, ref.url))
+    d = result.deployed
+    assert d.verdict.events[0] == 128 - 16
+    assert d.verdict.floor.kl == 0 and d.verdict.floor.disagree == 0  # the same model before the first shift
+    assert d.verdict.outcome == "outside" and d.verdict.signature
+    assert result.rerun is not None and result.rerun.plan.n_keep == 4
+    assert result.rerun.verdict.outcome == "inside" and not result.rerun.verdict.step
+    assert result.effect == "gone"
+    assert d.generation.truncated is True
+
+
+def test_a_rerun_resumes_and_sends_nothing_twice(tokenizer, tmp_path):
+    with FakeServer(FakeConfig(n_ctx=128), tokenizer) as dep, FakeServer(FakeConfig(n_ctx=1024), tokenizer) as ref:
+        first = run_audit(_spec(dep.url, tmp_path, ref.url))
+        sent = [len(dep.cfg.requests), len(ref.cfg.requests)]
+        lines = (tmp_path / "results.jsonl").read_text().splitlines()
+        (tmp_path / "results.jsonl").write_text("\n".join(lines[:-5]) + "\n" + lines[-5][:20])  # killed mid-write
+        again = run_audit(_spec(dep.url, tmp_path, ref.url))
+        generations = [p for p, b, _ in dep.cfg.requests if p == "/completion" and b["n_predict"] > 1]
+        completions = [p for p, b, _ in ref.cfg.requests[sent[1]:] if p == "/completion"]
+    assert len(generations) == 2  # as deployed and the rerun, once each
+    assert len(completions) == 5  # only the five reference positions lost with the torn tail
+    assert again.summary()["deployed"]["kl"] == first.summary()["deployed"]["kl"]
+
+
+def test_completions_route_reads_the_same_stream(tokenizer, tmp_path):
+    with FakeServer(FakeConfig(n_ctx=128), tokenizer) as dep, FakeServer(FakeConfig(n_ctx=1024), tokenizer) as ref:
+        native = run_audit(_spec(dep.url, tmp_path / "a", ref.url))
+        v1 = run_audit(_spec(dep.url, tmp_path / "b", ref.url, route="completions"))
+    assert v1.deployed.tokens == native.deployed.tokens
+    assert v1.deployed.verdict.outcome == native.deployed.verdict.outcome == "outside"
+
+
+# --- bad input: one line, exit 2 --------------------------------------------------------------------------
+
+
+def _cli(args: list[str]) -> tuple[int, str]:
+    found = CliRunner().invoke(app, ["audit", *args])
+    return found.exit_code, found.output
+
+
+def _one_line(args: list[str], pattern: str) -> None:
+    code, out = _cli(args)
+    assert code == 2, out
+    assert len(out.strip().splitlines()) == 1 and pattern in out, out
+
+
+def test_non_http_scheme_is_one_line():
+    _one_line(["ftp://127.0.0.1:8080"], "must be http:// or https://")
+
+
+def test_unreachable_url_is_one_line(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    _one_line([f"http://127.0.0.1:{port}", "--retries", "0", "--out", str(tmp_path)], "cannot reach")
+
+
+@pytest.mark.parametrize("cfg,args,pattern", [
+    (FakeConfig(logprobs=False), [], "returned no log-probabilities"),
+    (FakeConfig(), ["--served-model", "llama-3-8b"], "not 'llama-3-8b'"),
+    (FakeConfig(shift_tokenizer=True), [], "tokenizer disagrees"),
+    (FakeConfig(n_ctx=40), ["--prompt-tokens", "16"], "too short"),
+    (FakeConfig(n_ctx=128), ["--new-tokens", "50"], "nothing would be evicted"),
+])
+def test_server_side_bad_input_is_one_line(tokenizer, tmp_path, cfg, args, pattern):
+    with FakeServer(cfg, tokenizer) as dep, FakeServer(FakeConfig(n_ctx=1024), tokenizer) as ref:
+        _one_line([dep.url, "--reference-url", ref.url, "--prompt-tokens", "16", "--new-tokens", "200", "--retries",
+                   "0", "--out", str(tmp_path), *args], pattern)
+
+
+def test_a_reference_that_would_evict_is_refused(tokenizer, tmp_path):
+    with FakeServer(FakeConfig(n_ctx=128), tokenizer) as dep, FakeServer(FakeConfig(n_ctx=128), tokenizer) as ref:
+        _one_line([dep.url, "--reference-url", ref.url, "--prompt-tokens", "16", "--new-tokens", "200",
+                   "--out", str(tmp_path)], "would evict too")
+
+
+def test_generate_parses_openai_legacy_logprobs_with_token_ids(tokenizer):
+    """vLLM's legacy /v1/completions shape (`token_id:N` strings with return_tokens_as_token_ids)."""
+    answer = {"choices": [{"text": "x", "logprobs": {"tokens": ["token_id:5", "token_id:9"],
+                                                      "token_logprobs": [-0.1, -0.7],
+                                                      "top_logprobs": [{"token_id:5": -0.1, "token_id:3": -2.5},
+                                                                       {"token_id:2": -0.6, "token_id:9": -0.7}]}}]}
+
+    class Fixed(Client):
+        def post(self, path, body):
+            assert body["return_tokens_as_token_ids"] is True and body["logprobs"] == 2
+            return answer
+
+    found = generate(Fixed(Endpoint("http://127.0.0.1:1")), "completions", Ask(n_predict=2, k=2, ids=(1, 2)))
+    assert found.steps == (Step(5, -0.1, (5, 3), (-0.1, -2.5)), Step(9, -0.7, (2, 9), (-0.6, -0.7)))
+
+
+def test_audit_json_holds_the_verdict(tokenizer, tmp_path):
+    with FakeServer(FakeConfig(n_ctx=128), tokenizer) as dep, FakeServer(FakeConfig(n_ctx=1024), tokenizer) as ref:
+        code, out = _cli([dep.url, "--reference-url", ref.url, "--prompt-tokens", "16", "--new-tokens", "200",
+                          "--out", str(tmp_path), "--json"])
+    assert code == 0, out
+    found = json.loads(out.strip().splitlines()[-1])
+    assert found["deployed"]["outcome"] == "outside" and found["effect"] == "gone"
+    assert "sink-loss signature" in out
+    assert (tmp_path / "report.html").exists()
