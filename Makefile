@@ -84,7 +84,7 @@ demo: $(STAMP)
 # one pytest-xdist worker per core, a test file to a worker (its module fixtures built once); each worker's
 # torch gets its share of the cores (tests/conftest.py), so the workers never oversubscribe them
 test: $(EXTRAS) .chromium-checked
-	$(PY) -m pytest -q -n auto --dist loadfile -m "not llamacpp and not readme_gemma and not ray_cluster"
+	$(PY) -m pytest -q -n auto --dist loadfile -m "not llamacpp and not readme_gemma and not ray_cluster and not llama_server"
 
 # the README's commands on the second embedded model (Gemma 3; ~2 min): run by CI beside make test
 test-readme-gemma: $(EXTRAS)
@@ -96,7 +96,7 @@ test-ray: $(EXTRAS)
 	$(PY) -m pytest -q -m ray_cluster tests/test_ray.py tests/test_ray_tasks.py
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not model and not browser"
+	$(PY) -m pytest -q -m "not model and not browser and not llama_server"
 
 # each release in its own scratch environment, then the fast subset: the architecture matrix and the engine
 test-compat:

@@ -29,6 +29,7 @@ class FakeConfig:
     busy: int = 0  # answer 503 to this many requests first
     limited: int = 0  # answer 429 with Retry-After: 0 to this many requests first
     key: str | None = None  # the bearer token it requires
+    truncate: bool = False  # cut a prompt beyond the context to its last half instead of refusing it
     shift_tokenizer: bool = False  # answer every token id plus one (another tokenizer)
     requests: list = field(default_factory=list)  # (path, body, headers) of every request received
 
@@ -116,7 +117,9 @@ def _handler(cfg: FakeConfig, tokenizer):
 
         def _complete(self, body: dict) -> None:
             prompt = body["prompt"]
-            if len(prompt) >= cfg.n_ctx:
+            if len(prompt) >= cfg.n_ctx and cfg.truncate:  # old llama-server: keep the last half, say truncated
+                prompt = prompt[-(cfg.n_ctx // 2):]
+            elif len(prompt) >= cfg.n_ctx:
                 self._send(400, {"error": {"message": "the request exceeds the available context size"}})
                 return
             native = self.path == "/completion"

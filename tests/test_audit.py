@@ -33,8 +33,9 @@ def tokenizer():
 
 def _spec(url: str, tmp_path: Path, reference: str | None, **kw) -> AuditSpec:
     settings = {"backoff": 0.0, "retries": 3}
+    kw = {"prompt_tokens": 16, "new_tokens": 200, **kw}
     return AuditSpec(deployment=Endpoint(url, **settings), reference=reference and Endpoint(reference, **settings),
-                     prompt_tokens=16, new_tokens=200, out=tmp_path, **kw)
+                     out=tmp_path, **kw)
 
 
 # --- the shift arithmetic against a simulation of llama-server's slot --------------------------------------
@@ -257,3 +258,29 @@ def test_audit_json_holds_the_verdict(tokenizer, tmp_path):
     assert found["deployed"]["outcome"] == "outside" and found["effect"] == "gone"
     assert "sink-loss signature" in out
     assert (tmp_path / "report.html").exists()
+
+
+# --- the tasks workload: prompts beyond the context are reported, not scored --------------------------------
+
+
+@pytest.mark.parametrize("truncate,what", [(False, "refused"), (True, "cut")])
+def test_a_prompt_beyond_the_context_is_reported_as_refused_or_cut(tokenizer, tmp_path, truncate, what):
+    with FakeServer(FakeConfig(n_ctx=128, truncate=truncate), tokenizer) as dep, \
+            FakeServer(FakeConfig(n_ctx=1024), tokenizer) as ref:
+        spec = _spec(dep.url, tmp_path, ref.url, tasks=("niah_single_1",), samples=2, task_length=400, sinks=0)
+        result = run_audit(spec)
+    row = result.tasks[0]
+    assert (row.refused if what == "refused" else row.truncated) == [0, 1] and not row.scores
+    from kvevict.audit.text import task_line
+
+    assert f"the deployment {what} every prompt" in task_line(row)
+
+
+def test_tasks_inside_the_context_are_scored_on_both_sides(tokenizer, tmp_path):
+    with FakeServer(FakeConfig(n_ctx=512), tokenizer) as dep, FakeServer(FakeConfig(n_ctx=1024), tokenizer) as ref:
+        spec = _spec(dep.url, tmp_path, ref.url, new_tokens=600, tasks=("niah_single_1",), samples=3,
+                     generation_trials=2, sinks=0)
+        result = run_audit(spec)
+    by_task = {r.task: r for r in result.tasks}
+    assert len(by_task["niah_single_1"].scores) == 3 and len(by_task["generation"].scores) == 2
+    assert by_task["generation"].judgement is not None and len(by_task["generation"].repetition) == 2

@@ -56,6 +56,25 @@ def write_report(result, path: Path, reproduction: list[dict] | None = None) -> 
                   '<table id="audit-reproduction" class="results"><thead><tr><th class="left">stream</th>'
                   "<th>KL audit</th><th>KL kvevict</th><th>top-1 miss audit</th><th>top-1 miss kvevict</th>"
                   f"<th>agree</th></tr></thead><tbody>{rows}</tbody></table>"]
+    if result.tasks:
+        parts += ["<h2>Tasks</h2>", _task_table(result.tasks)]
     page = ("<!doctype html><html><head><meta charset='utf-8'><title>kvevict audit</title>"
             f"<style>{STYLE}</style></head><body>{''.join(parts)}</body></html>")
     return atomic_write(path, page)
+
+
+def _task_table(rows) -> str:
+    """One row per task: both sides' accuracy, the paired judgement, prompts the server refused or cut."""
+    def cell(x, digits=2):
+        return "-" if x is None else f"{x:.{digits}f}"
+
+    body = "".join(
+        f"<tr><td class='left'>{html.escape(d['task'])}</td><td>{d['n']}</td><td>{cell(d['accuracy'])}</td>"
+        f"<td>{cell(d['reference'])}</td><td class='left'>{html.escape(d['judged'] or '-')}</td>"
+        f"<td>{cell(d['repetition'])}</td><td>{cell(d['repetition_reference'])}</td>"
+        f"<td>{len(d['refused'])}</td><td>{len(d['truncated'])}</td></tr>"
+        for d in (r.as_dict() for r in rows))
+    return ('<table id="audit-tasks" class="results"><thead><tr><th class="left">task</th><th>prompts</th>'
+            "<th>deployment</th><th>reference</th><th class='left'>judged</th><th>repeated 4-grams</th>"
+            "<th>reference's</th><th>refused</th><th>truncated</th></tr></thead>"
+            f"<tbody>{body}</tbody></table>")

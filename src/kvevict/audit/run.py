@@ -41,6 +41,11 @@ class AuditSpec:
     context: int | None = None
     out: Path = Path("runs/audit")
     tolerance: Tolerance = field(default_factory=Tolerance)
+    tasks: tuple[str, ...] = ()  # RULER task names
+    qa: str | None = None  # the user's QA file
+    samples: int = 10  # prompts per task
+    generation_trials: int = 0  # the generation failure modes' prompts
+    task_length: int | None = None  # prompt + answer tokens (None: the deployment's context filled, `tasks.MARGIN`)
 
 
 @dataclass
@@ -50,12 +55,13 @@ class AuditResult:
     rerun: StreamResult | None = None
     effect: str | None = None
     notes: list[str] = field(default_factory=list)
+    tasks: list = field(default_factory=list)  # `tasks.TaskRow`s
 
     def summary(self) -> dict:
         return {"server": {"url": self.server.url, "n_ctx": self.server.n_ctx, "n_keep": self.server.n_keep,
                            "models": list(self.server.models)},
                 "deployed": self.deployed.summary(), "rerun": self.rerun and self.rerun.summary(),
-                "effect": self.effect, "notes": self.notes}
+                "effect": self.effect, "notes": self.notes, "tasks": [t.as_dict() for t in self.tasks]}
 
 
 def prompt_ids(tokenizer, text: str, count: int, offset: int) -> tuple[int, ...]:
@@ -138,5 +144,29 @@ def run_audit(spec: AuditSpec, local: _LocalModel | None = None) -> AuditResult:
         result.effect = rerun_effect(deployed.verdict, result.rerun.verdict)
     elif not server.native:
         notes.append("the server takes no per-request n_keep the audit knows of: no rerun with the sinks kept")
+    if spec.tasks or spec.qa or spec.generation_trials:
+        result.tasks = _tasks(spec, side, tokenizer, records, tol, n_ctx)
     atomic_write(spec.out / "audit.json", json.dumps(result.summary(), indent=1))
     return result
+
+
+def _tasks(spec: AuditSpec, side: Side, tokenizer, records: Records, tol: Tolerance, n_ctx: int) -> list:
+    """The tasks workload (`tasks.py`) against the reference server."""
+    from .tasks import MARGIN, generation_items, ruler_items, run_tasks
+
+    if spec.reference is None:
+        raise KvevictError("the tasks workload compares answers with a reference server: give --reference-url (the "
+                           "same model with a context that never evicts)")
+    reference = Side(Client(spec.reference), "llama" if (spec.reference_route or spec.route) == "chat"
+                     else (spec.reference_route or spec.route), spec.served_model)
+    items = []
+    if spec.tasks or spec.qa:
+        from ..eval.ruler.registry import get_task
+
+        answer = max([get_task(t).tokens_to_generate for t in spec.tasks] or [32])
+        length = spec.task_length or n_ctx - MARGIN + answer
+        items += ruler_items(tokenizer, spec.tasks, length, spec.samples, text=spec.text, qa=spec.qa)
+    if spec.generation_trials:
+        items += generation_items(tokenizer, spec.task_length or n_ctx - MARGIN, spec.generation_trials,
+                                  text=spec.text)
+    return run_tasks(side, reference, items, records, tokenizer, tol)

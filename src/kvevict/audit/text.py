@@ -60,4 +60,21 @@ def lines(result) -> list[str]:
     if result.rerun is not None:
         out.append(stream_line(result.rerun))
         out.append(EFFECT[result.effect].format(n=result.rerun.plan.n_keep))
+    for row in result.tasks:
+        out.append(task_line(row))
     return out + [f"note: {n}" for n in result.notes]
+
+
+def task_line(row) -> str:
+    """`niah_single_1: inside (accuracy drop +0.00 [-0.09, 0.09] ≤ 0.05), 0.90 against the reference's 0.90`."""
+    found = row.as_dict()
+    if not row.scores:
+        what = "refused" if row.refused else "cut" if row.truncated else "could not score"
+        return f"{row.task}: the deployment {what} every prompt: it does not evict a prompt beyond its context"
+    line = (f"{row.task}: {found['outcome']} ({found['judged']}), {found['accuracy']:.2f} against the reference's "
+            f"{found['reference']:.2f} on {found['n']} prompts")
+    if row.repetition:
+        line += f"; repeated 4-grams {found['repetition']:.2f} against {found['repetition_reference']:.2f}"
+    if row.refused or row.truncated:
+        line += f"; refused {len(row.refused)}, truncated {len(row.truncated)} prompts beyond its context"
+    return line

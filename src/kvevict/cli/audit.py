@@ -13,6 +13,7 @@ import typer
 
 from .common import (
     MODEL_HELP,
+    max_accuracy_drop_option,
     max_kl_option,
     max_ppl_ratio_option,
     one_line_errors,
@@ -52,6 +53,15 @@ def audit(
     out: str = typer.Option("runs/audit", help="folder for the records (results.jsonl), audit.json and report.html"),
     max_ppl_ratio: float | None = max_ppl_ratio_option(),
     max_kl: float | None = max_kl_option(),
+    tasks: str = typer.Option("", help="RULER tasks sent to both servers, e.g. niah_single_1,vt (needs "
+                              "--reference-url)"),
+    qa: str | None = typer.Option(None, help="a QA .jsonl file of {context, question, answers} sent to both"),
+    samples: int = typer.Option(10, help="prompts per task"),
+    generation_trials: int = typer.Option(0, help="prompts of the generation failure modes (a fact stated first, "
+                                          "asked last; repeated n-grams)"),
+    task_length: int | None = typer.Option(None, help="task prompt + answer tokens (default: the deployment's "
+                                           "context filled, so the answer crosses its eviction point)"),
+    max_accuracy_drop: float | None = max_accuracy_drop_option(),
     reproduce: bool = typer.Option(False, "--reproduce", help="also stream the deployment's tokens through kvevict's "
                                    "llamacpp preset and set its fidelity beside the audit's"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object as the last line"),
@@ -62,6 +72,7 @@ def audit(
     from ..audit.client import Endpoint
     from ..audit.run import AuditSpec
     from ..errors import KvevictError
+    from ..eval.ruler.registry import parse_tasks
 
     for name, value in (("--api", api), ("--reference-api", reference_api or api)):
         if value not in ROUTES:
@@ -75,7 +86,8 @@ def audit(
         reference=Endpoint(reference_url, **settings) if reference_url else None, reference_route=reference_api,
         model=model, text=text, prompt_tokens=prompt_tokens, new_tokens=new_tokens, top_k=top_k, offset=offset,
         n_keep=n_keep, sinks=sinks, context=context, out=Path(out),
-        tolerance=tolerance_from(max_ppl_ratio, None, max_kl),
+        tolerance=tolerance_from(max_ppl_ratio, max_accuracy_drop, max_kl), tasks=tuple(parse_tasks(tasks)) if
+        tasks else (), qa=qa, samples=samples, generation_trials=generation_trials, task_length=task_length,
     )
     _run(spec, reproduce, as_json)
 
