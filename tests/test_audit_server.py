@@ -12,14 +12,14 @@ from __future__ import annotations
 import pytest
 
 from kvevict.audit.client import Endpoint
+from kvevict.audit.launch import binary, llama_server
 from kvevict.audit.reproduction import reproduce
 from kvevict.audit.run import AuditSpec, _LocalModel, run_audit
 from kvevict.loading.gguf import embedded_gguf
-from llama_servers import BINARY, llama_server
 
 pytestmark = [
     pytest.mark.llama_server,
-    pytest.mark.skipif(not BINARY.exists(), reason=f"no llama-server at {BINARY}: run make llama-server"),
+    pytest.mark.skipif(not binary().exists(), reason=f"no llama-server at {binary()}: run make llama-server"),
 ]
 
 CTX = 256

@@ -56,12 +56,14 @@ class AuditResult:
     effect: str | None = None
     notes: list[str] = field(default_factory=list)
     tasks: list = field(default_factory=list)  # `tasks.TaskRow`s
+    requests: dict = field(default_factory=dict)  # requests sent per server (retries counted), this run alone
 
     def summary(self) -> dict:
         return {"server": {"url": self.server.url, "n_ctx": self.server.n_ctx, "n_keep": self.server.n_keep,
                            "models": list(self.server.models)},
                 "deployed": self.deployed.summary(), "rerun": self.rerun and self.rerun.summary(),
-                "effect": self.effect, "notes": self.notes, "tasks": [t.as_dict() for t in self.tasks]}
+                "effect": self.effect, "notes": self.notes, "tasks": [t.as_dict() for t in self.tasks],
+                "requests": self.requests}
 
 
 def prompt_ids(tokenizer, text: str, count: int, offset: int) -> tuple[int, ...]:
@@ -89,10 +91,10 @@ class _LocalModel:
         return self._model
 
 
-def _references(spec: AuditSpec, tokenizer, records: Records, local: _LocalModel, need: int) -> References:
-    if spec.reference is None:
+def _references(spec: AuditSpec, client: Client | None, tokenizer, records: Records, local: _LocalModel,
+                need: int) -> References:
+    if client is None:
         return lambda prompt, gen: local_reference(local.get(), prompt, gen.steps, spec.top_k)
-    client = Client(spec.reference)
     server = describe(client)
     check_model(server, spec.served_model)
     check_tokenizer(client, tokenizer, spec.served_model)
@@ -113,6 +115,9 @@ def run_audit(spec: AuditSpec, local: _LocalModel | None = None) -> AuditResult:
     if spec.route == "chat":
         raise KvevictError("--api chat carries no token ids to pair a stream by: audit fidelity with --api llama or "
                            "--api completions (chat serves the tasks and the conversation)")
+    if (spec.tasks or spec.qa or spec.generation_trials) and spec.reference is None:
+        raise KvevictError("the tasks workload compares answers with a reference server: give --reference-url (the "
+                           "same model with a context that never evicts)")
     client = Client(spec.deployment)
     server = describe(client)
     check_model(server, spec.served_model)
@@ -130,7 +135,8 @@ def run_audit(spec: AuditSpec, local: _LocalModel | None = None) -> AuditResult:
     plan.check()
     records = Records(spec.out)
     local = local or _LocalModel(spec.model)
-    references = _references(spec, tokenizer, records, local, len(prompt) + spec.new_tokens)
+    ref_client = Client(spec.reference) if spec.reference else None
+    references = _references(spec, ref_client, tokenizer, records, local, len(prompt) + spec.new_tokens)
     tol = audit_tolerance(spec.tolerance)
     side = Side(client, spec.route, spec.served_model)
     deployed = run_stream("as deployed", side, plan, references, records, tol)
@@ -145,19 +151,18 @@ def run_audit(spec: AuditSpec, local: _LocalModel | None = None) -> AuditResult:
     elif not server.native:
         notes.append("the server takes no per-request n_keep the audit knows of: no rerun with the sinks kept")
     if spec.tasks or spec.qa or spec.generation_trials:
-        result.tasks = _tasks(spec, side, tokenizer, records, tol, n_ctx)
+        result.tasks = _tasks(spec, side, ref_client, tokenizer, records, tol, n_ctx)
+    result.requests = {"deployment": client.sent, "reference": ref_client.sent if ref_client else 0}
     atomic_write(spec.out / "audit.json", json.dumps(result.summary(), indent=1))
     return result
 
 
-def _tasks(spec: AuditSpec, side: Side, tokenizer, records: Records, tol: Tolerance, n_ctx: int) -> list:
+def _tasks(spec: AuditSpec, side: Side, ref_client: Client | None, tokenizer, records: Records, tol: Tolerance,
+           n_ctx: int) -> list:
     """The tasks workload (`tasks.py`) against the reference server."""
     from .tasks import MARGIN, generation_items, ruler_items, run_tasks
 
-    if spec.reference is None:
-        raise KvevictError("the tasks workload compares answers with a reference server: give --reference-url (the "
-                           "same model with a context that never evicts)")
-    reference = Side(Client(spec.reference), "llama" if (spec.reference_route or spec.route) == "chat"
+    reference = Side(ref_client, "llama" if (spec.reference_route or spec.route) == "chat"
                      else (spec.reference_route or spec.route), spec.served_model)
     items = []
     if spec.tasks or spec.qa:
