@@ -220,6 +220,7 @@ def test_unreachable_url_is_one_line(tmp_path):
     (FakeConfig(shift_tokenizer=True), [], "tokenizer disagrees"),
     (FakeConfig(n_ctx=40), ["--prompt-tokens", "16"], "too short"),
     (FakeConfig(n_ctx=128), ["--new-tokens", "50"], "nothing would be evicted"),
+    (FakeConfig(key="the-key"), [], "refused the request (401): give its key with --api-key-env"),
 ])
 def test_server_side_bad_input_is_one_line(tokenizer, tmp_path, cfg, args, pattern):
     with FakeServer(cfg, tokenizer) as dep, FakeServer(FakeConfig(n_ctx=1024), tokenizer) as ref:

@@ -38,7 +38,12 @@ RETRY_STATUSES = (429, 503)
 
 
 class ServerError(KvevictError):
-    """The server answered with an error the audit cannot retry (the message says which)."""
+    """The server answered with an error the audit cannot retry (the message says which); `status` its HTTP code
+    (0: not an HTTP error)."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass(frozen=True)
@@ -155,10 +160,10 @@ def _http_error(exc: urllib.error.HTTPError, url: str) -> ServerError:
     except (json.JSONDecodeError, AttributeError):
         pass
     if exc.code in (401, 403):
-        return ServerError(f"{url} refused the request ({exc.code}): give its key with --api-key-env VAR")
+        return ServerError(f"{url} refused the request ({exc.code}): give its key with --api-key-env VAR", exc.code)
     if exc.code == 404:
-        return ServerError(f"{url} does not exist on this server (404): check --api (llama, completions, chat)")
-    return ServerError(f"{url} answered {exc.code}: {' '.join(detail.split())}")
+        return ServerError(f"{url} does not exist on this server (404): check --api (llama, completions, chat)", 404)
+    return ServerError(f"{url} answered {exc.code}: {' '.join(detail.split())}", exc.code)
 
 
 def _retry_after(exc: urllib.error.HTTPError) -> float | None:

@@ -52,10 +52,13 @@ def describe(client: Client) -> Server:
 
 
 def _optional(client: Client, path: str) -> dict | None:
+    """The route's answer; None where the server has no such route (404 or 405), any other error raised."""
     try:
         return client.get(path)
-    except ServerError:
-        return None
+    except ServerError as exc:
+        if exc.status in (404, 405):
+            return None
+        raise
 
 
 def check_model(server: Server, model: str | None) -> None:
@@ -72,8 +75,10 @@ def check_tokenizer(client: Client, tokenizer, model: str | None = None, text: s
     try:
         answer = client.post("/tokenize", {"content": text, "prompt": text, "model": model, "add_special": False,
                                            "add_special_tokens": False})
-    except ServerError:
-        return False
+    except ServerError as exc:
+        if exc.status in (404, 405):
+            return False
+        raise
     theirs = [t["id"] if isinstance(t, dict) else int(t) for t in answer.get("tokens", [])]
     back = client.post("/detokenize", {"tokens": local, "model": model})
     text_back = back.get("content", back.get("prompt"))
