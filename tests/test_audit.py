@@ -89,6 +89,28 @@ def test_topk_kl_is_exact_when_the_top_k_holds_the_mass_and_a_lower_bound_otherw
         assert tail == pytest.approx(1 - sum(p[i] for i in union), abs=1e-9)
 
 
+def test_topk_kl_by_hand_with_the_rest_cell():
+    """ref {1: .6, 2: .3, rest .1}, deployment {1: .3, 2: .3, rest .4}: .6 ln 2 + .1 ln(.1 / .4)."""
+    ref = TopK((1, 2), (math.log(0.6), math.log(0.3)))
+    dep = TopK((1, 2), (math.log(0.3), math.log(0.3)))
+    assert kl_topk(ref, dep)[0] == pytest.approx(0.6 * math.log(2) + 0.1 * math.log(0.25), rel=1e-12)
+
+
+def test_a_step_within_the_kl_limit_is_no_signature():
+    """A clear step at the first event whose window stays under --max-kl is a step, not the signature."""
+    from kvevict.audit.judge import judge_stream
+    from kvevict.report.tolerance import Tolerance
+
+    rng = np.random.default_rng(1)
+    kl = np.concatenate([rng.uniform(0, 0.002, 96), rng.uniform(0.04, 0.06, 96)])
+    dis = np.concatenate([np.zeros(96), (rng.uniform(size=96) < 0.3).astype(float)])
+    series = {"kl": kl, "disagree": dis, "ref_nll": kl, "best_nll": kl}
+    low = judge_stream(series, [96], Tolerance(max_kl=1.0))
+    high = judge_stream(series, [96], Tolerance(max_kl=0.01))
+    assert low.step and not low.signature
+    assert high.step and high.signature and high.outcome == "outside"
+
+
 def test_topk_kl_of_disjoint_top_k_is_large():
     a = TopK((1, 2), (math.log(0.6), math.log(0.3)))
     b = TopK((3, 4), (math.log(0.6), math.log(0.3)))
@@ -161,6 +183,7 @@ def test_keep_0_is_outside_with_the_signature_and_n_keep_removes_it(tokenizer, t
     assert d.verdict.outcome == "outside" and d.verdict.signature
     assert result.rerun is not None and result.rerun.plan.n_keep == 4
     assert result.rerun.verdict.outcome == "inside" and not result.rerun.verdict.step
+    assert not result.rerun.verdict.signature
     assert result.effect == "gone"
     assert d.generation.truncated is True
 
