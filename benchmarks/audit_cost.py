@@ -68,7 +68,8 @@ def main() -> None:
 
         def spec(name: str, reference: str | None, offset: int = 0) -> AuditSpec:
             return AuditSpec(deployment=Endpoint(url[name]), reference=Endpoint(url[reference]) if reference else None,
-                             offset=offset, out=root / f"{name}-{reference}-{offset}")
+                             offset=offset, server_keep=4 if name == "keep4" else 0,
+                             out=root / f"{name}-{reference}-{offset}")
 
         local.get()  # loaded before any clock starts
         rows = {}

@@ -41,16 +41,17 @@ def local():
     return _LocalModel("smollm2-135m")
 
 
-def _audit(url: str, reference: str | None, out, route: str = "llama", local=None):
+def _audit(url: str, reference: str | None, out, route: str = "llama", local=None, keep: int = 0):
     spec = AuditSpec(deployment=Endpoint(url), reference=Endpoint(reference) if reference else None, route=route,
-                     out=out)
+                     server_keep=keep, out=out)
     return run_audit(spec, local)
 
 
 @pytest.fixture(scope="module")
 def audits(servers, tmp_path_factory):
     out = tmp_path_factory.mktemp("audits")
-    return {name: _audit(servers[name], servers["ref"], out / name) for name in ("keep0", "keep4", "twin")}
+    return {name: _audit(servers[name], servers["ref"], out / name, keep=4 if name == "keep4" else 0)
+            for name in ("keep0", "keep4", "twin")}
 
 
 def test_keep_0_is_outside_with_the_sink_loss_signature(audits, servers):
@@ -64,9 +65,22 @@ def test_keep_0_is_outside_with_the_sink_loss_signature(audits, servers):
     assert found.rerun is not None and found.effect in ("gone", "smaller")
 
 
-def test_keep_4_steps_less_than_keep_0(audits):
+def _logged_shifts(log) -> list[tuple[int, int]]:
+    """(n_keep, n_discard) of every "slot context shift" line llama-server logged."""
+    import re
+
+    shift = r"slot context shift, n_keep = (\d+), n_left = \d+, n_discard = (\d+)"
+    found = re.findall(shift, log.read_text(errors="replace"))
+    return [(int(a), int(b)) for a, b in found]
+
+
+def test_keep_4_steps_less_than_keep_0(audits, servers):
     k0, k4 = audits["keep0"].deployed.verdict, audits["keep4"].deployed.verdict
     assert k4.events[0] == k0.events[0]
+    logged = _logged_shifts(servers["logs"] / "keep4.log")  # the server's own account of its shifts
+    assert logged and {keep for keep, _ in logged} == {4}
+    gaps = [b - a for a, b in zip(k4.events, k4.events[1:], strict=False)]
+    assert gaps == [discard for _, discard in logged][: len(gaps)]
     assert k4.after.kl_interval.high < k0.after.kl_interval.low
     assert k4.after.disagree < k0.after.disagree
 

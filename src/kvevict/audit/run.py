@@ -39,6 +39,7 @@ class AuditSpec:
     n_keep: int | None = None
     sinks: int = 4
     context: int | None = None
+    server_keep: int | None = None  # the deployment's own --keep where it does not tell (None: what /props says)
     out: Path = Path("runs/audit")
     tolerance: Tolerance = field(default_factory=Tolerance)
     tasks: tuple[str, ...] = ()  # RULER task names
@@ -130,7 +131,11 @@ def run_audit(spec: AuditSpec, local: _LocalModel | None = None) -> AuditResult:
     from ..data import stream_start
 
     prompt = prompt_ids(tokenizer, spec.text, spec.prompt_tokens, spec.offset)
-    plan = StreamPlan(prompt, spec.new_tokens, spec.top_k, n_ctx, spec.n_keep, max(0, server.n_keep or 0),
+    server_keep = spec.server_keep if spec.server_keep is not None else max(0, server.n_keep or 0)
+    if spec.server_keep is None and spec.n_keep is None:
+        notes.append(f"the deployment's own --keep is not visible from outside (llama-server's /props reports the "
+                     f"request default): events after the first are placed for keep {server_keep}; give --server-keep")
+    plan = StreamPlan(prompt, spec.new_tokens, spec.top_k, n_ctx, spec.n_keep, server_keep,
                       bool(stream_start(tokenizer)))
     plan.check()
     records = Records(spec.out)

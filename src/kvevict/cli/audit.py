@@ -45,6 +45,8 @@ def audit(
     sinks: int = typer.Option(4, help="n_keep of the rerun with the sinks kept (llama-server; 0: no rerun)"),
     context: int | None = typer.Option(None, help="the deployment's KV limit in tokens, where the server does not "
                                        "declare it (llama-server does, in /props)"),
+    server_keep: int | None = typer.Option(None, help="the deployment's own --keep (llama-server does not report "
+                                           "it; it places the events after the first)"),
     concurrency: int = typer.Option(4, help="requests in flight at most, per server"),
     timeout: float = typer.Option(120.0, help="seconds a request may take"),
     retries: int = typer.Option(4, help="retries on 429, 503 or a dropped connection, with exponential backoff"),
@@ -85,7 +87,7 @@ def audit(
         deployment=Endpoint(url, **settings), route=api, served_model=served_model,
         reference=Endpoint(reference_url, **settings) if reference_url else None, reference_route=reference_api,
         model=model, text=text, prompt_tokens=prompt_tokens, new_tokens=new_tokens, top_k=top_k, offset=offset,
-        n_keep=n_keep, sinks=sinks, context=context, out=Path(out),
+        n_keep=n_keep, sinks=sinks, context=context, server_keep=server_keep, out=Path(out),
         tolerance=tolerance_from(max_ppl_ratio, max_accuracy_drop, max_kl), tasks=tuple(parse_tasks(tasks)) if
         tasks else (), qa=qa, samples=samples, generation_trials=generation_trials, task_length=task_length,
     )
