@@ -112,6 +112,12 @@ def _handler(cfg: FakeConfig, tokenizer):
                 self._send(200, {"content": tokenizer.decode(body["tokens"])})
             elif self.path in ("/completion", "/v1/completions"):
                 self._complete(body)
+            elif self.path == "/v1/chat/completions":  # replies with the first 7-digit number stated
+                numbers = [w.strip(".,") for m in body["messages"] for w in m["content"].split()
+                           if len(w.strip(".,")) == 7 and w.strip(".,").isdigit()]
+                reply = f"It is {numbers[0]}." if numbers else "I do not know."
+                self._send(200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": reply},
+                                              "finish_reason": "stop"}], "usage": {"prompt_tokens": 0}})
             else:
                 self._send(404, {"error": {"message": "File Not Found"}})
 

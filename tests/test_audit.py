@@ -308,3 +308,20 @@ def test_tasks_inside_the_context_are_scored_on_both_sides(tokenizer, tmp_path):
     by_task = {r.task: r for r in result.tasks}
     assert len(by_task["niah_single_1"].scores) == 3 and len(by_task["generation"].scores) == 2
     assert by_task["generation"].judgement is not None and len(by_task["generation"].repetition) == 2
+
+
+def test_the_conversation_goes_through_the_chat_route(tokenizer, tmp_path):
+    """Chat turns sent as messages; each probe scored by eval/conversation.score on both sides and judged paired."""
+    from kvevict.eval.conversation import build_conversation
+
+    with FakeServer(FakeConfig(n_ctx=128), tokenizer) as dep, FakeServer(FakeConfig(n_ctx=1024), tokenizer) as ref:
+        result = run_audit(_spec(dep.url, tmp_path, ref.url, route="chat", conversations=2, sinks=0))
+        sent = [b for p, b, _ in dep.cfg.requests if p == "/v1/chat/completions"]
+    assert result.deployed is None
+    rows = {r.task: r for r in result.tasks}
+    probes = [p for seed in range(2) for p in build_conversation(seed).probes]
+    facts = [p for p in probes if p.kind == "fact"]
+    assert len(sent) == len(probes) and sent[0]["messages"][0]["role"] == "system"
+    # the fake answers with the first 7-digit number stated: the first fact of each conversation, no other
+    assert sum(rows["conversation-fact"].scores) == 2 and len(rows["conversation-fact"].scores) == len(facts)
+    assert rows["conversation-instruction"].scores == [0.0, 0.0]

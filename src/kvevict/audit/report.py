@@ -41,12 +41,14 @@ def write_report(result, path: Path, reproduction: list[dict] | None = None) -> 
     from ..report.markup import image_html, table_html
 
     streams = [r for r in (result.deployed, result.rerun) if r is not None]
-    tol = result.deployed.verdict.tolerance
     parts = [f"<h1>kvevict audit: {html.escape(result.server.url)}</h1>",
-             f'<p class="meta">context {result.server.n_ctx} · tolerance: {html.escape(tol.describe())}</p>',
-             "<h2>Verdict</h2>", *(f'<p class="verdict">{html.escape(x)}</p>' for x in lines(result)),
-             "<h2>Streams</h2>", table_html(table(streams), "audit-streams"),
-             "<h2>Fidelity along the stream</h2>", image_html(_figure(streams), "fidelity along the stream")]
+             f'<p class="meta">context {result.server.n_ctx}</p>',
+             "<h2>Verdict</h2>", *(f'<p class="verdict">{html.escape(x)}</p>' for x in lines(result))]
+    if streams:
+        tol = streams[0].verdict.tolerance
+        parts += [f'<p class="meta">tolerance: {html.escape(tol.describe())}; KL judged at most {tol.max_kl:g} nats '
+                  "per token</p>", "<h2>Streams</h2>", table_html(table(streams), "audit-streams"),
+                  "<h2>Fidelity along the stream</h2>", image_html(_figure(streams), "fidelity along the stream")]
     if reproduction:
         rows = "".join(f"<tr><td class='left'>{html.escape(r.label)}</td><td>{x['kl_audit']:.3f}</td>"
                        f"<td>{x['kl_kvevict']:.3f}</td><td>{x['disagree_audit']:.3f}</td>"

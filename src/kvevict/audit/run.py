@@ -47,12 +47,14 @@ class AuditSpec:
     samples: int = 10  # prompts per task
     generation_trials: int = 0  # the generation failure modes' prompts
     task_length: int | None = None  # prompt + answer tokens (None: the deployment's context filled, `tasks.MARGIN`)
+    conversations: int = 0  # `eval/conversation`'s conversations, each probe a prompt
+    conversation_turns: int = 12
 
 
 @dataclass
 class AuditResult:
     server: Server
-    deployed: StreamResult
+    deployed: StreamResult | None  # None: no fidelity stream (the chat route)
     rerun: StreamResult | None = None
     effect: str | None = None
     notes: list[str] = field(default_factory=list)
@@ -62,7 +64,7 @@ class AuditResult:
     def summary(self) -> dict:
         return {"server": {"url": self.server.url, "n_ctx": self.server.n_ctx, "n_keep": self.server.n_keep,
                            "models": list(self.server.models)},
-                "deployed": self.deployed.summary(), "rerun": self.rerun and self.rerun.summary(),
+                "deployed": self.deployed and self.deployed.summary(), "rerun": self.rerun and self.rerun.summary(),
                 "effect": self.effect, "notes": self.notes, "tasks": [t.as_dict() for t in self.tasks],
                 "requests": self.requests}
 
@@ -110,13 +112,14 @@ def _references(spec: AuditSpec, client: Client | None, tokenizer, records: Reco
 
 
 def run_audit(spec: AuditSpec, local: _LocalModel | None = None) -> AuditResult:
-    """Run the audit `spec` describes; its records and `audit.json` go to `spec.out`."""
+    """Run the audit `spec` describes; its records and `audit.json` go to `spec.out`. On the chat route only the
+    tasks run (chat answers carry no token ids to pair a stream by)."""
     from ..loading import load_tokenizer
 
-    if spec.route == "chat":
+    if spec.route == "chat" and not _has_tasks(spec):
         raise KvevictError("--api chat carries no token ids to pair a stream by: audit fidelity with --api llama or "
-                           "--api completions (chat serves the tasks and the conversation)")
-    if (spec.tasks or spec.qa or spec.generation_trials) and spec.reference is None:
+                           "--api completions, or give chat a workload (--conversations, --tasks)")
+    if _has_tasks(spec) and spec.reference is None:
         raise KvevictError("the tasks workload compares answers with a reference server: give --reference-url (the "
                            "same model with a context that never evicts)")
     client = Client(spec.deployment)
@@ -128,8 +131,25 @@ def run_audit(spec: AuditSpec, local: _LocalModel | None = None) -> AuditResult:
     n_ctx = spec.context or server.n_ctx
     if n_ctx is None:
         raise KvevictError("the deployment does not declare its context: give it with --context N (its KV limit)")
+    records = Records(spec.out)
+    ref_client = Client(spec.reference) if spec.reference else None
+    side = Side(client, spec.route, spec.served_model)
+    result = AuditResult(server, None, notes=notes)
+    if spec.route != "chat":
+        _fidelity(spec, result, side, ref_client, tokenizer, records, local or _LocalModel(spec.model), n_ctx)
+    if _has_tasks(spec):
+        result.tasks = _tasks(spec, side, ref_client, tokenizer, records, audit_tolerance(spec.tolerance), n_ctx)
+    result.requests = {"deployment": client.sent, "reference": ref_client.sent if ref_client else 0}
+    atomic_write(spec.out / "audit.json", json.dumps(result.summary(), indent=1))
+    return result
+
+
+def _fidelity(spec: AuditSpec, result: AuditResult, side: Side, ref_client: Client | None, tokenizer,
+              records: Records, local: _LocalModel, n_ctx: int) -> None:
+    """The fidelity stream as deployed, then with the sinks kept where the server takes n_keep (`result` filled)."""
     from ..data import stream_start
 
+    server, notes = result.server, result.notes
     prompt = prompt_ids(tokenizer, spec.text, spec.prompt_tokens, spec.offset)
     server_keep = spec.server_keep if spec.server_keep is not None else max(0, server.n_keep or 0)
     if spec.server_keep is None and spec.n_keep is None:
@@ -138,14 +158,9 @@ def run_audit(spec: AuditSpec, local: _LocalModel | None = None) -> AuditResult:
     plan = StreamPlan(prompt, spec.new_tokens, spec.top_k, n_ctx, spec.n_keep, server_keep,
                       bool(stream_start(tokenizer)))
     plan.check()
-    records = Records(spec.out)
-    local = local or _LocalModel(spec.model)
-    ref_client = Client(spec.reference) if spec.reference else None
     references = _references(spec, ref_client, tokenizer, records, local, len(prompt) + spec.new_tokens)
     tol = audit_tolerance(spec.tolerance)
-    side = Side(client, spec.route, spec.served_model)
-    deployed = run_stream("as deployed", side, plan, references, records, tol)
-    result = AuditResult(server, deployed, notes=notes)
+    result.deployed = deployed = run_stream("as deployed", side, plan, references, records, tol)
     if deployed.verdict.events and deployed.generation.truncated is False:
         notes.append("the server reports truncated=false although its declared context places an eviction event: "
                      "its context is larger than declared, or it evicts without saying")
@@ -155,20 +170,14 @@ def run_audit(spec: AuditSpec, local: _LocalModel | None = None) -> AuditResult:
         result.effect = rerun_effect(deployed.verdict, result.rerun.verdict)
     elif not server.native:
         notes.append("the server takes no per-request n_keep the audit knows of: no rerun with the sinks kept")
-    if spec.tasks or spec.qa or spec.generation_trials:
-        result.tasks = _tasks(spec, side, ref_client, tokenizer, records, tol, n_ctx)
-    result.requests = {"deployment": client.sent, "reference": ref_client.sent if ref_client else 0}
-    atomic_write(spec.out / "audit.json", json.dumps(result.summary(), indent=1))
-    return result
 
 
 def _tasks(spec: AuditSpec, side: Side, ref_client: Client | None, tokenizer, records: Records, tol: Tolerance,
            n_ctx: int) -> list:
     """The tasks workload (`tasks.py`) against the reference server."""
-    from .tasks import MARGIN, generation_items, ruler_items, run_tasks
+    from .tasks import MARGIN, conversation_items, generation_items, ruler_items, run_tasks
 
-    reference = Side(ref_client, "llama" if (spec.reference_route or spec.route) == "chat"
-                     else (spec.reference_route or spec.route), spec.served_model)
+    reference = Side(ref_client, spec.reference_route or spec.route, spec.served_model)
     items = []
     if spec.tasks or spec.qa:
         from ..eval.ruler.registry import get_task
@@ -179,4 +188,11 @@ def _tasks(spec: AuditSpec, side: Side, ref_client: Client | None, tokenizer, re
     if spec.generation_trials:
         items += generation_items(tokenizer, spec.task_length or n_ctx - MARGIN, spec.generation_trials,
                                   text=spec.text)
+    if spec.conversations:
+        items += conversation_items(tokenizer, spec.conversations, spec.route == "chat",
+                                    turns=spec.conversation_turns)
     return run_tasks(side, reference, items, records, tokenizer, tol)
+
+
+def _has_tasks(spec: AuditSpec) -> bool:
+    return bool(spec.tasks or spec.qa or spec.generation_trials or spec.conversations)

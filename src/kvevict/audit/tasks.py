@@ -32,8 +32,9 @@ class TaskItem:
     index: int
     ids: tuple[int, ...]
     answers: tuple[str, ...]
-    metric: str  # "all", "part" (RULER's), "recall" (a fact, with repetition measured)
+    metric: str  # "all", "part" (RULER's), "recall" (a fact, with repetition measured), "fact"/"instruction"
     max_new: int
+    messages: tuple[dict, ...] = ()  # chat messages (the conversation on the chat route)
 
 
 def ruler_items(tokenizer, tasks: Sequence[str], length: int, samples: int, seed: int = 0, text: str = "pg-essays",
@@ -76,6 +77,23 @@ def generation_items(tokenizer, length: int, trials: int, max_new: int = 64, see
     return items
 
 
+def conversation_items(tokenizer, count: int, chat: bool, max_new: int = 48, turns: int = 12) -> list[TaskItem]:
+    """`eval/conversation`'s conversations (a system rule and facts early, filler turns, probes late), one item per
+    probe: as chat messages sent as they are (`chat`), or rendered with the tokenizer's chat template into ids."""
+    from ..eval.conversation import build_conversation, messages
+
+    items = []
+    for seed in range(count):
+        conversation = build_conversation(seed, turns=turns)
+        for i, probe in enumerate(conversation.probes):
+            found = messages(conversation, probe)
+            ids = () if chat else tuple(tokenizer.apply_chat_template(found, add_generation_prompt=True, tokenize=True,
+                                                                      return_dict=False))
+            items.append(TaskItem(f"conversation-{probe.kind}", seed * 100 + i, ids, (probe.answer,), probe.kind,
+                                  max_new, tuple(found) if chat else ()))
+    return items
+
+
 @dataclass
 class TaskRow:
     """One task's paired scores: the deployment's and the reference's per prompt, the judgement, and what the
@@ -105,7 +123,7 @@ def _mean(values: list[float]) -> float | None:
 def _answer(side: Side, item: TaskItem, records: Records, label: str) -> Generation | str:
     """The side's answer to `item` (from the records where it was sent), or "refused" where the server refused
     a prompt beyond its context."""
-    ask = Ask(n_predict=item.max_new, ids=item.ids)
+    ask = Ask(n_predict=item.max_new, ids=item.ids, messages=item.messages)
     key = request_key(side.client.endpoint.base, side.route, side.model, ask)
     found = records.get(key)
     if found is not None:
@@ -125,6 +143,11 @@ def _score(item: TaskItem, answer: Generation, tokenizer) -> tuple[float, float 
     from ..eval.generation import repetition_rate
     from ..eval.ruler.scoring import score
 
+    if item.metric in ("fact", "instruction"):
+        from ..eval.conversation import Probe
+        from ..eval.conversation import score as passes
+
+        return float(passes(Probe("", item.answers[0], item.metric), answer.text)), None
     if item.metric == "recall":
         tokens = tokenizer(answer.text, add_special_tokens=False)["input_ids"]
         return float(item.answers[0].lower() in answer.text.lower()), repetition_rate(tokens)

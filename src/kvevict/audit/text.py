@@ -56,7 +56,7 @@ EFFECT = {
 
 def lines(result) -> list[str]:
     """The verdict sentences of an `AuditResult`."""
-    out = [stream_line(result.deployed)]
+    out = [] if result.deployed is None else [stream_line(result.deployed)]
     if result.rerun is not None:
         out.append(stream_line(result.rerun))
         out.append(EFFECT[result.effect].format(n=result.rerun.plan.n_keep))

@@ -61,6 +61,9 @@ def audit(
     samples: int = typer.Option(10, help="prompts per task"),
     generation_trials: int = typer.Option(0, help="prompts of the generation failure modes (a fact stated first, "
                                           "asked last; repeated n-grams)"),
+    conversations: int = typer.Option(0, help="conversations (a system rule and facts early, filler turns, "
+                                      "questions late) sent as chat turns (--api chat) or rendered with the chat "
+                                      "template"),
     task_length: int | None = typer.Option(None, help="task prompt + answer tokens (default: the deployment's "
                                            "context filled, so the answer crosses its eviction point)"),
     max_accuracy_drop: float | None = max_accuracy_drop_option(),
@@ -90,6 +93,7 @@ def audit(
         n_keep=n_keep, sinks=sinks, context=context, server_keep=server_keep, out=Path(out),
         tolerance=tolerance_from(max_ppl_ratio, max_accuracy_drop, max_kl), tasks=tuple(parse_tasks(tasks)) if
         tasks else (), qa=qa, samples=samples, generation_trials=generation_trials, task_length=task_length,
+        conversations=conversations,
     )
     _run(spec, reproduce, as_json)
 
@@ -106,7 +110,7 @@ def _run(spec, reproduce: bool, as_json: bool) -> None:
         from ..audit.reproduction import reproduce as run_reproduction
 
         found["reproduction"] = [run_reproduction(local.get(), r).as_dict()
-                                 for r in (result.deployed, result.rerun) if r is not None]
+                                 for r in (result.deployed, result.rerun) if r is not None] or None
     page = write_report(result, spec.out / "report.html", found.get("reproduction"))
     for line in lines(result):
         print(line)
