@@ -123,7 +123,7 @@ def judge_stream(series: dict[str, np.ndarray], events: list[int], tol: Toleranc
         found.append(("KL", kl))
     ppl = judge_ppl(blocks_of(series["ref_nll"]), blocks_of(series["best_nll"]), tol)
     if ppl is not None:
-        found.append(("reference PPL of its tokens", ppl))
+        found.append(("the reference's PPL of the deployment's tokens over its own top-1", ppl))
     total = len(series["kl"])
     first = events[0] if events else None
     floor = window(series, 0, first) if first else None

@@ -35,7 +35,7 @@ def table(results: list[StreamResult]) -> Table:
 
 def stream_line(r: StreamResult) -> str:
     """`as deployed: outside (KL 0.41 [0.35, 0.48] > 0.100; ...); sink-loss signature at token 224`."""
-    judged = "; ".join(f"{label} {j.text()}" for label, j in r.verdict.judgements)
+    judged = "; ".join(j.text() + ("" if label == "KL" else f" ({label})") for label, j in r.verdict.judgements)
     line = f"{r.label}: {r.verdict.outcome} ({judged})"
     if r.verdict.signature:
         line += f"; sink-loss signature: KL and top-1 disagreement step up at the first eviction (generated token " \
