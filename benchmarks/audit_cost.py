@@ -38,8 +38,10 @@ def timed(spec: AuditSpec, local=None):
     return result, time.perf_counter() - start
 
 
-def show(rows: dict, outcomes: list[str]) -> None:
+def show(rows: dict, outcomes: list[str], local_outcomes: list[str]) -> None:
     for name, row in rows.items():
+        if name.startswith("aa-"):
+            continue
         d = row["audit"]["deployed"]
         print(f"{name}: {d['outcome']}, signature {d['signature']}, floor KL {d['floor']['kl']:.4f}, first-event KL "
               f"{d['after']['kl']:.3f}, {row['seconds']:.1f} s, effect {row['audit']['effect']}")
@@ -51,6 +53,9 @@ def show(rows: dict, outcomes: list[str]) -> None:
                   f"{r['disagree_kvevict']:.3f}, agrees {r['agrees']}")
     rate = outcomes.count("outside") / len(outcomes)
     print(f"A/A: {outcomes} -> false-alarm rate {rate:.2f} over {len(outcomes)} runs")
+    rate = local_outcomes.count("outside") / len(local_outcomes)
+    floors = ", ".join(f"{x:.4f}" for x in rows["aa-local-floor-kl"])
+    print(f"A/A against kvevict's full cache: {local_outcomes} -> false-alarm rate {rate:.2f}; floor KL {floors}")
 
 
 def main() -> None:
@@ -67,8 +72,11 @@ def main() -> None:
                for name, ctx, keep in (("ref", 1024, 0), ("twin", 1024, 0), ("keep0", 256, 0), ("keep4", 256, 4))}
 
         def spec(name: str, reference: str | None, offset: int = 0) -> AuditSpec:
+            # the twin never evicts: audited as if its context were 256, the floor and the window after the
+            # first declared event are both measured
             return AuditSpec(deployment=Endpoint(url[name]), reference=Endpoint(url[reference]) if reference else None,
                              offset=offset, server_keep=4 if name == "keep4" else 0,
+                             context=256 if name == "twin" else None, sinks=0 if name == "twin" else 4,
                              out=root / f"{name}-{reference}-{offset}")
 
         local.get()  # loaded before any clock starts
@@ -83,12 +91,17 @@ def main() -> None:
                           "requests_per_verdict": sum(result.requests.values()) / (1 + (result.rerun is not None))}
         result, seconds = timed(spec("keep0", None), local)
         rows["keep0-local-reference"] = {"audit": result.summary(), "seconds": seconds}
-        outcomes = []
+        outcomes, local_outcomes = [], []
         for run in range(args.runs):
             twin, _ = timed(spec("twin", "ref", offset=run * 700))
             outcomes.append(twin.deployed.verdict.outcome)
-        found.update(rows=rows, aa_outcomes=outcomes, aa_false_alarm_rate=outcomes.count("outside") / len(outcomes))
-    show(rows, outcomes)
+            alone, _ = timed(spec("twin", None, offset=run * 700), local)  # the server against kvevict's float32
+            local_outcomes.append(alone.deployed.verdict.outcome)
+            rows.setdefault("aa-local-floor-kl", []).append(alone.deployed.verdict.floor.kl)
+        found.update(rows=rows, aa_outcomes=outcomes, aa_false_alarm_rate=outcomes.count("outside") / len(outcomes),
+                     aa_local_outcomes=local_outcomes,
+                     aa_local_false_alarm_rate=local_outcomes.count("outside") / len(local_outcomes))
+    show(rows, outcomes, local_outcomes)
     line = json.dumps(found)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

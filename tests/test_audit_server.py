@@ -41,16 +41,20 @@ def local():
     return _LocalModel("smollm2-135m")
 
 
-def _audit(url: str, reference: str | None, out, route: str = "llama", local=None, keep: int = 0):
+def _audit(url: str, reference: str | None, out, route: str = "llama", local=None, keep: int = 0,
+           context: int | None = None):
     spec = AuditSpec(deployment=Endpoint(url), reference=Endpoint(reference) if reference else None, route=route,
-                     server_keep=keep, out=out)
+                     server_keep=keep, context=context, sinks=0 if context else 4, out=out)
     return run_audit(spec, local)
 
 
 @pytest.fixture(scope="module")
 def audits(servers, tmp_path_factory):
     out = tmp_path_factory.mktemp("audits")
-    return {name: _audit(servers[name], servers["ref"], out / name, keep=4 if name == "keep4" else 0)
+    # the twin never evicts: it is audited as if its context were 256, so the floor and the window after the
+    # first (declared) event are both measured, and both must be inside
+    return {name: _audit(servers[name], servers["ref"], out / name, keep=4 if name == "keep4" else 0,
+                         context=CTX if name == "twin" else None)
             for name in ("keep0", "keep4", "twin")}
 
 
@@ -86,9 +90,12 @@ def test_keep_4_steps_less_than_keep_0(audits, servers):
 
 
 def test_two_identical_servers_are_inside(audits):
-    v = audits["twin"].deployed.verdict
+    found = audits["twin"]
+    v = found.deployed.verdict
     assert v.outcome == "inside", v.as_dict()
-    assert not v.signature
+    assert not v.step and not v.signature
+    assert found.deployed.generation.truncated is False  # it never shifted, and says so
+    assert any("truncated=false" in note for note in found.notes)
 
 
 def test_the_audit_agrees_with_the_reproduction(audits, local):
