@@ -132,6 +132,10 @@ def _handler(cfg: FakeConfig, tokenizer):
             k = body.get("n_probs", 0) if native else body.get("logprobs") or 0
             n = body.get("n_predict") if native else body.get("max_tokens")
             entries, shifted = generate(cfg, prompt, n, max(k, 1), body.get("n_keep", cfg.keep))
+            if body.get("prompt_logprobs"):  # vLLM: each prompt token's top-k and itself, given what precedes it
+                found = {"choices": [{"text": "", "prompt_logprobs": self._scored(prompt, body["prompt_logprobs"])}]}
+                self._send(200, found)
+                return
             tokens = [e["id"] for e in entries]
             if native:
                 found = {"content": " ".join(e["token"] for e in entries), "tokens": tokens, "truncated": shifted,
@@ -143,6 +147,16 @@ def _handler(cfg: FakeConfig, tokenizer):
                                       else None, "finish_reason": "length"}],
                          "usage": {"prompt_tokens": len(prompt), "completion_tokens": n}, "model": cfg.name}
             self._send(200, found)
+
+        @staticmethod
+        def _scored(prompt: list[int], k: int) -> list:
+            out = [None]
+            for i in range(1, len(prompt)):
+                ranked = dict(top(prompt[i - 1], False, k))
+                entry = {str(t): {"logprob": lp, "rank": r + 1} for r, (t, lp) in enumerate(ranked.items())}
+                entry.setdefault(str(prompt[i]), {"logprob": -20.0, "rank": 1000})
+                out.append(entry)
+            return out
 
     return Handler
 

@@ -325,3 +325,18 @@ def test_the_conversation_goes_through_the_chat_route(tokenizer, tmp_path):
     # the fake answers with the first 7-digit number stated: the first fact of each conversation, no other
     assert sum(rows["conversation-fact"].scores) == 2 and len(rows["conversation-fact"].scores) == len(facts)
     assert rows["conversation-instruction"].scores == [0.0, 0.0]
+
+
+def test_prompt_logprobs_scores_the_stream_in_one_request(tokenizer, tmp_path):
+    """vLLM's prompt_logprobs as the reference: one request, the same fidelity as one request per position."""
+    with FakeServer(FakeConfig(n_ctx=128), tokenizer) as dep, FakeServer(FakeConfig(n_ctx=1024), tokenizer) as ref:
+        per_position = run_audit(_spec(dep.url, tmp_path / "a", ref.url, sinks=0))
+        before = len(ref.cfg.requests)
+        one = run_audit(_spec(dep.url, tmp_path / "b", ref.url, sinks=0, reference_mode="prompt-logprobs"))
+        scored = [b for p, b, _ in ref.cfg.requests[before:] if p == "/v1/completions"]
+    assert len(scored) == 1
+    # the same top-k at every position; prompt_logprobs also gives the deployment's own token where it ranks past k,
+    # which moves the KL a little where that token was shared out of the tail
+    np.testing.assert_allclose(one.deployed.series["kl"], per_position.deployed.series["kl"], rtol=1e-3)
+    np.testing.assert_array_equal(one.deployed.series["disagree"], per_position.deployed.series["disagree"])
+    assert one.deployed.verdict.outcome == per_position.deployed.verdict.outcome == "outside"

@@ -7,6 +7,8 @@ Two ways to get it, each giving one `TopK` per generated token:
 * `endpoint_reference`: a second server whose context never evicts, one request per position (the prefix
   so far, one token asked, its top-k): with `cache_prompt` llama-server evaluates only the new token.
   Each request is keyed in the records, so an interrupted audit resumes without resending any.
+* `prompt_logprobs_reference`: a server that scores a prompt (vLLM's `prompt_logprobs`): one request for
+  the whole stream, its top-k and the deployment's token at every position.
 """
 
 from __future__ import annotations
@@ -58,3 +60,28 @@ def endpoint_reference(client: Client, route: str, model: str | None, prompt: Se
         return TopK.of(found)
 
     return client.map(one, asks)
+
+
+def prompt_logprobs_reference(client: Client, model: str | None, prompt: Sequence[int], steps: Sequence[Step],
+                              k: int) -> list[TopK]:
+    """`[G]` top-k distributions from one `/v1/completions` request with vLLM's `prompt_logprobs: k`: at each
+    prompt position a map {token id: {logprob, rank}} of the top-k and the token actually there."""
+    from ..errors import KvevictError
+
+    tokens = list(prompt) + [s.token for s in steps]
+    body = {"prompt": tokens, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": k}
+    if model:
+        body["model"] = model
+    answer = client.post("/v1/completions", body)
+    found = ((answer.get("choices") or [{}])[0]).get("prompt_logprobs") or answer.get("prompt_logprobs")
+    if not found or len(found) != len(tokens):
+        raise KvevictError(f"{client.endpoint.base}/v1/completions returned no prompt_logprobs for the stream: use "
+                           "--reference-mode positions (one request per position)")
+    out = []
+    for j in range(len(steps)):
+        entries = {int(t): v for t, v in found[len(prompt) + j].items()}
+        ranked = sorted((v.get("rank", 0), t, float(v["logprob"])) for t, v in entries.items())
+        top = [(t, lp) for rank, t, lp in ranked if rank <= k][:k]
+        out.append(TopK(tuple(t for t, _ in top), tuple(lp for _, lp in top),
+                        tuple((t, float(v["logprob"])) for t, v in entries.items())))
+    return out

@@ -17,7 +17,7 @@ from .client import Client, Endpoint
 from .judge import audit_tolerance, rerun_effect
 from .probe import Server, check_model, check_tokenizer, describe
 from .records import Records
-from .reference import endpoint_reference, local_reference
+from .reference import endpoint_reference, local_reference, prompt_logprobs_reference
 from .stream import References, Side, StreamPlan, StreamResult, run_stream
 
 
@@ -30,6 +30,7 @@ class AuditSpec:
     served_model: str | None = None
     reference: Endpoint | None = None
     reference_route: str | None = None
+    reference_mode: str = "positions"  # or "prompt-logprobs" (vLLM: the whole stream scored in one request)
     model: str = "smollm2-135m"
     text: str = "pg-essays"
     prompt_tokens: int = 32
@@ -107,6 +108,8 @@ def _references(spec: AuditSpec, client: Client | None, tokenizer, records: Reco
                            f"{need + 1} (llama-server --ctx-size)")
     route = spec.reference_route or spec.route
     side = Side(client, "llama" if route == "chat" else route, spec.served_model)
+    if spec.reference_mode == "prompt-logprobs":
+        return lambda prompt, gen: prompt_logprobs_reference(client, spec.served_model, prompt, gen.steps, spec.top_k)
     return lambda prompt, gen: endpoint_reference(side.client, side.route, side.model, prompt, gen.steps, spec.top_k,
                                                   records.step, records.keep_step)
 

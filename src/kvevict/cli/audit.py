@@ -33,6 +33,8 @@ def audit(
     reference_url: str | None = typer.Option(None, help="a second server with the same model and a context that "
                                              "never evicts (default: kvevict's own full cache on --model)"),
     reference_api: str | None = typer.Option(None, help="the reference's route (default: --api)"),
+    reference_mode: str = typer.Option("positions", help="how the reference server scores the stream: positions "
+                                       "(one request per generated token) or prompt-logprobs (vLLM: one request)"),
     model: str = typer.Option("smollm2-135m", help=f"the weights the server serves, for the tokenizer check and the "
                               f"local reference: {MODEL_HELP}"),
     text: str = typer.Option("pg-essays", help="embedded name, .txt file or folder: where the prompt comes from"),
@@ -82,6 +84,8 @@ def audit(
     for name, value in (("--api", api), ("--reference-api", reference_api or api)):
         if value not in ROUTES:
             raise KvevictError(f"{name} must be one of {', '.join(ROUTES)}, got '{value}'")
+    if reference_mode not in ("positions", "prompt-logprobs"):
+        raise KvevictError(f"--reference-mode must be positions or prompt-logprobs, got '{reference_mode}'")
     for name, value in (("--prompt-tokens", prompt_tokens), ("--new-tokens", new_tokens), ("--top-k", top_k)):
         if value < 1:
             raise KvevictError(f"{name} must be at least 1, got {value}")
@@ -89,6 +93,7 @@ def audit(
     spec = AuditSpec(
         deployment=Endpoint(url, **settings), route=api, served_model=served_model,
         reference=Endpoint(reference_url, **settings) if reference_url else None, reference_route=reference_api,
+        reference_mode=reference_mode,
         model=model, text=text, prompt_tokens=prompt_tokens, new_tokens=new_tokens, top_k=top_k, offset=offset,
         n_keep=n_keep, sinks=sinks, context=context, server_keep=server_keep, out=Path(out),
         tolerance=tolerance_from(max_ppl_ratio, max_accuracy_drop, max_kl), tasks=tuple(parse_tasks(tasks)) if
