@@ -7,13 +7,13 @@ import re
 import subprocess
 
 import pytest
-from audit_fake import FakeConfig, FakeServer
-from test_report_browser import CHECK, chromium
 
+from audit_fake import FakeConfig, FakeServer
 from kvevict.audit.client import Endpoint
 from kvevict.audit.report import write_report
 from kvevict.audit.run import AuditSpec, run_audit
 from kvevict.loading import load_tokenizer
+from test_report_browser import CHECK, chromium
 
 pytestmark = pytest.mark.browser
 
@@ -41,4 +41,5 @@ def test_audit_report_renders_in_headless_chromium(tmp_path):
     check = json.loads(match.group(1).replace("&quot;", '"'))
     assert check["images"] == [True], check
     tables = dict(entry.split(":") for entry in check["tables"])
-    assert tables == {"audit-streams": "2", "audit-tasks": "1"}
+    segments = sum(len(r.verdict.segments) for r in (result.deployed, result.rerun))
+    assert tables == {"audit-streams": "2", "audit-segments": str(segments), "audit-tasks": "1"}

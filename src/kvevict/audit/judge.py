@@ -84,6 +84,7 @@ class StreamVerdict:
     floor: Window | None
     after: Window | None
     tolerance: Tolerance
+    segments: tuple[Window, ...] = ()  # the floor, then each event to the next (the stream's end after the last)
 
     @property
     def outcome(self) -> str:
@@ -108,7 +109,7 @@ class StreamVerdict:
     def as_dict(self) -> dict:
         return {"outcome": self.outcome, "events": list(self.events), "step": self.step,
                 "signature": self.signature, "floor": self.floor and self.floor.as_dict(),
-                "after": self.after and self.after.as_dict(),
+                "after": self.after and self.after.as_dict(), "segments": [w.as_dict() for w in self.segments],
                 "judgements": [{"label": label, "text": j.text(), "outcome": j.outcome, "estimate": j.estimate,
                                 "low": j.low, "high": j.high, "limit": j.limit, "more": j.more_samples}
                                for label, j in self.judgements]}
@@ -127,10 +128,10 @@ def judge_stream(series: dict[str, np.ndarray], events: list[int], tol: Toleranc
     total = len(series["kl"])
     first = events[0] if events else None
     floor = window(series, 0, first) if first else None
-    after = None
-    if first is not None:
-        after = window(series, first, events[1] if len(events) > 1 else total)
-    return StreamVerdict(tuple(found), tuple(events), floor, after, tol)
+    cuts = [0, *events, total]
+    segments = tuple(window(series, a, b) for a, b in zip(cuts, cuts[1:], strict=False) if b > a)
+    after = segments[1] if first is not None and len(segments) > 1 else None
+    return StreamVerdict(tuple(found), tuple(events), floor, after, tol, segments)
 
 
 def rerun_effect(first: StreamVerdict, rerun: StreamVerdict) -> str:

@@ -58,6 +58,8 @@ def write_report(result, path: Path, reproduction: list[dict] | None = None) -> 
                   '<table id="audit-reproduction" class="results"><thead><tr><th class="left">stream</th>'
                   "<th>KL audit</th><th>KL kvevict</th><th>top-1 miss audit</th><th>top-1 miss kvevict</th>"
                   f"<th>agree</th></tr></thead><tbody>{rows}</tbody></table>"]
+    if streams:
+        parts += ["<h2>Before and after each eviction event</h2>", _segments(streams)]
     if result.tasks:
         parts += ["<h2>Tasks</h2>", _task_table(result.tasks)]
     page = ("<!doctype html><html><head><meta charset='utf-8'><title>kvevict audit</title>"
@@ -79,4 +81,19 @@ def _task_table(rows) -> str:
     return ('<table id="audit-tasks" class="results"><thead><tr><th class="left">task</th><th>prompts</th>'
             "<th>deployment</th><th>reference</th><th class='left'>judged</th><th>repeated 4-grams</th>"
             "<th>reference's</th><th>refused</th><th>truncated</th></tr></thead>"
+            f"<tbody>{body}</tbody></table>")
+
+
+def _segments(streams) -> str:
+    """Per stream, KL and top-1 disagreement from each event to the next (the first row: the A/A floor)."""
+    def cell(value, interval) -> str:
+        return f"{value:.3f}" + (f" [{interval.low:.3f}, {interval.high:.3f}]" if interval else "")
+
+    body = "".join(
+        f"<tr><td class='left'>{html.escape(r.label)}</td><td>{w.start}–{w.stop}</td>"
+        f"<td class='left'>{'A/A floor' if i == 0 and r.verdict.events else f'after event {i}'}</td>"
+        f"<td>{cell(w.kl, w.kl_interval)}</td><td>{cell(w.disagree, w.disagree_interval)}</td></tr>"
+        for r in streams for i, w in enumerate(r.verdict.segments))
+    return ('<table id="audit-segments" class="results"><thead><tr><th class="left">stream</th><th>tokens</th>'
+            "<th class='left'>window</th><th>KL</th><th>top-1 disagreement</th></tr></thead>"
             f"<tbody>{body}</tbody></table>")
