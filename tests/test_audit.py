@@ -340,3 +340,51 @@ def test_prompt_logprobs_scores_the_stream_in_one_request(tokenizer, tmp_path):
     np.testing.assert_allclose(one.deployed.series["kl"], per_position.deployed.series["kl"], rtol=1e-3)
     np.testing.assert_array_equal(one.deployed.series["disagree"], per_position.deployed.series["disagree"])
     assert one.deployed.verdict.outcome == per_position.deployed.verdict.outcome == "outside"
+
+
+def test_the_local_reference_is_a_full_forward_teacher_forced():
+    """kvevict's full cache as the reference: its top-k at every generated position is the plain forward's."""
+    import torch
+
+    from kvevict.audit.reference import local_reference
+
+    from conftest import make_tiny
+
+    model = make_tiny(seed=3)
+    prompt = [5, 17, 42, 8, 99, 3]
+    steps = [Step(t, -1.0, (t, 7), (-1.0, -2.0)) for t in (11, 64, 2, 2, 90)]
+    found = local_reference(model, prompt, steps, k=4)
+    ids = torch.tensor([prompt + [s.token for s in steps]])
+    with torch.inference_mode():
+        expected = model(ids).logits[0].double().log_softmax(-1)
+    for j, ref in enumerate(found):
+        row = expected[len(prompt) - 1 + j]
+        top = torch.topk(row, 4)
+        assert ref.ids == tuple(top.indices.tolist())
+        np.testing.assert_allclose(ref.logprobs, top.values.numpy(), atol=1e-5)
+        assert dict(ref.extra)[steps[j].token] == pytest.approx(float(row[steps[j].token]), abs=1e-5)
+
+
+@pytest.mark.parametrize("keep", [0, 2])
+def test_the_reproduction_shifts_where_the_audit_places_the_events(keep):
+    """kvevict's `llamacpp` preset on the deployment's tokens evicts at the generated indices `events.py` places."""
+    from kvevict.audit.api import Generation
+    from kvevict.audit.fidelity import Point
+    from kvevict.audit.judge import judge_stream
+    from kvevict.audit.reproduction import reproduce
+    from kvevict.audit.stream import StreamPlan, StreamResult
+    from kvevict.report.tolerance import Tolerance
+
+    from conftest import make_tiny
+
+    rng = np.random.default_rng(keep)
+    plan = StreamPlan(tuple(int(x) for x in rng.integers(3, 100, 10)), 80, 4, 32, n_keep=keep)
+    generation = Generation("", tuple(Step(int(t), -1.0, (int(t),), (-1.0,)) for t in rng.integers(3, 100, 80)),
+                            True, 10)
+    points = [Point(True, 1.0, 1.0, 0.0, 0.0)] * 80
+    series = {"kl": np.zeros(80), "disagree": np.zeros(80), "ref_nll": np.ones(80), "best_nll": np.ones(80)}
+    result = StreamResult("as deployed", plan, generation, points, judge_stream(series, plan.events(), Tolerance()),
+                          series)
+    found = reproduce(make_tiny(seed=5), result, chunk=4)
+    assert found.shifts_kvevict == tuple(plan.events()) and len(found.shifts_kvevict) >= 3
+    assert found.kl_kvevict > 0

@@ -19,6 +19,9 @@ from .api import Ask, Step, generate
 from .client import Client
 from .fidelity import TopK
 
+#: generated positions whose full-vocabulary log-probabilities are held at once (`local_reference`)
+BLOCK = 64
+
 
 def local_reference(model, prompt: Sequence[int], steps: Sequence[Step], k: int) -> list[TopK]:
     """`[G]` exact distributions of kvevict's full cache at every generated position, its top-k and the
@@ -31,12 +34,14 @@ def local_reference(model, prompt: Sequence[int], steps: Sequence[Step], k: int)
     reference = full_reference(model, tokens, progress=False)
     start = len(prompt) - 1  # prediction i is of token i + 1: generated token j is prediction start + j
     out = []
-    for j, step in enumerate(steps):
-        logprobs = reference.log_probs(start + j, start + j + 1)[0].double()
-        top = torch.topk(logprobs, k)
-        wanted = sorted(set(step.ids) | {step.token})
-        out.append(TopK(tuple(top.indices.tolist()), tuple(top.values.tolist()),
-                        tuple((i, float(logprobs[i])) for i in wanted)))
+    with torch.inference_mode():
+        for lo in range(0, len(steps), BLOCK):
+            rows = reference.log_probs(start + lo, start + min(len(steps), lo + BLOCK)).double()  # [b, vocab]
+            top = torch.topk(rows, k)
+            for i, step in enumerate(steps[lo:lo + BLOCK]):
+                wanted = sorted(set(step.ids) | {step.token})
+                out.append(TopK(tuple(top.indices[i].tolist()), tuple(top.values[i].tolist()),
+                                tuple((t, float(rows[i, t])) for t in wanted)))
     return out
 
 
