@@ -388,3 +388,16 @@ def test_the_reproduction_shifts_where_the_audit_places_the_events(keep):
     found = reproduce(make_tiny(seed=5), result, chunk=4)
     assert found.shifts_kvevict == tuple(plan.events()) and len(found.shifts_kvevict) >= 3
     assert found.kl_kvevict > 0
+
+
+def test_a_reference_that_would_stop_is_not_disagreed_with():
+    """With ignore_eos the deployment may not choose the end of sequence: the reference's own choice is its best
+    other id (here the deployment's), and the regret is measured against that choice."""
+    from kvevict.audit.fidelity import end_ids, point
+
+    ref = TopK((2, 40, 7), (math.log(0.5), math.log(0.3), math.log(0.1)))
+    step = Step(40, math.log(0.3), (2, 40, 7), (math.log(0.5), math.log(0.3), math.log(0.1)))
+    assert not point(ref, step).agree
+    ended = point(ref, step, frozenset({2}))
+    assert ended.agree and ended.best_nll == pytest.approx(-math.log(0.3)) and ended.kl == pytest.approx(0)
+    assert 2 in end_ids(load_tokenizer("smollm2-135m")) and 0 in end_ids(load_tokenizer("smollm2-135m"))

@@ -88,14 +88,32 @@ def kl_topk(ref: TopK, dep: TopK) -> tuple[float, float]:
     return max(0.0, kl), p_rest
 
 
-def point(ref: TopK, step: Step) -> Point:
-    """The fidelity of `step` (the deployment's token and top-k) against `ref` at the same prefix."""
+#: the end-of-generation tokens' texts: a deployment told to ignore the end of sequence never chooses them
+END_TEXTS = frozenset({"</s>", "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>",
+                       "<end_of_turn>", "<|end|>", "<|return|>"})
+
+
+def end_ids(tokenizer) -> frozenset[int]:
+    """The ids a greedy request with `ignore_eos` cannot choose: the end of sequence and the special tokens that
+    end a turn (llama-server biases every end-of-generation token away; vLLM ignores the end of sequence)."""
+    found = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    found |= {i for t, i in zip(tokenizer.all_special_tokens, tokenizer.all_special_ids, strict=False)
+              if t in END_TEXTS}
+    return frozenset(found)
+
+
+def point(ref: TopK, step: Step, ended: frozenset[int] = frozenset()) -> Point:
+    """The fidelity of `step` (the deployment's token and top-k) against `ref` at the same prefix. The reference's
+    own choice is its most likely id outside `ended` (the ids the deployment was told never to choose): a
+    reference whose top-1 is the end of sequence is not disagreed with by a deployment that may not stop."""
     known = ref.known()
     kl, tail = kl_topk(ref, TopK.of(step))
     inside = step.token in known
     ref_lp = known[step.token] if inside else min(ref.logprobs)
-    return Point(agree=bool(ref.ids and ref.ids[0] == step.token), ref_nll=-ref_lp, best_nll=-ref.logprobs[0],
-                 kl=kl, tail=tail, bounded=not inside)
+    best = next(((i, lp) for i, lp in zip(ref.ids, ref.logprobs, strict=True) if i not in ended),
+                (ref.ids[0], ref.logprobs[0]))
+    return Point(agree=best[0] == step.token, ref_nll=-ref_lp, best_nll=-best[1], kl=kl, tail=tail,
+                 bounded=not inside)
 
 
 def columns(points: list[Point]) -> dict[str, np.ndarray]:

@@ -14,6 +14,7 @@ from ..errors import KvevictError
 from ..files import atomic_write
 from ..report.tolerance import Tolerance
 from .client import Client, Endpoint
+from .fidelity import end_ids
 from .judge import audit_tolerance, rerun_effect
 from .probe import Server, check_model, check_tokenizer, describe
 from .records import Records
@@ -159,7 +160,7 @@ def _fidelity(spec: AuditSpec, result: AuditResult, side: Side, ref_client: Clie
         notes.append(f"the deployment's own --keep is not visible from outside (llama-server's /props reports the "
                      f"request default): events after the first are placed for keep {server_keep}; give --server-keep")
     plan = StreamPlan(prompt, spec.new_tokens, spec.top_k, n_ctx, spec.n_keep, server_keep,
-                      bool(stream_start(tokenizer)))
+                      bool(stream_start(tokenizer)), end_ids(tokenizer))
     plan.check()
     references = _references(spec, ref_client, tokenizer, records, local, len(prompt) + spec.new_tokens)
     tol = audit_tolerance(spec.tolerance)

@@ -47,6 +47,7 @@ class StreamPlan:
     n_keep: int | None = None
     server_keep: int = 0
     add_bos: bool = False
+    ended: frozenset[int] = frozenset()  # end-of-generation ids the greedy request ignores (`fidelity.end_ids`)
 
     def ask(self) -> Ask:
         return Ask(n_predict=self.n_predict, k=self.k, ids=self.prompt, n_keep=self.n_keep)
@@ -120,7 +121,7 @@ def run_stream(label: str, side: Side, plan: StreamPlan, references: References,
     """Generate on the deployment, read the reference at every position, judge (module docstring)."""
     generation = deployment_generation(side, plan, records)
     ref = references(plan.prompt, generation)
-    points = [point(r, s) for r, s in zip(ref, generation.steps, strict=True)]
+    points = [point(r, s, plan.ended) for r, s in zip(ref, generation.steps, strict=True)]
     series = columns(points)
     events = plan.events()
     verdict = judge_stream(series, events, tol)
