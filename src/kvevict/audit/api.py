@@ -74,7 +74,8 @@ def body(route: str, ask: Ask, model: str | None) -> dict:
         if ask.n_keep is not None:
             found["n_keep"] = ask.n_keep
         return found
-    found = {"max_tokens": ask.n_predict, "temperature": 0.0, "ignore_eos": True}
+    # cache_prompt is llama-server's (a reused prefix would change the arithmetic of the first token); others ignore it
+    found = {"max_tokens": ask.n_predict, "temperature": 0.0, "ignore_eos": True, "cache_prompt": ask.cache_prompt}
     if model:
         found["model"] = model
     if ask.n_keep is not None:
