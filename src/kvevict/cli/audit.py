@@ -105,10 +105,10 @@ def audit(
 
 def _run(spec, reproduce: bool, as_json: bool) -> None:
     from ..audit.report import write_report
-    from ..audit.run import _LocalModel, run_audit
+    from ..audit.run import LocalModel, run_audit
     from ..audit.text import lines
 
-    local = _LocalModel(spec.model)
+    local = LocalModel(spec.model)
     result = run_audit(spec, local)
     found = result.summary()
     if reproduce:
