@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from ..errors import KvevictError
 from .client import Client, ServerError
 
-#: the text whose ids both tokenizers must agree on (words, digits, punctuation, a non-ASCII letter)
-PROBE_TEXT = "The audit checks 12 tokens, twice: once forward, once back (naïve tokenizers differ here)."
+#: the text whose ids both tokenizers must agree on (words, punctuation, a non-ASCII letter)
+PROBE_TEXT = "The audit checks these tokens twice: once forward, once back (naïve tokenizers differ here)."
 
 
 @dataclass(frozen=True)
