@@ -1,11 +1,12 @@
 """The audit's verdict on one stream, by the rule `ab` ships by (`report/tolerance.py`), and the sink-loss signature.
 
-* Fidelity is judged against the stated tolerance with the verdict's own functions: the mean top-k
-  KL(reference ‖ deployment) per token (`judge_kl`, a bootstrap over blocks of `BLOCK` tokens, against
-  `--max-kl`; the audit judges KL by default, at `DEFAULT_MAX_KL`), and the reference's perplexity of the
-  deployment's tokens over its perplexity of its own top-1 choices on the same prefixes (`judge_ppl`, paired
-  blocks, against `--max-ppl-ratio`): 1 when the deployment chooses as the reference would. Inside: every
-  metric's whole interval within its limit; outside: one wholly past it; else undecided.
+* Fidelity is judged, over the generated tokens from the first eviction event on, against the stated
+  tolerance with the verdict's own functions: the mean top-k KL(reference ‖ deployment) per token
+  (`judge_kl`, a bootstrap over blocks of `BLOCK` tokens, against `--max-kl`; the audit judges KL by
+  default, at `DEFAULT_MAX_KL`), and the reference's perplexity of the deployment's tokens over its
+  perplexity of its own top-1 choices on the same prefixes (`judge_ppl`, paired blocks, against
+  `--max-ppl-ratio`): 1 when the deployment chooses as the reference would. Inside: every metric's
+  whole interval within its limit; outside: one wholly past it; else undecided.
 * The tokens before the first eviction event are the A/A floor: the server and the reference differ there
   only by their arithmetic. The window from the first event to the next is set against it.
 * The sink-loss signature: at the first event, KL and top-1 disagreement both step up beyond the floor (the
@@ -116,17 +117,20 @@ class StreamVerdict:
 
 
 def judge_stream(series: dict[str, np.ndarray], events: list[int], tol: Tolerance) -> StreamVerdict:
-    """Judge one stream's per-token `series` (`fidelity.columns`) against `tol` (`audit_tolerance` applied)."""
+    """Judge one stream's per-token `series` (`fidelity.columns`) against `tol` (`audit_tolerance` applied), over
+    the generated tokens from the first eviction event on (the whole stream where there is none): before it the
+    deployment has evicted nothing, and those tokens are the floor, not what is judged."""
     tol = audit_tolerance(tol)
-    found = []
-    kl = judge_kl(blocks_of(series["kl"]), tol)
-    if kl is not None:
-        found.append(("KL", kl))
-    ppl = judge_ppl(blocks_of(series["ref_nll"]), blocks_of(series["best_nll"]), tol)
-    if ppl is not None:
-        found.append(("the reference's PPL of the deployment's tokens over its own top-1", ppl))
     total = len(series["kl"])
     first = events[0] if events else None
+    cut = first or 0
+    found = []
+    kl = judge_kl(blocks_of(series["kl"][cut:], cut), tol)
+    if kl is not None:
+        found.append(("KL", kl))
+    ppl = judge_ppl(blocks_of(series["ref_nll"][cut:], cut), blocks_of(series["best_nll"][cut:], cut), tol)
+    if ppl is not None:
+        found.append(("the reference's PPL of the deployment's tokens over its own top-1", ppl))
     floor = window(series, 0, first) if first else None
     cuts = [0, *events, total]
     segments = tuple(window(series, a, b) for a, b in zip(cuts, cuts[1:], strict=False) if b > a)

@@ -35,7 +35,7 @@ class AuditSpec:
     model: str = "smollm2-135m"
     text: str = "pg-essays"
     prompt_tokens: int = 32
-    new_tokens: int = 448
+    new_tokens: int = 736
     top_k: int = 20
     offset: int = 0
     n_keep: int | None = None

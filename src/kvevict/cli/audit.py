@@ -39,7 +39,7 @@ def audit(
                               f"local reference: {MODEL_HELP}"),
     text: str = typer.Option("pg-essays", help="embedded name, .txt file or folder: where the prompt comes from"),
     prompt_tokens: int = typer.Option(32, help="prompt length in tokens"),
-    new_tokens: int = typer.Option(448, help="tokens the deployment generates (well past its KV limit)"),
+    new_tokens: int = typer.Option(736, help="tokens the deployment generates (well past its KV limit)"),
     top_k: int = typer.Option(20, help="top log-probabilities read per token (the KL's resolution)"),
     offset: int = typer.Option(0, help="the prompt's first token in the text (another offset: another prompt)"),
     n_keep: int | None = typer.Option(None, help="n_keep sent with the deployment's requests (default: the "
