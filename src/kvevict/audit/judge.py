@@ -3,10 +3,10 @@
 * Fidelity is judged, over the generated tokens from the first eviction event on, against the stated
   tolerance with the verdict's own functions: the mean top-k KL(reference ‖ deployment) per token
   (`judge_kl`, a bootstrap over blocks of `BLOCK` tokens, against `--max-kl`; the audit judges KL by
-  default, at `DEFAULT_MAX_KL`), and the reference's perplexity of the deployment's tokens over its
-  perplexity of its own top-1 choices on the same prefixes (`judge_ppl`, paired blocks, against
-  `--max-ppl-ratio`): 1 when the deployment chooses as the reference would. Inside: every metric's
-  whole interval within its limit; outside: one wholly past it; else undecided.
+  default, at ln of `--max-ppl-ratio`: `audit_tolerance`), and the reference's perplexity of the
+  deployment's tokens over its perplexity of its own top-1 choices on the same prefixes (`judge_ppl`,
+  paired blocks, against `--max-ppl-ratio`): 1 when the deployment chooses as the reference would.
+  Inside: every metric's whole interval within its limit; outside: one wholly past it; else undecided.
 * The tokens before the first eviction event are the A/A floor: the server and the reference differ there
   only by their arithmetic. The window from the first event to the next is set against it.
 * The sink-loss signature: at the first event, KL and top-1 disagreement both step up beyond the floor (the
@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -26,13 +27,12 @@ from ..report.uncertainty import Blocks, Interval, mean_interval
 
 #: tokens per bootstrap block: neighbouring tokens are not independent, so they are resampled together
 BLOCK = 16
-#: the KL limit the audit judges by when `--max-kl` is not given (nats per token; docs/audit.md)
-DEFAULT_MAX_KL = 0.1
-
-
 def audit_tolerance(tol: Tolerance) -> Tolerance:
-    """`tol` with the audit's default KL limit where none was stated: fidelity is what the audit judges."""
-    return tol if tol.max_kl is not None else replace(tol, max_kl=DEFAULT_MAX_KL)
+    """`tol` with a KL limit where none was stated: fidelity is what the audit judges. The limit is ln of
+    `--max-ppl-ratio` (0.0488 nats at the default 1.05): KL(ref ‖ deployment) is the deployment's expected extra
+    NLL per token on text the reference writes, and a PPL ratio R on a text is an extra NLL of ln R per token,
+    so this is the KL limit that says what the PPL tolerance says."""
+    return tol if tol.max_kl is not None else replace(tol, max_kl=math.log(tol.max_ppl_ratio))
 
 
 def blocks_of(values: np.ndarray, start: int = 0) -> Blocks | None:
