@@ -21,9 +21,11 @@ import numpy as np
 from .stream import StreamResult
 
 #: top-1 disagreement after the first shift may differ by this much, absolute (`agrees`)
-DISAGREE_SLACK = 0.10
-#: the mean KL after the first shift may differ by this factor either way (`agrees`)
-KL_FACTOR = 2.0
+DISAGREE_SLACK = 0.05
+#: the audit's top-k KL is a lower bound of the full KL: it may exceed the reproduction's by the arithmetic slack
+KL_OVER = (1.25, 0.005)
+#: ... and must hold at least this share of it (the bound's looseness, measured on llama-server: docs/audit.md)
+KL_LOWEST_SHARE = 1 / 3
 
 
 @dataclass(frozen=True)
@@ -39,16 +41,19 @@ class Reproduction:
     floor_disagree: float  # the audit's top-1 disagreement before the first shift (server vs local arithmetic)
 
     def agrees(self) -> bool:
-        """Same shift points; top-1 disagreement after the first shift within `DISAGREE_SLACK` plus the A/A floor's
-        own disagreement (the server's quantized arithmetic flips near-ties the local float32 does not); mean KL
-        within a factor `KL_FACTOR` (the audit's top-k KL drops the tail beyond both top-k, and after a shift the
-        two sides' near-ties resolve differently, so the streams' losses match in size, not token by token)."""
+        """The same shift points, exactly; top-1 disagreement after the first shift within `DISAGREE_SLACK` plus the
+        A/A floor's own (top-1 is exact on both sides; the server's quantized arithmetic may flip a near-tie the
+        local float32 does not, which the floor measures); and the audit's top-k KL a lower bound of the
+        reproduction's full KL: not above it beyond the arithmetic (`KL_OVER`: 25% and 0.005 nats; the two sides'
+        weights differ by the GGUF's quantization), and holding at least `KL_LOWEST_SHARE` of it. Coarse-graining
+        to the top-k loses most where the deployment's distribution spreads widest: it held 49% of the full KL
+        after llama-server --keep 0 lost its sink, 90% at --keep 4."""
         if self.shifts_audit != self.shifts_kvevict:
             return False
         if abs(self.disagree_audit - self.disagree_kvevict) > DISAGREE_SLACK + self.floor_disagree:
             return False
-        low, high = sorted((max(self.kl_audit, 1e-9), max(self.kl_kvevict, 1e-9)))
-        return high / low <= KL_FACTOR
+        factor, slack = KL_OVER
+        return KL_LOWEST_SHARE * self.kl_kvevict <= self.kl_audit <= factor * self.kl_kvevict + slack
 
     def as_dict(self) -> dict:
         return {"shifts_audit": list(self.shifts_audit), "shifts_kvevict": list(self.shifts_kvevict),
