@@ -13,7 +13,7 @@ deployments at `--ctx-size 256 --keep 0` and `--keep 4`), then, in one process, 
 Prints one JSON object (the record) as the last line; `--out` writes it too.
 
     make llama-server
-    flock /tmp/kvevict-heavy.lock .venv/bin/python benchmarks/audit_cost.py --out docs/results/audit-smollm2.json
+    .venv/bin/python benchmarks/audit_cost.py --runs 3 --out docs/results/audit-smollm2.json
 """
 
 from __future__ import annotations
