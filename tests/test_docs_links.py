@@ -37,7 +37,7 @@ RECORDS = re.compile(r"docs/(?:results|img)/[A-Za-z0-9_.*\-]+[A-Za-z0-9*]")
 # user writes, listed here
 BARE = re.compile(r"(?<![/\w.-])([A-Za-z0-9_][\w.-]*\.(?:jsonl|json|txt|html|png))\b")
 GENERIC = {"results.jsonl", "run.json", "report.html", "config.json", "FILE.jsonl", "qa.jsonl", "my.txt", "my-logs.txt",
-           "my-questions.jsonl", "sinks.png", "controls.txt", "kvevict.report.html", "policy.json"}
+           "my-questions.jsonl", "sinks.png", "controls.txt", "kvevict.report.html", "policy.json", "audit.json"}
 BANNED = re.compile(r"\b(sessions?|issues?|helpers?|worktrees?|rounds?)\b|/work/|/home/", re.IGNORECASE)
 ALLOWED_ROUND = re.compile(r"round[- ]trip|--rounds\b", re.IGNORECASE)
 

@@ -6,7 +6,8 @@
 * `stream` — `ppl`, `compare`; `ab` — `ab`, `report`, `demo`; `tasks` — `needle`,
   `generation`, `sinks`; `lmeval` — `lm-eval` (lm-evaluation-harness tasks); `ruler` — `ruler` (RULER's
   long-context tasks); `engine` — `engine-check` (the `llamacpp` preset against llama.cpp itself); `envelope` —
-  `envelope` (the smallest budget within a tolerance, and its capacity).
+  `envelope` (the smallest budget within a tolerance, and its capacity); `audit` — `audit` (a running server
+  against the same model with nothing evicted).
 
 The commands are plain functions; `COMMANDS` registers them on `app`, in the order
 `kvevict --help` lists them.
@@ -18,10 +19,11 @@ import os
 
 import typer
 
-from . import ab, engine, envelope, lmeval, ruler, stream, tasks
+from . import ab, audit, engine, envelope, lmeval, ruler, stream, tasks
 
 COMMANDS = [stream.ppl, stream.compare, ab.ab, ab.report, ab.demo, tasks.needle, tasks.generation, tasks.sinks,
-            lmeval.lm_eval, ruler.ruler, engine.engine_check, envelope.envelope]
+            lmeval.lm_eval, ruler.ruler, engine.engine_check, envelope.envelope,
+            audit.audit]
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="KV-cache eviction policies: measure before you ship."

