@@ -19,6 +19,8 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..errors import KvevictError
+
 
 @dataclass(frozen=True)
 class Capabilities:
@@ -96,6 +98,34 @@ class Capabilities:
 
 #: the field names, in declaration order (what `Policy.capabilities` gathers)
 FIELDS = tuple(f.name for f in dataclasses.fields(Capabilities))
+
+
+@dataclass(frozen=True)
+class Unknown:
+    """A field its policy cannot answer yet (llama.cpp's pinned tokens before the model's add-BOS is known):
+    the policy's own error, raised when the field is read through the policy (`read`)."""
+
+    error: Exception
+
+
+def gather(policy) -> Capabilities:
+    """`policy`'s declarations (class attributes and properties named like the fields) as one object; a
+    field whose declaration refuses to answer yet holds `Unknown`."""
+    values = {}
+    for name in FIELDS:
+        try:
+            values[name] = getattr(policy, name)
+        except KvevictError as exc:
+            values[name] = Unknown(exc)
+    return Capabilities(**values)
+
+
+def read(capabilities: Capabilities, name: str) -> object:
+    """Field `name`, raising the policy's error where it could not answer (`Unknown`)."""
+    value = getattr(capabilities, name)
+    if isinstance(value, Unknown):
+        raise value.error
+    return value
 
 
 def may_share_batch(capabilities: Sequence[Capabilities]) -> bool:
