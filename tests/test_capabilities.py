@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import random_tokens
 
 from kvevict import EvictingCache
 from kvevict.errors import KvevictError
 from kvevict.policies import REGISTRY, is_full_cache, parse_policy, shared_batches
 from kvevict.policies.capabilities import FIELDS, Capabilities, may_share_batch
+
+from conftest import random_tokens
 
 WRAPPERS = ["sink4+", "sinkauto4+", "q4+", "adakv:", "sink2+adakv:"]
 SPECS = ["full", "window", "h2o", "snapkv", "tova", "knorm", "keydiff", "lagkv", "expected-attention", "pyramidkv",
