@@ -9,6 +9,7 @@ must agree, and the fast path must have been the one that ran.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -17,6 +18,8 @@ import kvevict.cache.replay_paths as replay_paths
 from architectures import ARCHS, VOCAB
 from kvevict import EvictingCache
 from kvevict.cache.replay_paths import PATHS, REFERENCE
+from kvevict.errors import KvevictError
+from kvevict.policies import AttentionRequest, Policy, SlotView
 from test_architectures import CACHE_KWARG
 
 BUDGET = 8
@@ -80,3 +83,45 @@ def test_the_reference_measures_what_a_one_token_forward_measures_and_each_path_
     assert REFERENCE.measures == {"new", "last", "window", "queries"}
     assert all(path.measures <= REFERENCE.measures for path in PATHS)
     assert [p.name for p in PATHS] == ["closed form", "by slot"]
+
+
+@dataclass(eq=False)
+class _SlotLocalQueries(Policy):
+    """A slot-local policy that reads the queries themselves: the by-slot replay path cannot measure them."""
+
+    stats = ("seen_queries",)
+    slot_local = True
+    needs_attention = True
+    requests = ("queries",)
+
+    def spec(self) -> str:
+        return "slot-local-queries"
+
+    def request(self, view: SlotView, will_evict: bool) -> AttentionRequest:
+        return AttentionRequest(kind="queries", stat="seen_queries", size=2, accumulate=False)
+
+    def scores(self, view: SlotView) -> torch.Tensor:
+        return view.stats["seen_queries"]
+
+
+@dataclass(eq=False)
+class _Reconstructs(_SlotLocalQueries):
+    """A uniform policy asking for a KVzip repeat forward's measurement, which only per-head layers make."""
+
+    slot_local = False
+    requests = ("reconstruction",)
+
+    def spec(self) -> str:
+        return "uniform-reconstruction"
+
+
+def test_a_request_no_layer_or_replay_path_can_measure_is_refused_when_the_cache_is_built(tiny):
+    with pytest.raises(KvevictError, match="'slot-local-queries' asks for 'queries' measurements, which the chunk "
+                                           "replay's by slot path cannot make"):
+        EvictingCache(tiny, _SlotLocalQueries(), budget=8, per_token=True)
+    EvictingCache(tiny, _SlotLocalQueries(), budget=8)  # one-token forwards measure the queries
+    with pytest.raises(KvevictError, match="'uniform-reconstruction' asks for 'reconstruction' measurements, "
+                                           "which the EvictingLayer cannot make"):
+        EvictingCache(tiny, _Reconstructs(), budget=8)
+    for spec in ("h2o", "tova", "snapkv", "expected-attention", "sinkauto4+h2o", "adakv:snapkv", "kvzip"):
+        EvictingCache(tiny, spec, budget=64, per_token=True)  # every registered policy's requests are measured

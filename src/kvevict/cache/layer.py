@@ -47,6 +47,8 @@ ARRIVAL = "arrival"
 class EvictingLayer(SlotLayer):
     """One layer's slots, its policies' statistics, and eviction down to its budget."""
 
+    measures = frozenset({"new", "last", "window", "queries"})  # `Statistics.feed`
+
     def __init__(self, index: int, settings: LayerSettings) -> None:
         super().__init__(index, settings)
         self.statistics = Statistics(settings.query_window)

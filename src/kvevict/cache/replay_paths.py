@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..policies.capabilities import Capabilities
 from . import by_slot
 from .replay import replay_static, replay_steps
 from .stepping import Replayed, ReplayingLayer
@@ -42,6 +43,8 @@ class ReplayPath:
     applies: Callable[[ReplayingLayer], bool]
     run: Callable[[ReplayingLayer, torch.Tensor, torch.Tensor, float], Replayed | None]
     measures: frozenset[str]
+    #: whether the rows of a policy with these capabilities may be replayed by it (what `applies` reads of them)
+    takes: Callable[[Capabilities], bool] = lambda capabilities: True
 
 
 def _all_static(layer: ReplayingLayer) -> bool:
@@ -57,9 +60,17 @@ REFERENCE = ReplayPath("reference", lambda layer: True, replay_steps, frozenset(
 
 #: the specialisations, tried in this order before the reference
 PATHS: tuple[ReplayPath, ...] = (
-    ReplayPath("closed form", _all_static, replay_static, frozenset()),  # static scores ask for nothing
-    ReplayPath("by slot", _by_slot, by_slot.steps_by_slot, frozenset({"new", "last", "window"})),
+    ReplayPath("closed form", _all_static, replay_static, frozenset(), lambda c: c.static_scores),
+    ReplayPath("by slot", _by_slot, by_slot.steps_by_slot, frozenset({"new", "last", "window"}),
+               lambda c: c.static_scores or c.slot_local),
 )
+
+
+def unmeasured(capabilities: Capabilities) -> list[tuple[str, str]]:
+    """`(kind, where)` for each request kind these capabilities declare that a replay path which may take their
+    rows cannot measure (empty: every one is served)."""
+    return [(kind, f"the chunk replay's {path.name} path") for path in (*PATHS, REFERENCE)
+            if path.takes(capabilities) for kind in capabilities.requests if kind not in path.measures]
 
 
 def replay_chunk(layer: ReplayingLayer, query: torch.Tensor, used: torch.Tensor, scaling: float) -> Replayed:

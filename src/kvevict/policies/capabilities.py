@@ -55,6 +55,8 @@ class Capabilities:
     `ranks_layers`: ranks the entries of every layer together at a held-back eviction (KVzip's default).
     `position_mode`: the position mode of the engine it reproduces (a name in `position_modes`), or None
     when it runs in either.
+    `requests`: the kinds of measurement it may ask for (`AttentionRequest.kind`), so that a cache whose
+    layers cannot measure one refuses it when it is built, not mid-run; () declares none.
     """
 
     stats: tuple[str, ...] = ()
@@ -76,6 +78,7 @@ class Capabilities:
     reconstructs: bool = False
     ranks_layers: bool = False
     position_mode: str | None = None
+    requests: tuple[str, ...] = ()
 
     @property
     def own_batch(self) -> bool:

@@ -59,6 +59,7 @@ class SinkAuto(SinkWrapper):
         with a statistic of its own). The pinned slots are not the first N positions, so `pinned` (the
         cache's "first N are held" check) stays what the inner policy pins itself."""
         return with_fields(super().wrap(inner), needs_attention=True, static_scores=False,
+                           requests=tuple(dict.fromkeys((*inner.requests, "new"))),
                            stats=tuple(dict.fromkeys((*inner.stats, STAT))), pinned=inner.pinned)
 
     def prefix(self) -> str:

@@ -54,6 +54,7 @@ class RaggedLayer(CacheLayer):
     """Per-head budgets: one allowance per layer and row, ragged storage, attention by hand."""
 
     heads_differ = True
+    measures = frozenset({"new", "last", "window", "queries", "reconstruction"})  # `_absorb`
 
     def __init__(self, index: int, settings: LayerSettings) -> None:
         super().__init__(index, settings)
