@@ -206,7 +206,6 @@ class Policy:
         return f"<policy {self.spec()}>"
 
 
-
 # the defaults a policy declares nothing against: one per field of `Capabilities`, read as class attributes
 for _field in dataclasses.fields(Capabilities):
     setattr(Policy, _field.name, _field.default)
