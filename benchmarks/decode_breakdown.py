@@ -61,7 +61,7 @@ PARTS = [
     (ragged.RaggedLayer, "replay", "ragged.replay"),
     (RaggedStorage, "append", "ragged.append"),
     (ragged.RaggedLayer, "_views", "ragged.views"),
-    (ragged.RaggedLayer, "_attend", "ragged.attend"),
+    (ragged, "ragged_attention", "ragged.attend"),
     (ragged.RaggedLayer, "_evict", "ragged.evict"),
     (ragged, "allocate", "ragged.allocate"),
 ]

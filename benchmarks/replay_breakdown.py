@@ -12,24 +12,25 @@ part `chunked_vs_stepwise.py --chunked-only` compares with its floor.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import time
 from collections import Counter
 
 import torch
 
-import kvevict.cache.by_slot as by_slot
 import kvevict.cache.replay as replay
+import kvevict.cache.replay_paths as replay_paths
 from kvevict import compare, load_model, load_tokens
 from kvevict.cache.layer import EvictingLayer
 from kvevict.defaults import DEFAULT_CHUNK
 
 PARTS = [
     (EvictingLayer, "replay", "replay (all)"),
-    (replay, "replay_static", "closed form"),
-    (by_slot, "steps_by_slot", "stepping by slot"),
     (replay, "steps_fixed_keys", "stepping, fixed keys"),
 ]
+#: the registered fast paths (`replay_paths.PATHS`), each timed under its own name
+PATH_LABELS = {"closed form": "closed form", "by slot": "stepping by slot"}
 
 
 def timed(function, label: str, spent: Counter, calls: Counter | None = None):
@@ -59,6 +60,8 @@ def main() -> None:
     calls: Counter = Counter()
     for owner, name, label in PARTS:
         setattr(owner, name, timed(getattr(owner, name), label, spent, calls))
+    replay_paths.PATHS = tuple(dataclasses.replace(p, run=timed(p.run, PATH_LABELS[p.name], spent, calls))
+                               for p in replay_paths.PATHS)
     model, tokenizer = load_model(args.model)
     tokens, _ = load_tokens("pg-essays", tokenizer, args.tokens)
     specs = [s for s in args.policies.split(",") if s]

@@ -14,7 +14,7 @@ from pathlib import Path
 from ..defaults import DEFAULT_CHUNK, DEFAULT_ORACLE_STRIDE
 from ..errors import KvevictError
 from ..eval.ruler.grid import RulerGrid
-from ..policies import check_policy, parse_policy
+from ..policies import check_policy, is_full_cache, parse_policy
 from ..policies.engine_defaults import run_positions, with_stream_start
 from ..records.schema import cell_key
 
@@ -82,7 +82,7 @@ def settle(config: SweepConfig, adds_bos: bool | None = None, oracle_undefined: 
 def ruler_grid(config: SweepConfig) -> RulerGrid:
     """The sweep's RULER tasks at its policies and budgets (entries, as its perplexity cells)."""
     return RulerGrid(tasks=list(config.ruler), lengths=[config.ruler_length], samples=config.ruler_samples,
-                     policies=[p for p in config.policies if p.strip().lower() != "full"],
+                     policies=[p for p in config.policies if not is_full_cache(p)],
                      budgets=list(config.budgets), protocol=config.ruler_protocol, seed=config.seed,
                      positions=config.positions, text=config.text)
 
@@ -158,7 +158,7 @@ def plan(config: SweepConfig) -> list[Cell]:
                     f"'{label}' scores a context by reconstructing it after its prefill, and kvevict ab evicts a "
                     "perplexity stream as it reads: run it with kvevict ruler (or kvevict.compress)"
                 )
-            if checked.unbounded and checked.kv_storage is None:
+            if checked.capabilities.is_full_cache:
                 continue  # the full cache is always a row of the table; a quantized one (`q4+full`) is a row of its own
             spec = canonical(label, config.seed)
             if spec not in seen:

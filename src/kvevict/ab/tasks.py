@@ -15,6 +15,7 @@ from ..eval.generation import run_generation
 from ..eval.needle import run_needle
 from ..eval.ruler.grid import run_grid
 from ..eval.sinkmap import sink_map
+from ..policies import is_full_cache
 from ..records.schema import DoneMarker, RulerRecord, SinkMapRecord, TaskRecord
 from ..records.store import ResultStore
 from .plan import SweepConfig, ruler_grid
@@ -43,7 +44,7 @@ def pending(config: SweepConfig, done: set[str]) -> list[str]:
 
 
 def _policies(config: SweepConfig) -> list[str]:
-    return ["full"] + [p for p in config.policies if p.strip().lower() != "full"]
+    return ["full"] + [p for p in config.policies if not is_full_cache(p)]
 
 
 def _keeper(kind: str, config: SweepConfig, store: ResultStore, done: set[str]) -> Callable[[dict], None]:

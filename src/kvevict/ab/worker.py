@@ -19,7 +19,7 @@ from ..data import load_tokens
 from ..eval.oracle import recompute_oracle
 from ..eval.streaming import Reference, RowResult, compare, full_reference
 from ..loading import load_model
-from ..policies import parse_policy, shared_batches
+from ..policies import shared_batches
 from ..position_modes import DEFAULT_POSITIONS
 from ..records.schema import PplRecord
 from .meter import Cost, measure
@@ -49,19 +49,9 @@ def batches(config: SweepConfig, todo: list[Cell]) -> list[Batch]:
     for budget in config.budgets:
         rows = [c for c in todo if c.budget == budget and c.kind in ("policy", "sinks")]
         # one batch per budget; a policy that declares `own_batch` (pyramidkv, adakv:P) runs in its own
-        for specs in full_apart(shared_batches(list(dict.fromkeys(c.spec for c in rows)))):
+        for specs in shared_batches(list(dict.fromkeys(c.spec for c in rows))):
             out.append(Batch("rows", budget, [c for c in rows if c.spec in specs]))
         out += [Batch("oracle", budget, [c]) for c in todo if c.budget == budget and c.kind == "oracle"]
-    return out
-
-
-def full_apart(batches: list[list[str]]) -> list[list[str]]:
-    """`batches` with every unbounded row (a quantized full cache, `q4+full`) in a batch of its own kind: its
-    cache grows while the bounded rows' do not, so the two cannot share one cache."""
-    out = []
-    for specs in batches:
-        grows = [s for s in specs if parse_policy(s).unbounded]
-        out += [part for part in ([s for s in specs if s not in grows], grows) if part]
     return out
 
 

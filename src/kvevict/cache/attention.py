@@ -2,18 +2,16 @@
 
 Registered in transformers' `AttentionInterface` as `"kvevict"`. The cache layer that
 was just updated left itself in the attention kwargs the model hands over (`LAYER_KEY`),
-so two caches can run in two threads at once. The function asks that layer what its
-policies need (`plan`), computes the output with `scaled_dot_product_attention`
-(grouped-query, no `repeat_kv`), then hands the queries back (`finish`). One exception
-to SDPA: a decode step where every row's policy wants that query's attention (H2O)
-computes attention by hand once and keeps the probabilities, because SDPA cannot
-return them and a second pass costs as much again. transformers' eager attention /
-`output_attentions` is not involved.
-
-The mask is built here, not by transformers: after eviction the cache's slots are no
-longer contiguous positions, and the right mask is simply "every kept entry is visible,
-the new tokens are causal among themselves". A padding mask is refused by the mask
-hook below, because a left-padded row would need per-row positions and budgets.
+so two caches can run in two threads at once. The function hands the call to that layer:
+a chunk that evicts token by token inside itself (and every forward of a per-head layer)
+is the layer's `replay`; anything else is `SlotLayer.attend`, which asks the layer's
+policies what they need (`plan`), computes the output with `scaled_dot_product_attention`
+(grouped-query, no `repeat_kv`; by hand for a decode step whose every row wants that
+query's attention, H2O, so the probabilities are kept) and hands the queries back
+(`finish`). The mask is built there, not by transformers: after eviction the cache's slots
+are no longer contiguous positions. transformers' eager attention / `output_attentions` is
+not involved. A padding mask is refused by the mask hook below, because a left-padded row
+would need per-row positions and budgets.
 """
 
 from __future__ import annotations
@@ -21,12 +19,11 @@ from __future__ import annotations
 import threading
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import KvevictError
 from .inputs import padded_batch_error
 from .layer_interface import LAYER_KEY, NAME
-from .probabilities import decode_attention
+from .probabilities import causal, sdpa
 from .sliding import band
 
 
@@ -46,52 +43,34 @@ def kvevict_attention(
     if layer is None and handoff is not None:  # a model that hands the cache no kwargs (GPT-NeoX)
         layer, handoff.layer = getattr(handoff, "layer", None), None
     refuse_logit_changes(module, kwargs)
-    q_len, kv_len = query.shape[2], key.shape[2]
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if attention_mask is not None and layer is not None:
+    if layer is None:  # no EvictingCache: plain SDPA, with the caller's mask if any
+        out = plain_attention(query, key, value, attention_mask, scaling, kwargs.get("sliding_window"))
+    elif attention_mask is not None:
         raise KvevictError(
             "a prepared 4-D attention mask cannot be combined with EvictingCache (its slots are not positions): "
             "pass no attention_mask, the cache builds the right one"
         )
-    if layer is not None and layer.replays(q_len):  # a chunk that evicts token by token inside itself
-        return layer.replay(query, kwargs, scaling).transpose(1, 2).contiguous(), None
-    query_positions = None
-    if layer is not None:
-        query, query_positions = layer.align_query(query, kwargs)
-    mask = None
-    is_causal = False
-    if attention_mask is not None:
-        mask = attention_mask  # a caller's own 4-D mask, without kvevict's cache: plain SDPA semantics
-    elif q_len > 1:
-        if kv_len == q_len:
-            is_causal = True
-        else:
-            # bottom-right aligned: query i sees every cached entry and new tokens <= i
-            cols = torch.arange(kv_len, device=query.device)
-            rows = torch.arange(q_len, device=query.device) + (kv_len - q_len)
-            mask = cols[None, :] <= rows[:, None]
-    window = layer.window_mask(q_len) if layer is not None else None
-    if layer is None and attention_mask is None and kwargs.get("sliding_window"):
-        window = band(q_len, kv_len, kwargs["sliding_window"], query.device)  # no EvictingCache: contiguous keys
-    if window is not None:  # a sliding-window layer: each query sees its own window only
-        mask, is_causal = window, False
-    probs = None
-    wants_probs = layer.plan() if layer is not None else False  # the cache asks its policies first
-    if wants_probs and q_len == 1:
-        out, probs = decode_attention(query, key, value, scaling)
-    else:
-        out = F.scaled_dot_product_attention(
-            query,
-            key,
-            value,
-            attn_mask=mask,
-            is_causal=is_causal,
-            scale=scaling,
-            enable_gqa=query.shape[1] != key.shape[1],
-        )
-    if layer is not None:
-        layer.finish(query, query_positions, scaling, probs)
+    elif layer.replays(query.shape[2]):  # a chunk that evicts token by token inside itself
+        out = layer.replay(query, kwargs, scaling)
+    else:  # SDPA over `[kept | new]` around the layer's hooks (`SlotLayer.attend`)
+        out = layer.attend(query, key, value, scaling, kwargs)
     return out.transpose(1, 2).contiguous(), None
+
+
+def plain_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+    scaling: float, sliding_window: int | None,
+) -> torch.Tensor:
+    """Attention without kvevict's cache: the caller's own 4-D mask (plain SDPA semantics), else causal, a
+    sliding-window layer's band over contiguous keys. Shapes as `kvevict_attention`'s, output `[B, H_q, q, D]`."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    mask, is_causal = attention_mask, False
+    if attention_mask is None:
+        mask, is_causal = causal(q_len, kv_len, query.device)
+        if sliding_window:
+            mask, is_causal = band(q_len, kv_len, sliding_window, query.device), False
+    return sdpa(query, key, value, mask, is_causal, scaling)
 
 
 def refuse_logit_changes(module: torch.nn.Module, kwargs: dict) -> None:

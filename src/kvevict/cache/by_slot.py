@@ -9,7 +9,7 @@ policies' scores and one argmin for every row together; a "window" request (Snap
 re-selection, every `interval` tokens) is measured and absorbed on the exact alive slots, as a
 decode step would. The chunk ends with one masked SDPA and one compaction, in positional order.
 
-Original positions only (a stored key keeps its rotation): `replay.steps_fixed` chooses it.
+Original positions only (a stored key keeps its rotation): a fast path of the replay (`replay_paths.PATHS`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from ..policies import SlotView
 from .rows import RowGroup
 from .statistics import measure
-from .stepping import ReplayingLayer, remember_queries, static_scores, take_slots, window_mass
+from .stepping import Replayed, ReplayingLayer, remember_queries, static_scores, take_slots, window_mass
 
 
 def applies(layer: ReplayingLayer) -> bool:
@@ -38,9 +38,9 @@ def applies(layer: ReplayingLayer) -> bool:
     return True
 
 
-def steps_by_slot(layer: ReplayingLayer, query: torch.Tensor, used: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Replay the chunk's `q` steps (module docstring) and return its attention output
-    `[B, H_q, q, D]`; the storage ends as token-by-token feeding leaves it."""
+def steps_by_slot(layer: ReplayingLayer, query: torch.Tensor, used: torch.Tensor, scaling: float) -> Replayed:
+    """Replay the chunk's `q` steps (module docstring) and return its attention output `[B, H_q, q, D]` with
+    the layer's new state; the storage ends as token-by-token feeding leaves it."""
     run = _Chunk(layer, query, used, scaling)
     layout, budget = layer.settings.layout, layer.budget
     for i in range(layer.new):
@@ -180,7 +180,7 @@ class _Chunk:
         self.victims.append(victim)
         self.evicting.append(i)
 
-    def finish(self) -> torch.Tensor:
+    def finish(self) -> Replayed:
         """The chunk's attention (query `i` sees the slots that arrived by step `i` and were not
         evicted before it: one masked SDPA) and the storage compacted to the kept slots."""
         layer, storage, query = self.layer, self.layer.storage, self.query
@@ -211,6 +211,4 @@ class _Chunk:
         else:  # storage slots in positional order
             keep = self.order.gather(-1, (~self.gone).nonzero()[:, -1].view(b, hkv, self.k))
         layer.settings.mode.compact(storage, keep, self.k)
-        layer.ordered = not self.layered
-        layer.n = self.k
-        return out
+        return Replayed(out, self.k, not self.layered)

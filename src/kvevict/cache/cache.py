@@ -24,7 +24,7 @@ from ..policies import Policy, check_policy
 from ..position_modes import DEFAULT_POSITIONS, check_positions
 from .attention import attach
 from .layer_settings import Forward
-from .layer_setup import layer_classes, layer_settings, position_modes
+from .layer_setup import check_measures, layer_classes, layer_settings, position_modes
 from .memory import CacheMemory, summed
 from .model_info import check_model, layer_kinds, text_config
 from .observers import KeptTracker, Observer, SinkTracker, held_pinned_lost, held_sink_loss
@@ -78,10 +78,11 @@ class EvictingCache(Reconstructing, Cache):
         self.layout = RowLayout(self.policies)
         budget = budget if any(bounded) else None
         self._check_budget(budget, layers)  # before the model is touched
+        classes = layer_classes(self.policies)
+        check_measures(self.policies, [classes[kind] for kind in set(kinds)], per_token)
         settings = layer_settings(model, text, kinds, modes, self.layout, self.observers, slack, per_token)
         attach(model)
         self.kinds = kinds
-        classes = layer_classes(self.policies)
         super().__init__(layers=[classes[kind](i, settings[i]) for i, kind in enumerate(kinds)])
         self._budgets: list[int | None] = [None] * layers
         self.budget = budget

@@ -16,7 +16,8 @@ and the rows' policies pick what goes. Life of one forward:
    else gathers the survivors to the front in positional order. It then reports to
    the cache's observers what it holds and what it evicted.
 
-A chunk that must evict token by token inside itself is `replay`ed instead (`replay.py`).
+A chunk that must evict token by token inside itself is `replay`ed instead (`replay_paths.py`: the
+reference stepping and its registered fast paths).
 A sliding-window layer whose engine bounds every layer (`Policy.bounds_every_layer`) is
 this layer too, with its window's band masked (`window_mask`, `window_size`).
 
@@ -32,7 +33,7 @@ from ..errors import KvevictError
 from ..policies import Policy, SlotView
 from .layer_settings import LayerSettings
 from .policy_states import PolicyStates
-from .replay import replay_static, replay_steps
+from .replay_paths import replay_chunk
 from .rows import RowGroup
 from .sliding import band
 from .slot_layer import SlotLayer
@@ -45,6 +46,8 @@ ARRIVAL = "arrival"
 
 class EvictingLayer(SlotLayer):
     """One layer's slots, its policies' statistics, and eviction down to its budget."""
+
+    measures = frozenset({"new", "last", "window", "queries"})  # `Statistics.feed`
 
     def __init__(self, index: int, settings: LayerSettings) -> None:
         super().__init__(index, settings)
@@ -107,19 +110,15 @@ class EvictingLayer(SlotLayer):
                 f"a chunk that evicts token by token must be fed for all {self.batch_size} rows: "
                 f"its rows diverge inside it (input_ids.expand({self.batch_size}, -1))"
             )
-        used = self._query_positions(query, kwargs)
-        out = None
-        if all(g.policy.static_scores for g in self.settings.layout.groups):
-            out = replay_static(self, query, used, scaling)
-        if out is None:
-            out = replay_steps(self, query, used, scaling)
+        done = replay_chunk(self, query, self._query_positions(query, kwargs), scaling)
+        self.n, self.ordered = done.held, done.ordered
         self.identical = False
         self.new = 0
         self._arrival_valid = False  # the replay moved slots without storing the new keys' numbers
         self.fit_storage()
         for observer in self.settings.observers:
             observer.on_forward(self.index, self.n)
-        return out
+        return done.out
 
     def plan(self) -> bool:
         """Ask each policy what it needs from the forward in flight (before attention runs).

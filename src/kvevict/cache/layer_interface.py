@@ -49,6 +49,8 @@ class CacheLayer(CacheLayerMixin):
     heads_differ = False
     #: can hold a forward's eviction back until `evict_deferred` (see `EvictingCache.defer`)
     can_defer = True
+    #: the request kinds (`AttentionRequest.kind`) its own forwards measure for its policies; None: it runs none
+    measures: frozenset[str] | None = None
 
     def __init__(self, index: int, settings: LayerSettings) -> None:
         super().__init__()

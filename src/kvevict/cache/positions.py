@@ -28,7 +28,7 @@ from ..position_modes import ORIGINAL, SHIFTED, ModeName
 from . import replay, selection
 from .replay import StaticPlan
 from .rotary import Rotary
-from .stepping import ReplayingLayer, Stepper, take_slots
+from .stepping import Replayed, ReplayingLayer, Stepper, take_slots
 from .storage import SlotStorage
 
 
@@ -39,6 +39,8 @@ class PositionMode:
     name: str
     #: the storage keeps un-rotated copies of the keys (to rotate them again after an eviction)
     raw_keys: bool
+    #: a stored key keeps its rotation for good (no eviction moves what it is rotated for)
+    fixed_keys: bool
 
     def __init__(self, rotary: Rotary) -> None:
         self.rotary = rotary
@@ -105,15 +107,17 @@ class PositionMode:
 
     def replay_steps(
         self, layer: ReplayingLayer, query: torch.Tensor, used: torch.Tensor, scaling: float
-    ) -> torch.Tensor:
+    ) -> Replayed:
         """Step through a chunk's queries `[B, H_q, q, D]` (rotated at `used` `[q]`) as one-token
-        forwards would: attention, statistics, eviction. Returns the output `[B, H_q, q, D]`."""
+        forwards would: attention, statistics, eviction (the reference replay). Returns the output
+        `[B, H_q, q, D]` with the layer's new state."""
         raise NotImplementedError
 
 
 class OriginalPositions(PositionMode):
     name = ORIGINAL.name
     raw_keys = False
+    fixed_keys = True
 
     def seq_length(self, n: int, seen: int) -> int:
         """What the cache reports to transformers: where the next token's position starts."""
@@ -137,7 +141,7 @@ class OriginalPositions(PositionMode):
         return replay.fixed_static_attention(layer, query, used, scaling, plan)
 
     def replay_steps(self, layer, query, used, scaling):
-        return replay.steps_fixed(layer, query, used, scaling)
+        return replay.steps_fixed_keys(layer, query, used, scaling)
 
     def keeps_arrival(self, wanted: bool) -> bool:
         return wanted
@@ -166,6 +170,7 @@ class OriginalPositions(PositionMode):
 class ShiftedPositions(PositionMode):
     name = SHIFTED.name
     raw_keys = True
+    fixed_keys = False
 
     def seq_length(self, n: int, seen: int) -> int:
         return n
@@ -289,8 +294,7 @@ class ShiftedPositions(PositionMode):
                 keep = torch.arange(step.k, device=layer.device)
                 step.vslot[:, :, : step.k] = slots.gather(-1, keep + (keep >= victim[..., None]).long())
         self.compact(storage, step.vslot[:, :, : step.k], step.k)
-        layer.n = step.k
-        return torch.cat(outs, dim=2)
+        return Replayed(torch.cat(outs, dim=2), step.k, layer.ordered)
 
 
 MODES: dict[str, type[PositionMode]] = {mode.name: mode for mode in (OriginalPositions, ShiftedPositions)}

@@ -17,12 +17,37 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
 
 # Elements of one block of attention logits: bounds the memory of statistics capture.
 BLOCK_ELEMENTS = 1 << 24
 # Queries per block of `attention_mass`: small enough that a causal prefill's blocks skip most of the keys
 # their queries cannot see (the triangle above the diagonal), large enough that each product stays a matmul.
 QUERY_BLOCK = 256
+
+
+def causal(q: int, kv: int, device: torch.device) -> tuple[torch.Tensor | None, bool]:
+    """SDPA's mask for `q` new tokens after `kv - q` entries that every one of them sees: `(mask, is_causal)`.
+    One token sees everything (no mask); a forward without entries before it is SDPA's own causal mask;
+    otherwise `[q, kv]` bool, bottom-right aligned (query i sees every earlier entry and new tokens <= i)."""
+    if q == 1:
+        return None, False
+    if kv == q:
+        return None, True
+    cols = torch.arange(kv, device=device)
+    rows = torch.arange(q, device=device) + (kv - q)
+    return cols[None, :] <= rows[:, None], False
+
+
+def sdpa(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
+    scaling: float,
+) -> torch.Tensor:
+    """`scaled_dot_product_attention`, grouped-query without repeating keys: query `[B, H_q, q, D]`, key/value
+    `[B, H_kv, n, D]` -> `[B, H_q, q, D]`."""
+    return F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, is_causal=is_causal, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
+    )
 
 
 def decode_probs(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:

@@ -35,8 +35,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from . import by_slot, selection
-from .stepping import ReplayingLayer, Stepper, static_scores
+from . import selection
+from .stepping import Replayed, ReplayingLayer, Stepper, static_scores
 
 
 @dataclass(eq=False)
@@ -101,11 +101,9 @@ def _static_plan(layer: ReplayingLayer, pos: torch.Tensor, scores: torch.Tensor)
     return plan
 
 
-def replay_static(
-    layer: ReplayingLayer, query: torch.Tensor, used: torch.Tensor, scaling: float
-) -> torch.Tensor | None:
-    """Closed-form replay for static scores. Returns the output `[B, H_q, q, D]`, or None
-    (nothing changed) when position-shift mode's shortcut does not apply.
+def replay_static(layer: ReplayingLayer, query: torch.Tensor, used: torch.Tensor, scaling: float) -> Replayed | None:
+    """Closed-form replay for static scores. Returns the output `[B, H_q, q, D]` with the layer's new state,
+    or None (nothing changed) when position-shift mode's shortcut does not apply.
     """
     storage, budget = layer.storage, layer.budget
     n0, q = layer.n, layer.new
@@ -120,9 +118,7 @@ def replay_static(
         steps = plan.evicting.nonzero()[:, 0]
         layer.report_evictions(first_seen + 1 + steps, victims_of(plan)[:, :, steps])
     layer.settings.mode.compact(storage, plan.keep, budget)
-    layer.ordered = True
-    layer.n = budget
-    return out
+    return Replayed(out, budget, True)
 
 
 def victims_of(plan: StaticPlan) -> torch.Tensor:
@@ -146,26 +142,17 @@ def fixed_static_attention(
     )
 
 
-def replay_steps(layer: ReplayingLayer, query: torch.Tensor, used: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Step through the chunk's queries: attention, statistics and one eviction per step, as the
-    layer's position mode does it (`PositionMode.replay_steps`).
+def replay_steps(layer: ReplayingLayer, query: torch.Tensor, used: torch.Tensor, scaling: float) -> Replayed:
+    """The reference: step through the chunk's queries, attention, statistics and one eviction per step
+    (`Stepper`), as the layer's position mode attends (`PositionMode.replay_steps`).
 
     query `[B, H_q, q, D]` as the model rotated it, at positions `used` `[q]`. Returns
-    the output `[B, H_q, q, D]`.
+    the output `[B, H_q, q, D]` with the layer's new state.
     """
     return layer.settings.mode.replay_steps(layer, query, used, scaling)
 
 
-def steps_fixed(layer: ReplayingLayer, query: torch.Tensor, used: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Stepping where a stored key keeps its rotation for good (original positions): over every
-    slot of the chunk at once when every policy is static or slot-local, else on one virtual slot
-    layout (`steps_fixed_keys`)."""
-    if by_slot.applies(layer):
-        return by_slot.steps_by_slot(layer, query, used, scaling)
-    return steps_fixed_keys(layer, query, used, scaling)
-
-
-def steps_fixed_keys(layer: ReplayingLayer, query: torch.Tensor, used: torch.Tensor, scaling: float) -> torch.Tensor:
+def steps_fixed_keys(layer: ReplayingLayer, query: torch.Tensor, used: torch.Tensor, scaling: float) -> Replayed:
     """Original positions: a stored key never changes, so every query's logits over every slot
     it could see are computed once for the chunk, each step reads its alive slots from them,
     and the output is one masked softmax at the end. A step that evicts moves the newest
@@ -196,7 +183,4 @@ def steps_fixed_keys(layer: ReplayingLayer, query: torch.Tensor, used: torch.Ten
     probs = torch.softmax(logits, dim=-1).to(storage.values.dtype)  # [B, H_kv, g, q, n0 + q]
     result = torch.einsum("bhgqn,bhnd->bhgqd", probs, storage.values[:, :, :total_all]).reshape(b, hq, q, d)
     layer.settings.mode.compact(storage, step.vslot[:, :, : step.k], step.k)
-    if step.evicted:
-        layer.ordered = False
-    layer.n = step.k
-    return result
+    return Replayed(result, step.k, layer.ordered and not step.evicted)

@@ -24,6 +24,7 @@ import torch
 
 from .layer_interface import CacheLayer
 from .layer_settings import LayerSettings
+from .probabilities import causal, decode_attention, sdpa
 from .storage import SlotStorage
 
 
@@ -77,6 +78,31 @@ class SlotLayer(CacheLayer):
                 stat.zero_()
 
     # --- around SDPA ----------------------------------------------------------------------
+    def attend(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, kwargs: dict
+    ) -> torch.Tensor:
+        """kvevict's attention over `[kept | new]`: query `[B, H_q, q, D]` as the model rotated it, key/value
+        `[B, H_kv, n + q, D]` (what `update` returned) -> output `[B, H_q, q, D]`.
+
+        The mask is built here, not by transformers: the slots are not positions, and the right mask is
+        "every kept entry is visible, the new tokens are causal among themselves" (or a sliding layer's
+        band). The layer's policies are asked first (`plan`); a decode step whose every row wants that
+        query's attention computes it by hand once and keeps the probabilities (SDPA cannot return them,
+        and a second pass would cost as much again); then `finish` measures and evicts.
+        """
+        q_len = query.shape[2]
+        query, query_positions = self.align_query(query, kwargs)
+        mask, is_causal = self.window_mask(q_len), False
+        if mask is None:
+            mask, is_causal = causal(q_len, key.shape[2], query.device)
+        probs = None
+        if self.plan() and q_len == 1:
+            out, probs = decode_attention(query, key, value, scaling)
+        else:
+            out = sdpa(query, key, value, mask, is_causal, scaling)
+        self.finish(query, query_positions, scaling, probs)
+        return out
+
     def align_query(self, query: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The queries `[B, H_q, q, D]` rotated where this layer's keys expect them, and
         those positions `[q]` (None when nobody needs them: original positions and no

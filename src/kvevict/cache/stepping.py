@@ -11,6 +11,7 @@ eviction; the algorithms differ only in how a step attends.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -24,6 +25,17 @@ from .statistics import PositionView, Statistics, measure
 from .storage import SlotStorage
 
 
+@dataclass(frozen=True)
+class Replayed:
+    """What a replayed chunk leaves: its attention output `[B, H_q, q, D]`, the entries the layer holds after
+    it (`held`, the layer's new `n`) and whether its slots are in positional order (`ordered`). A replay
+    returns it and the layer takes it; no replay writes the layer's state from outside."""
+
+    out: torch.Tensor
+    held: int
+    ordered: bool
+
+
 class ReplayMode(PositionView, Protocol):
     """What a replay calls on the layer's position mode (`positions.PositionMode`). Typed by what is used, so
     that stepping need not import the modes, which step through it. `plan` is a `replay.StaticPlan`."""
@@ -34,7 +46,7 @@ class ReplayMode(PositionView, Protocol):
                          plan: Any) -> torch.Tensor | None: ...
 
     def replay_steps(self, layer: ReplayingLayer, query: torch.Tensor, used: torch.Tensor,
-                     scaling: float) -> torch.Tensor: ...
+                     scaling: float) -> Replayed: ...
 
 
 class ReplaySettings(Protocol):

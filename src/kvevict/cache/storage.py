@@ -112,21 +112,23 @@ class SlotStorage:
     def fill_hole(self, victim: torch.Tensor, newest: int) -> None:
         """Move slot `newest` into each `[B, H]` victim slot: one `scatter_` per buffer.
 
-        Nothing else moves, so slots stop being in positional order. The source, slot `newest`,
-        is copied first (one slot per row and head): a view of it would be a slice of the buffer
-        being written, which torch refuses where it can see the overlap (one KV head, one row:
-        the slice is contiguous) and where it cannot, leaves the order of reads and writes to
-        the kernel.
+        Nothing else moves, so slots stop being in positional order. The source is a view of slot
+        `newest`, read where it lies: a (row, head) whose victim is the newest slot writes each element
+        onto itself with its own value, and no other element read is written, so the order of reads and
+        writes cannot change the result. Where the view is one dense block (one row, one KV head) torch
+        sees it overlap the buffer and refuses it: that one is copied first.
         """
         at = victim[..., None]  # [B, H, 1]
-        source = slice(newest, newest + 1)
-        self.kv.scatter_(3, at[None, ..., None].expand(2, *at.shape, self.head_dim),
-                         self.kv[:, :, :, source].clone())
+        source = self.kv.narrow(3, newest, 1)
+        source = source.clone() if source.is_contiguous() else source
+        self.kv.scatter_(3, at[None, ..., None].expand(2, *at.shape, self.head_dim), source)
         for buffer in self._per_slot():
+            source = buffer.narrow(2, newest, 1)
+            source = source.clone() if source.is_contiguous() else source
             if buffer.dim() == 3:
-                buffer.scatter_(2, at, buffer[:, :, source].clone())
+                buffer.scatter_(2, at, source)
             else:  # per-slot vectors: un-rotated keys, a storage form's codes
-                buffer.scatter_(2, at[..., None].expand(*at.shape, buffer.shape[3]), buffer[:, :, source].clone())
+                buffer.scatter_(2, at[..., None].expand(*at.shape, buffer.shape[3]), source)
 
     # --- the storage-form seam: no-ops for entries held as they are --------------------------------
     def begin(self, n: int, q: int, seen_end: int) -> None:
@@ -184,3 +186,4 @@ class SlotStorage:
             buffer[:, :, :count] = take(buffer)
         if keys:
             self.keys[:, :, :count] = take(self.keys)
+

@@ -154,12 +154,11 @@ def compare(
 def _compare_in_batches(lm, ids, specs: list[str], budget: int, positions: str, chunk: int):
     """`compare` over the batches `specs` can share (`shared_batches`: a policy with its own per-layer
     budgets, per-head budgets or eviction schedule runs alone), against one full-cache reference."""
-    from ..ab.worker import full_apart
     from ..eval.streaming import compare as run_compare
     from ..eval.streaming import full_reference
     from ..policies import shared_batches
 
-    batches = full_apart(shared_batches(specs))
+    batches = shared_batches(specs)
     if len(batches) == 1:
         return run_compare(lm, ids, specs, budget, positions, chunk=chunk)
     reference = full_reference(lm, ids)

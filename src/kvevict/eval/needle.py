@@ -26,7 +26,7 @@ import torch
 from ..cache.model_info import text_config
 from ..data import load_text, tokenize
 from ..errors import KvevictError
-from ..policies import check_policy, shared_batches
+from ..policies import check_policy, is_full_cache, shared_batches
 from ..policies.budget import Budget, budget_label, parse_budget, resolve_budget
 from ..position_modes import DEFAULT_POSITIONS
 from ..progress import bars
@@ -157,8 +157,8 @@ def _mean_bytes(rows: list[dict]) -> float | None:
 def _batches(policies: Sequence[str], budgets: Sequence[Budget]) -> list[tuple[list[str], Budget]]:
     """The full cache alone (once, whatever the budgets), then the bounded policies per budget
     (one batch, plus one for each policy that declares `own_batch`: pyramidkv, adakv:P)."""
-    full = [p for p in policies if p.strip().lower() == "full"]
-    bounded = [p for p in policies if p.strip().lower() != "full"]
+    full = [p for p in policies if is_full_cache(p)]
+    bounded = [p for p in policies if not is_full_cache(p)]
     plan: list[tuple[list[str], Budget]] = [([p], None) for p in full]
     if bounded:
         if not budgets:

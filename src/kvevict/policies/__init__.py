@@ -1,7 +1,7 @@
 """Eviction policies: pure scoring over small tensors, one file each."""
 
 from .base import AttentionRequest, Policy, QueryBatch, SlotView
-from .registry import REGISTRY, check_policy, known_specs, parse_policy, register, shared_batches
+from .registry import REGISTRY, check_policy, is_full_cache, known_specs, parse_policy, register, shared_batches
 from .sinks import SinkWrapper
 
 __all__ = [
@@ -12,6 +12,7 @@ __all__ = [
     "SinkWrapper",
     "SlotView",
     "check_policy",
+    "is_full_cache",
     "known_specs",
     "parse_policy",
     "register",

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from ..errors import KvevictError
 from .base import Policy
+from .capabilities import Capabilities, with_fields
 from .sinks import SinkWrapper
 from .wrapper import Wrapper
 
@@ -36,8 +37,6 @@ from .wrapper import Wrapper
 class AdaKV(Wrapper):
     inner: Policy
     alpha: float = 0.2
-
-    varies_by_head = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.alpha <= 1.0:
@@ -66,7 +65,10 @@ class AdaKV(Wrapper):
 
     # the declarations, hooks and state are the inner policy's (`Wrapper`); what adakv adds is the
     # allocation across heads, done by the layer (`cache/per_head/allocation.py`), and the floor
-    static_scores = False  # the ragged layer steps every forward itself: no closed-form replay
+    def wrap(self, inner: Capabilities) -> Capabilities:
+        """Heads hold different numbers of entries; the ragged layer steps every forward itself: no
+        closed-form replay."""
+        return with_fields(super().wrap(inner), varies_by_head=True, static_scores=False)
 
     def spec(self) -> str:
         return f"adakv:alpha={self.alpha:g}:{self.inner.spec()}"

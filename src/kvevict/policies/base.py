@@ -13,21 +13,21 @@ marks more slots `+inf` than its budget, so the order among them never matters. 
 equal scores the cache keeps the later token: policies do not break ties themselves.
 
 **What a policy declares.** Everything the cache, the evaluation or the report needs to
-know about a policy is declared on `Policy`, never read off its name: the attributes
-`stats`, `pinned`, `query_window`, `unbounded`, `needs_attention`, `static_scores`, `slot_local`,
-`arrival_stat`, `reads_keys`, `varies_by_layer` and `varies_by_head` (with `own_batch` derived from the
-last two), and the methods `layer_budgets` and `head_floor` that say the budget per
-layer and the floor per head.
+know about a policy is its `Policy.capabilities` (`capabilities.Capabilities`, one object),
+never read off its name, with the methods `layer_budgets` and `head_floor` that say the budget
+per layer and the floor per head.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 import torch
+
+from .capabilities import Capabilities, gather
 
 
 @dataclass
@@ -122,85 +122,22 @@ class SlotView:
 class Policy:
     """Base class: subclasses are dataclasses of their options and override `scores`.
 
-    The class attributes below are the whole of what the cache and the harness may
-    ask about a policy. Sink wrappers (`SinkWrapper`) forward them from their inner
-    policy.
+    What the cache and the harness may ask about a policy is its `capabilities`
+    (`capabilities.Capabilities`, one object). A policy declares what differs from the defaults as
+    class attributes named like its fields (`static_scores = True`), or properties where an option
+    decides (SnapKV's `query_window`); wrappers derive theirs from their inner policy's (`Wrapper.wrap`).
+    Each field also reads as an attribute of the policy (`policy.static_scores`).
     """
 
-    #: per-slot float accumulators the cache must carry (and gather) for this policy
-    stats: ClassVar[tuple[str, ...]] = ()
-    #: the number of leading tokens this policy guarantees to keep (sink pinning)
-    pinned: ClassVar[int] = 0
-    #: most recent queries the cache must remember for this policy (SnapKV)
-    query_window: ClassVar[int] = 0
-    #: never evicts: the cache treats the budget as unbounded (`full`)
-    unbounded: ClassVar[bool] = False
-    #: what it keeps depends on attention (so it asks for it); otherwise the kept set
-    #: follows from positions and keys alone and can be computed ahead of attention
-    needs_attention: ClassVar[bool] = False
-    #: a token's score is fixed when it arrives (its position or its key decides it) and no
-    #: randomness is drawn, so the kept set after any step is the top-budget of all
-    #: tokens seen: chunked evaluation computes it in closed form instead of stepping
-    static_scores: ClassVar[bool] = False
-    #: `scores` treats each slot on its own (its position, its statistics, the view's `seen` and
-    #: `budget`), and so does `absorb` of the `"new"` requests it makes (a `"window"` request is
-    #: absorbed on the alive slots only): a view holding more slots gives every other slot the same
-    #: result. A chunk replay in original positions then scores every slot of the chunk at once and
-    #: only masks the evicted ones (`by_slot.steps_by_slot`)
-    slot_local: ClassVar[bool] = False
-    #: scores slots by their keys (`view.keys()`: knorm, keydiff), so like an attention-driven
-    #: policy it can keep token 0 on some heads and lose it on others
-    reads_keys: ClassVar[bool] = False
-    #: gives each layer its own budget (`layer_budgets`, PyramidKV). The storage of a layer
-    #: is one budget for all rows, so such a policy runs in a batch of its own
-    varies_by_layer: ClassVar[bool] = False
-    #: gives each KV head of a layer its own share of the layer's entries (`head_floor`, Ada-KV).
-    #: The layer then stores ragged per-head segments and attends by hand (`cache/per_head/layer.py`),
-    #: so such a policy runs in a batch of its own beside the uniform ones
-    varies_by_head: ClassVar[bool] = False
-    #: evicts on its own schedule (`evict_to`: many entries at once, or below the budget) instead of
-    #: one entry whenever the budget is exceeded. Every row of a layer holds the same number of
-    #: entries, so such a policy runs in a batch of its own
-    own_schedule: ClassVar[bool] = False
-    #: reproduces a serving engine's whole rule (`engines.md`): wrappers refuse to wrap it, since
-    #: pinning more sinks or sharing its budget across heads is no longer that engine
-    preset: ClassVar[bool] = False
-    #: on a hybrid model, the budget bounds the sliding-window layers too (llama.cpp's `n_ctx` holds every
-    #: layer, and its sliding layers mask by the renumbered positions): they run this policy's schedule
-    bounds_every_layer: ClassVar[bool] = False
-    #: evicts the oldest entry after its first `fifo_after` tokens (a window, or a window behind
-    #: pinned sinks), None for any other rule. Then a decode step's victim is known without
-    #: scoring or ranking anything: the layer keeps a ring of slots (`EvictingLayer.finish`)
-    fifo_after: ClassVar[int | None] = None
-    #: part of its score is a number each key alone decides (`arrival`: K-norm's norm, KeyDiff's
-    #: inverse norm). Where stored keys never change (original positions) the cache computes it once
-    #: per key, keeps it per slot and hands it back (`SlotView.arrival`), so a decode step does not
-    #: recompute it for every held key
-    arrival_stat: ClassVar[bool] = False
-    #: how the cache holds each kept entry: None (at the model's dtype), or the `quantized.KvQuant` of a
-    #: `qB+P` spec. A storage form, not a rule: it never changes which entries a policy keeps
-    kv_storage: ClassVar[object | None] = None
-    #: scored by reconstructing the context after its prefill (KVzip, `kvzip.py`): extra forwards of the
-    #: model asked to repeat the context feed its statistic (`eval/reconstruction.py`), then one held-back
-    #: eviction keeps the best. It runs only where a context is compressed once (`kvevict.compress`, the
-    #: RULER protocols that hold a prefill back); a cache that would evict it inside a forward refuses
-    reconstructs: ClassVar[bool] = False
-    #: ranks the entries of every layer together at a held-back eviction (KVzip's default): the model keeps
-    #: `layers x KV heads x budget` entries, each layer as many of them as rank among the best
-    ranks_layers: ClassVar[bool] = False
+    @functools.cached_property
+    def capabilities(self) -> Capabilities:
+        """Everything this policy declares, gathered once (the object never changes during a run)."""
+        return gather(self)
 
     @property
     def own_batch(self) -> bool:
-        """Whether this policy cannot share a batch with uniform-budget policies: a layer stores one
-        budget for all its rows (`varies_by_layer`), one storage layout (`varies_by_head`) and one
-        number of entries held (`own_schedule`)."""
-        return self.varies_by_layer or self.varies_by_head or self.own_schedule
-
-    @property
-    def position_mode(self) -> str | None:
-        """The position mode the engine this policy reproduces uses (a name in `position_modes.POSITION_MODES`), or
-        None when the policy runs in either. `check_policy` refuses the other mode."""
-        return None
+        """Whether this policy cannot share a batch with uniform-budget policies (`Capabilities.own_batch`)."""
+        return self.capabilities.own_batch
 
     def evict_to(self, budget: int, held: int) -> int | None:
         """How many entries a layer keeps when it holds `held` after a forward (that forward's tokens
@@ -267,6 +204,12 @@ class Policy:
 
     def __repr__(self) -> str:
         return f"<policy {self.spec()}>"
+
+
+# the defaults a policy declares nothing against: one per field of `Capabilities`, read as class attributes
+for _field in dataclasses.fields(Capabilities):
+    setattr(Policy, _field.name, _field.default)
+del _field
 
 
 def held_per_step(policy: Policy, budget: int | None, steps: int) -> list[int]:

@@ -45,6 +45,7 @@ class ExpectedAttention(Policy):
 
     stats = (STAT,)
     needs_attention = True  # it asks for the queries (not their attention), at the step that evicts
+    requests = ("queries",)
     reads_keys = False  # keys are read where the queries arrive (`absorb`), as attention is for other policies
 
     def __post_init__(self) -> None:

@@ -25,6 +25,7 @@ class H2O(Policy):
 
     stats = (STAT,)
     needs_attention = True
+    requests = ("new",)
     slot_local = True  # a slot's sum and its recent-window mark are its own
 
     def __post_init__(self) -> None:

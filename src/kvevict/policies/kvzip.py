@@ -52,6 +52,7 @@ class KVzip(Policy):
 
     stats = (STAT,)
     needs_attention = True
+    requests = ("reconstruction",)
     varies_by_head = True
     reconstructs = True
 

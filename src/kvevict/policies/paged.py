@@ -21,6 +21,7 @@ import torch
 
 from ..errors import KvevictError
 from .base import Policy, SlotView
+from .capabilities import Capabilities, with_fields
 from .wrapper import Wrapper
 
 POOLING = ("mean", "max")
@@ -48,17 +49,10 @@ class Paged(Wrapper):
                 "sink4+snapkv:page=32, window:page=16"
             )
 
-    @property
-    def own_schedule(self) -> bool:
-        return True  # whole pages at a time, whatever the inner policy does
-
-    @property
-    def static_scores(self) -> bool:
-        return False  # a page's score exists only once the page is full
-
-    @property
-    def pinned(self) -> int:
-        return self.inner.pinned
+    def wrap(self, inner: Capabilities) -> Capabilities:
+        """Whole pages at a time, whatever the inner policy does (its own schedule); a page's score exists only
+        once the page is full (not static); the inner policy's pinned tokens."""
+        return with_fields(super().wrap(inner), own_schedule=True, static_scores=False, pinned=inner.pinned)
 
     def spec(self) -> str:
         suffix = f"page={self.page}" + ("" if self.pagescore == "mean" else f",pagescore={self.pagescore}")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from ..errors import KvevictError
 from .base import Policy
+from .capabilities import Capabilities, with_fields
 from .wrapper import Wrapper
 
 #: the bit widths the packed storage holds (two 4-bit or four 2-bit codes per byte)
@@ -91,37 +92,15 @@ class Quantized(Wrapper):
                 f"yet: run {self.inner.spec()} unquantized, or quantize a uniform policy (e.g. q4+snapkv)"
             )
 
-    @property
-    def kv_storage(self) -> KvQuant:
-        return self.storage
+    def wrap(self, inner: Capabilities) -> Capabilities:
+        """A storage form changes nothing about which entries stay: every declaration of the rule is the inner
+        policy's; it adds how entries are held (`kv_storage`)."""
+        return with_fields(super().wrap(inner), kv_storage=self.storage, pinned=inner.pinned,
+                           unbounded=inner.unbounded, slot_local=inner.slot_local, preset=inner.preset,
+                           bounds_every_layer=inner.bounds_every_layer, fifo_after=inner.fifo_after)
 
     def spec(self) -> str:
         return f"{self.storage.prefix()}+{self.inner.spec()}"
-
-    # a storage form changes nothing about which entries stay: every declaration is the inner policy's
-    @property
-    def pinned(self) -> int:
-        return self.inner.pinned
-
-    @property
-    def unbounded(self) -> bool:
-        return self.inner.unbounded
-
-    @property
-    def slot_local(self) -> bool:
-        return self.inner.slot_local
-
-    @property
-    def preset(self) -> bool:
-        return self.inner.preset
-
-    @property
-    def bounds_every_layer(self) -> bool:
-        return self.inner.bounds_every_layer
-
-    @property
-    def fifo_after(self) -> int | None:
-        return self.inner.fifo_after
 
     def check_budget(self, budget: int) -> None:
         self.inner.check_budget(budget)

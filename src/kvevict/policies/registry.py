@@ -204,17 +204,29 @@ def _check_unwrapped(policy: Policy) -> None:
         inner = getattr(inner, "inner", None)
 
 
+def is_full_cache(spec: str | Policy) -> bool:
+    """Whether `spec` is the full cache, the reference every policy is judged against: it never evicts and
+    holds its entries as they are (`Capabilities.is_full_cache`; `q4+full` never evicts but is a storage form,
+    measured as a row of its own). The one test of "is this the full cache?"."""
+    return parse_policy(spec).capabilities.is_full_cache
+
+
 def shared_batches(specs: list[str]) -> list[list[str]]:
-    """`specs` split into batches that can run as rows of one cache: every policy with a
-    uniform budget together; each policy that declares `own_batch` alone: a per-layer
-    budget (`pyramidkv`) because a layer stores one budget for all its rows, per-head
-    budgets (`adakv:P`) because its layers store ragged per-head segments and attend by
-    hand, which would slow the uniform rows down."""
-    by_form: dict = {}  # one storage form per cache: each quantized width (`q4+...`) in a batch of its own
+    """`specs` split into batches that can run as rows of one cache (`Capabilities.batch_key`, the key of
+    `capabilities.may_share_batch`): every
+    policy with a uniform budget together, one batch per storage form (each quantized width, `q4+...`), the
+    bounded ones before those that never evict (a quantized full cache grows while the bounded rows' caches
+    do not); each policy that declares `own_batch` alone: a per-layer budget (`pyramidkv`) because a layer
+    stores one budget for all its rows, per-head budgets (`adakv:P`) because its layers store ragged
+    per-head segments and attend by hand, which would slow the uniform rows down."""
+    capabilities = {s: parse_policy(s).capabilities for s in specs}
+    by_key: dict = {}  # storage form -> grows -> specs, in the order they first come
     for s in specs:
-        if not parse_policy(s).own_batch:
-            by_form.setdefault(parse_policy(s).kv_storage, []).append(s)
-    return list(by_form.values()) + [[s] for s in specs if parse_policy(s).own_batch]
+        if not capabilities[s].own_batch:
+            form, grows = capabilities[s].batch_key()
+            by_key.setdefault(form, {}).setdefault(grows, []).append(s)
+    batches = [part for form in by_key.values() for part in (form.get(False), form.get(True)) if part]
+    return batches + [[s] for s in specs if capabilities[s].own_batch]
 
 
 def _parse_options(factory: Callable[..., Policy], name: str, options: str) -> dict:

@@ -25,6 +25,7 @@ import torch
 
 from ..errors import KvevictError
 from .base import AttentionRequest, QueryBatch, SlotView
+from .capabilities import Capabilities, with_fields
 from .sinks import SinkWrapper
 
 STAT = "sinkauto_mass"
@@ -44,12 +45,6 @@ class Calibration:
 class SinkAuto(SinkWrapper):
     calib: int = 64
 
-    # Attention decides which slots are pinned. The pinned slots are not the first N
-    # positions, so `pinned` (the cache's "first N are held" check) stays what the inner
-    # policy pins itself.
-    needs_attention = True
-    static_scores = False
-
     def __post_init__(self) -> None:
         if self.n_sinks < 1:
             raise KvevictError(f"sinkauto needs at least 1 sink to pin, got {self.n_sinks}")
@@ -59,13 +54,13 @@ class SinkAuto(SinkWrapper):
             )
         super().__post_init__()
 
-    @property
-    def stats(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys((*self.inner.stats, STAT)))
-
-    @property
-    def pinned(self) -> int:
-        return self.inner.pinned
+    def wrap(self, inner: Capabilities) -> Capabilities:
+        """Attention decides which slots are pinned (so it needs attention and its scores are not static,
+        with a statistic of its own). The pinned slots are not the first N positions, so `pinned` (the
+        cache's "first N are held" check) stays what the inner policy pins itself."""
+        return with_fields(super().wrap(inner), needs_attention=True, static_scores=False,
+                           requests=tuple(dict.fromkeys((*inner.requests, "new"))),
+                           stats=tuple(dict.fromkeys((*inner.stats, STAT))), pinned=inner.pinned)
 
     def prefix(self) -> str:
         return f"sinkauto{self.n_sinks}"

@@ -18,6 +18,7 @@ import torch
 
 from ..errors import KvevictError
 from .base import AttentionRequest, Policy, SlotView
+from .capabilities import Capabilities, with_fields
 from .wrapper import Wrapper
 
 
@@ -96,19 +97,11 @@ class SinkPinned(SinkWrapper):
             raise KvevictError(f"sink count must be >= 0, got {self.n_sinks}")
         super().__post_init__()
 
-    @property
-    def pinned(self) -> int:
-        return max(self.n_sinks, self.inner.pinned)
-
-    @property
-    def slot_local(self) -> bool:
-        """Pinning by position keeps a slot's score its own: slot-local when the inner policy is."""
-        return self.inner.slot_local
-
-    @property
-    def fifo_after(self) -> int | None:
-        """A window behind N pinned sinks evicts the oldest entry after the first N."""
-        return None if self.inner.fifo_after != 0 else self.n_sinks
+    def wrap(self, inner: Capabilities) -> Capabilities:
+        """It pins its N sinks; pinning by position keeps a slot's score its own (slot-local when the inner
+        policy is); a window behind N pinned sinks evicts the oldest entry after the first N."""
+        return with_fields(super().wrap(inner), pinned=max(self.n_sinks, inner.pinned), slot_local=inner.slot_local,
+                           fifo_after=None if inner.fifo_after != 0 else self.n_sinks)
 
     def prefix(self) -> str:
         return f"sink{self.n_sinks}"

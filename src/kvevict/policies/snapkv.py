@@ -41,6 +41,7 @@ class SnapKV(Policy):
 
     stats = (STAT,)
     needs_attention = True
+    requests = ("window",)
     slot_local = True  # its scores mark the window on its own; it asks only for "window" (pooled on the alive slots)
 
     def __post_init__(self) -> None:

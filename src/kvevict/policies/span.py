@@ -23,6 +23,7 @@ import torch
 
 from ..errors import KvevictError
 from .base import Policy, SlotView
+from .capabilities import Capabilities, with_fields
 from .registry import parse_policy
 from .sinks import SinkWrapper
 
@@ -40,14 +41,10 @@ class SpanPinned(SinkWrapper):
         if self.inner.preset:
             raise KvevictError(f"'{self.inner.spec()}' is an engine preset: its rule cannot pin a question")
 
-    @property
-    def pinned(self) -> int:
-        return self.inner.pinned
-
-    @property
-    def slot_local(self) -> bool:
-        """Pinning by position keeps a slot's score its own: slot-local when the inner policy is."""
-        return self.inner.slot_local
+    def wrap(self, inner: Capabilities) -> Capabilities:
+        """The inner policy's pinned tokens (the span is not at the start); pinning by position keeps a slot's
+        score its own: slot-local when the inner policy is."""
+        return with_fields(super().wrap(inner), pinned=inner.pinned, slot_local=inner.slot_local)
 
     def spec(self) -> str:
         return self.inner.spec()

@@ -33,6 +33,7 @@ class TOVA(Policy):
 
     stats = (STAT,)
     needs_attention = True
+    requests = ("last",)
 
     def spec(self) -> str:
         return f"tova:per_group={int(self.per_group)}"

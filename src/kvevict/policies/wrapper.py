@@ -1,74 +1,45 @@
 """`Wrapper`: the base of policies that wrap another (`sinkN+P`, `sinkauto+P`, `adakv:P`).
 
 A wrapper changes how a budget is spent (it pins sinks, or shares it across heads), not
-what the inner policy needs from the cache. So every declaration the cache, the replay
-and the harness read off a policy is forwarded from `self.inner`, and a wrapper
-overrides only the ones it changes (`sinkauto+` needs attention whatever its inner
-policy does). Not a dataclass itself: each wrapper owns its fields, `inner` among them.
+what the inner policy needs from the cache. So its `capabilities` are the inner policy's,
+derived in one place (`wrap`), and a wrapper changes only the ones it changes (`sinkauto+`
+needs attention whatever its inner policy does). Not a dataclass itself: each wrapper owns
+its fields, `inner` among them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
 from .base import AttentionRequest, Policy, SlotView
+from .capabilities import FIELDS, Capabilities, read, with_fields
+
+#: what a wrapper does not take from its inner policy unless it says so (`Wrapper.wrap`): the defaults
+RULE = {name: getattr(Capabilities(), name) for name in (
+    "pinned", "unbounded", "slot_local", "preset", "bounds_every_layer", "fifo_after", "reconstructs", "ranks_layers"
+)}
 
 
 class Wrapper(Policy):
-    """Forwards every declaration, the per-step hooks and the per-layer state to `self.inner`."""
+    """Derives its capabilities from `self.inner`'s (`wrap`) and forwards the per-step hooks and the
+    per-layer state to it."""
 
-    @property
-    def stats(self) -> tuple[str, ...]:
-        return self.inner.stats
+    @functools.cached_property
+    def capabilities(self) -> Capabilities:
+        return self.wrap(self.inner.capabilities)
 
-    @property
-    def query_window(self) -> int:
-        return self.inner.query_window
-
-    @property
-    def needs_attention(self) -> bool:
-        return self.inner.needs_attention
-
-    @property
-    def static_scores(self) -> bool:
-        return self.inner.static_scores
-
-    @property
-    def reads_keys(self) -> bool:
-        return self.inner.reads_keys
-
-    @property
-    def arrival_stat(self) -> bool:
-        return self.inner.arrival_stat
+    def wrap(self, inner: Capabilities) -> Capabilities:
+        """This wrapper's capabilities from its inner policy's: all of them, but those that belong to the
+        inner policy's own rule (`RULE`: what it pins, whether it never evicts, its slot-local scores, an
+        engine's rule and its schedule of layers, its first-in-first-out ring, a reconstruction). A wrapper
+        subclass changes what it changes here, and nowhere else."""
+        return with_fields(inner, **RULE)
 
     def arrival(self, keys: torch.Tensor) -> torch.Tensor:
         return self.inner.arrival(keys)
-
-    @property
-    def kv_storage(self):
-        return self.inner.kv_storage
-
-    @property
-    def varies_by_layer(self) -> bool:
-        return self.inner.varies_by_layer
-
-    @property
-    def varies_by_head(self) -> bool:
-        return self.inner.varies_by_head
-
-    @property
-    def own_schedule(self) -> bool:
-        return self.inner.own_schedule
-
-    @property
-    def position_mode(self) -> str | None:
-        return self.inner.position_mode
-
-    @property
-    def fifo_after(self) -> int | None:
-        return None  # a wrapper changes which entry goes; one that keeps first-in-first-out says so
 
     def evict_to(self, budget: int, held: int) -> int | None:
         return self.inner.evict_to(budget, held)
@@ -93,3 +64,9 @@ class Wrapper(Policy):
 
     def new_state(self, layer: int) -> object | None:
         return self.inner.new_state(layer)
+
+
+# every field reads as an attribute of a wrapper, from its capabilities: nothing is forwarded by hand
+for _name in FIELDS:
+    setattr(Wrapper, _name, property(lambda self, name=_name: read(self.capabilities, name)))
+del _name

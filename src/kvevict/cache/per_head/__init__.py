@@ -3,6 +3,7 @@
 | module | owns |
 |---|---|
 | `layer.py` | `RaggedLayer`: `KV heads x budget` entries per row; all rows and heads attend at once, masked |
+| `attention.py` | `ragged_attention`: every row and head at once, each query group over its own head's entries |
 | `storage.py` | `RaggedStorage`: per (row, KV head) a segment of one flat buffer; evictions leave holes |
 | `allocation.py` | `allocate`: which entries survive when the heads share the allowance |
 

@@ -3,8 +3,8 @@
 The layer's allowance is `KV heads x budget` entries per row, shared by its heads
 (`allocation.allocate`), and stored for real in ragged per-head segments
 (`RaggedStorage`): a head holds exactly its share, no head is padded to the longest.
-SDPA wants one length for every head, so this layer attends by hand, but all rows and
-heads in one computation: each query group reads its row's whole buffer
+SDPA wants one length for every head, so this layer attends by hand (`attention.ragged_attention`), but
+all rows and heads in one computation: each query group reads its row's whole buffer
 `[capacity, D]` as it lies (no gather, no copy) with a mask that shows it its own
 head's held entries (`RaggedStorage.members`); the padding is in the compute, never in
 the storage. Where every head owns an equal run of slots (`RaggedStorage.segment`: a
@@ -45,6 +45,7 @@ from ..rows import RowGroup
 from ..selection import LATEST_LAST
 from ..statistics import Statistics, measure
 from .allocation import allocate
+from .attention import ragged_attention
 from .reconstruction import by_position, fits, put_back, ranked_keys, window_mass
 from .storage import RaggedStorage
 
@@ -53,6 +54,7 @@ class RaggedLayer(CacheLayer):
     """Per-head budgets: one allowance per layer and row, ragged storage, attention by hand."""
 
     heads_differ = True
+    measures = frozenset({"new", "last", "window", "queries", "reconstruction"})  # `_absorb`
 
     def __init__(self, index: int, settings: LayerSettings) -> None:
         super().__init__(index, settings)
@@ -158,7 +160,8 @@ class RaggedLayer(CacheLayer):
         m = query.shape[2]
         storage.append(keys, values, seen - m)
         if self.sealed:  # no eviction will ever read a statistic: attention alone
-            out, _, _ = self._attend(query, scaling, ~storage.members(), seen - m, False, False)
+            out, _, _ = ragged_attention(storage, query, scaling, ~storage.members(), seen - m, False, False,
+                                         BLOCK_ELEMENTS)
             self.n = int(storage.held.max())
             return out
         self.statistics.remember(query, used, seen)
@@ -168,7 +171,8 @@ class RaggedLayer(CacheLayer):
         members, hidden, positions, views = self._views(seen)
         requests = [g.policy.request(v, will_evict) for g, v in zip(s.layout.groups, views)]
         kinds = {r.kind for r in requests if r is not None}
-        out, new_mass, last_mass = self._attend(query, scaling, hidden, seen - m, "new" in kinds, "last" in kinds)
+        out, new_mass, last_mass = ragged_attention(storage, query, scaling, hidden, seen - m, "new" in kinds,
+                                                     "last" in kinds, BLOCK_ELEMENTS)
         self._absorb(query, views, requests, members, seen, scaling, new_mass, last_mass)
         self.statistics.last_forward = None  # served: the queries are not held past their forward
         if will_evict and not deferring:
@@ -340,62 +344,6 @@ class RaggedLayer(CacheLayer):
             values=values,
             state=self.state_of(group.policy),
         )
-
-    def _attend(
-        self, query: torch.Tensor, scaling: float, hidden: torch.Tensor, first: int, want_new: bool, want_last: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Attention of all rows and heads at once, each query group over its own head's entries.
-
-        query `[B, H_q, m, D]` at positions `first ..`; the keys are the row buffers
-        `[B, capacity, D]` as they are (no gather, no copy), and a query sees the entries
-        of its KV head (all but `hidden` `[B, H_kv, capacity]`) at positions up to its own, so the
-        new tokens are causal. Where every head owns an equal run of slots (`RaggedStorage.segment`:
-        a prefill, a held-back one and its repeat forwards, until heads hold different numbers), a
-        query group reads its own head's run alone, a view `[B x H_kv, segment, D]`: the same
-        probabilities without the `H_kv - 1` other heads' entries, which it would only mask.
-        Queries go in blocks so that a long prefill never holds more than `BLOCK_ELEMENTS` logits.
-        Returns the output `[B, H_q, m, D]`, and, when asked, the attention every entry got
-        `[B, H_kv, capacity]` (float32, summed over the query group) from all `m` queries and from
-        the last one.
-        """
-        storage = self.storage
-        b, hq, m, d = query.shape
-        heads, segment = self.heads, storage.segment
-        group = hq // heads
-        if segment is None:  # every query group reads its whole row
-            lanes, width = b, storage.capacity
-            keys, values = storage.keys, storage.values
-            pos, hidden = storage.pos[:, None], hidden
-        else:  # each KV head's lane is its own segment
-            lanes, width = b * heads, segment
-            keys, values = (t.view(lanes, segment, d) for t in (storage.keys, storage.values))
-            pos, hidden = storage.pos.view(b, heads, segment), storage.own_segments(hidden)
-        pos, hidden = pos[:, :, None, None, :], hidden[:, :, None, None, :]  # [B, H_kv or 1, 1, 1, width]
-        block = max(1, BLOCK_ELEMENTS // max(1, b * hq * width))
-        new_mass = torch.zeros(b, heads, width, device=self.device) if want_new and m > block else None
-        outs, probs = [], None
-        for a in range(0, m, block):
-            q_blk = query[:, :, a : a + block]
-            mb = q_blk.shape[2]
-            logits = torch.bmm(q_blk.reshape(lanes, -1, d), keys.transpose(1, 2)).float().mul_(scaling)
-            logits = logits.view(b, heads, group, mb, width)
-            if m > 1:  # the new token at `first + i` sees the entries up to itself
-                at = torch.arange(first + a, first + a + mb, device=self.device)
-                logits.masked_fill_(hidden | (pos > at[:, None]), float("-inf"))
-            else:
-                logits.masked_fill_(hidden, float("-inf"))
-            probs = torch.softmax(logits, dim=-1)
-            out = torch.bmm(probs.view(lanes, -1, width).to(values.dtype), values)
-            outs.append(out.view(b, hq, mb, d))
-            if new_mass is not None:
-                new_mass += probs.sum(dim=(2, 3))
-        if want_new and new_mass is None:  # one block: no running sum
-            new_mass = probs.sum(dim=(2, 3))
-        last_mass = probs[:, :, :, -1].sum(dim=2) if want_last else None
-        if segment is not None:
-            new_mass, last_mass = (None if t is None else storage.spread(t) for t in (new_mass, last_mass))
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-        return out, new_mass, last_mass
 
     # --- inspection ------------------------------------------------------------------
     def kept_positions(self) -> torch.Tensor:

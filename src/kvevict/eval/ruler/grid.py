@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ...data import stream_start
 from ...errors import KvevictError
-from ...policies import check_policy, shared_batches
+from ...policies import check_policy, is_full_cache, shared_batches
 from ...policies.budget import Budget, budget_label, parse_budget, resolve_budget
 from ...policies.engine_defaults import with_stream_start
 from ...position_modes import DEFAULT_POSITIONS
@@ -86,7 +86,7 @@ class RulerGrid:
 
     @property
     def bounded(self) -> list[str]:
-        return [p for p in self.policies if p.strip().lower() != "full"]
+        return [p for p in self.policies if not is_full_cache(p)]
 
     def batches(self) -> list[tuple[list[str], list[Budget]]]:
         """The full cache first, then the bounded policies in shared batches, each at every budget.

@@ -55,7 +55,7 @@ from ...cache import EvictingCache
 from ...cache.model_info import layer_kinds, text_config
 from ...defaults import DEFAULT_CHUNK
 from ...errors import KvevictError
-from ...policies import parse_policy
+from ...policies import is_full_cache, parse_policy
 from ...policies.span import pin_span
 from ...position_modes import DEFAULT_POSITIONS
 from ..compress import Compressed, greedy
@@ -85,7 +85,7 @@ def check_aware(specs: Sequence[str], protocol: str = "aware", form: str = "requ
     docstring): `aware`, and `multi --form aware-requests`."""
     what = "protocol aware" if protocol == "aware" else f"protocol {protocol} --form {form}"
     for spec in specs:
-        if spec.strip().lower() == "full":
+        if is_full_cache(spec):
             continue
         if not parse_policy(spec).needs_attention:
             raise KvevictError(
