@@ -130,6 +130,17 @@ def plan(config: SweepConfig) -> list[Cell]:
     """All cells of the sweep, validated (raises KvevictError before any model work). Defaults that
     depend on the model (`settle`) are taken as if it were a plain one until the sweep settles them."""
     config = settle(config)
+    _check_settings(config)
+    cells = [Cell("full", "full", "full", None)]
+    for budget in config.budgets:
+        cells += _budget_cells(config, budget)
+    _check_tasks(config)
+    return cells
+
+
+def _check_settings(config: SweepConfig) -> None:
+    """The settings that hold for the whole sweep, checked first, so an empty list or a bad run name is
+    named before any budget's policies are parsed."""
     if not config.budgets:
         raise KvevictError("--budgets is empty: give comma-separated budgets such as 64,128,256")
     if not config.policies and not config.sinks:
@@ -139,37 +150,45 @@ def plan(config: SweepConfig) -> list[Cell]:
     if config.oracle_stride < 0:
         raise KvevictError(f"--oracle-stride must be >= 1 (0: no oracle), got {config.oracle_stride}")
     run_folder(config.out, config.name)  # the run name is checked with the rest, before any work
-    cells = [Cell("full", "full", "full", None)]
-    for budget in config.budgets:
-        if budget < 1:  # the oracle runs at every budget, whatever the policies
-            raise KvevictError(f"budgets must be positive, got {budget}")
-        if budget >= config.tokens:
+
+
+def _budget_cells(config: SweepConfig, budget: int) -> list[Cell]:
+    """The cells at one budget: the oracle, each distinct policy, then the sink-count sweep. Each policy is
+    checked at this budget, since whether it fits (its pins, its window) depends on the budget."""
+    if budget < 1:  # the oracle runs at every budget, whatever the policies
+        raise KvevictError(f"budgets must be positive, got {budget}")
+    if budget >= config.tokens:
+        raise KvevictError(
+            f"budget {budget} is not smaller than the {config.tokens} tokens of the stream: nothing would be "
+            "evicted; lower the budget or raise --tokens"
+        )
+    cells = [Cell("oracle", "oracle", "oracle", budget)] if config.oracle_stride else []
+    seen = set()
+    for label in config.policies:
+        checked = check_policy(label, budget, config.positions)
+        if checked.reconstructs:
             raise KvevictError(
-                f"budget {budget} is not smaller than the {config.tokens} tokens of the stream: nothing would be "
-                "evicted; lower the budget or raise --tokens"
+                f"'{label}' scores a context by reconstructing it after its prefill, and kvevict ab evicts a "
+                "perplexity stream as it reads: run it with kvevict ruler (or kvevict.compress)"
             )
-        if config.oracle_stride:
-            cells.append(Cell("oracle", "oracle", "oracle", budget))
-        seen = set()
-        for label in config.policies:
-            checked = check_policy(label, budget, config.positions)
-            if checked.reconstructs:
-                raise KvevictError(
-                    f"'{label}' scores a context by reconstructing it after its prefill, and kvevict ab evicts a "
-                    "perplexity stream as it reads: run it with kvevict ruler (or kvevict.compress)"
-                )
-            if checked.capabilities.is_full_cache:
-                continue  # the full cache is always a row of the table; a quantized one (`q4+full`) is a row of its own
-            spec = canonical(label, config.seed)
-            if spec not in seen:
-                seen.add(spec)
-                cells.append(Cell("policy", spec, label, budget))
-        for count in config.sinks:
-            if count < 0:
-                raise KvevictError(f"--sinks takes counts >= 0, got {count}")
-            label = "window" if count == 0 else f"sink{count}+window"
-            check_policy(label, budget, config.positions)
-            cells.append(Cell("sinks", canonical(label, config.seed), label, budget))
+        if checked.capabilities.is_full_cache:
+            continue  # the full cache is always a row of the table; a quantized one (`q4+full`) is a row of its own
+        spec = canonical(label, config.seed)
+        if spec not in seen:
+            seen.add(spec)
+            cells.append(Cell("policy", spec, label, budget))
+    for count in config.sinks:
+        if count < 0:
+            raise KvevictError(f"--sinks takes counts >= 0, got {count}")
+        label = "window" if count == 0 else f"sink{count}+window"
+        check_policy(label, budget, config.positions)
+        cells.append(Cell("sinks", canonical(label, config.seed), label, budget))
+    return cells
+
+
+def _check_tasks(config: SweepConfig) -> None:
+    """The needle, RULER and generation settings against the budgets, after every cell is known: each task
+    compresses a prompt, so every budget must be shorter than the prompt it runs on."""
     if config.needle:
         from ..eval.needle import check_grid
 
@@ -186,4 +205,3 @@ def plan(config: SweepConfig) -> list[Cell]:
             f"the generation prompt ({config.generation_length} tokens) must exceed every budget "
             f"(largest {max(config.budgets)})"
         )
-    return cells

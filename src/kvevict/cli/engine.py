@@ -63,14 +63,30 @@ def engine_check(
 
     check_dtype(dtype)  # bad input first, then the extra: a missing install is named before any model loads
     require()
-    from ..data import load_tokens
     from ..llamacpp.check import engine_check as run_check
     from ..llamacpp.check import engine_side
-    from ..loading import load_model, load_tokenizer
-    from ..loading.gguf import EMBEDDED, embedded_gguf
+    from ..loading import load_model
 
     keeps = parse_ints(keep, "--keep")
     chunk_size = parse_chunk(chunk)
+    rows = []
+    for name in _gguf_names(models):
+        gguf, ids = _stream(name, text, tokens, budget)
+        if llamacpp_only:
+            rows += engine_side(name, gguf, ids, budget, keeps, threads)
+            continue
+        lm, _ = load_model(name, dtype=dtype)
+        rows += [r.summary() for r in run_check(name, gguf, lm, ids, budget, keeps, chunk_size, threads)]
+    _show_rows(rows, llamacpp_only, as_json, f"{tokens} tokens of {text}")
+    if not llamacpp_only and not all(r["passed"] for r in rows):
+        raise typer.Exit(1)
+
+
+def _gguf_names(models: str) -> list[str]:
+    """The comma-separated `--models`, each an embedded name or a .gguf file: llama.cpp reads nothing else,
+    and every name is checked before the first model loads."""
+    from ..loading.gguf import EMBEDDED
+
     names = [m.strip() for m in models.split(",") if m.strip()]
     for name in names:
         if name not in EMBEDDED and not name.lower().endswith(".gguf"):
@@ -78,30 +94,32 @@ def engine_check(
                 f"engine-check needs the model as a GGUF file, the form llama.cpp reads: '{name}' is neither an "
                 f"embedded model ({', '.join(EMBEDDED)}) nor a .gguf file"
             )
-    rows = []
-    for name in names:
-        gguf = embedded_gguf(name) if name in EMBEDDED else Path(name).expanduser()
-        tokenizer = load_tokenizer(name)
-        ids, _ = load_tokens(text, tokenizer, tokens)
-        if budget >= len(ids):
-            raise KvevictError(f"--budget {budget} holds the whole {len(ids)}-token stream: nothing would shift")
-        if llamacpp_only:
-            rows += engine_side(name, gguf, ids, budget, keeps, threads)
-            continue
-        lm, _ = load_model(name, dtype=dtype)
-        rows += [r.summary() for r in run_check(name, gguf, lm, ids, budget, keeps, chunk_size, threads)]
-    if llamacpp_only:
-        if as_json:
-            print(json.dumps({"rows": rows}))
-        else:
-            show(Table.of(ENGINE, rows), f"llama.cpp's context shift alone, {tokens} tokens of {text}")
-        return
+    return names
+
+
+def _stream(name: str, text: str, tokens: int, budget: int):
+    """(the GGUF file of model `name`, its tokens of `text` `[T]`); refused when `budget` holds the whole
+    stream, since then neither side ever shifts and the check would compare two full caches."""
+    from ..data import load_tokens
+    from ..loading import load_tokenizer
+    from ..loading.gguf import EMBEDDED, embedded_gguf
+
+    gguf = embedded_gguf(name) if name in EMBEDDED else Path(name).expanduser()
+    ids, _ = load_tokens(text, load_tokenizer(name), tokens)
+    if budget >= len(ids):
+        raise KvevictError(f"--budget {budget} holds the whole {len(ids)}-token stream: nothing would shift")
+    return gguf, ids
+
+
+def _show_rows(rows: list[dict], llamacpp_only: bool, as_json: bool, what: str) -> None:
+    """The rows as one JSON line, or as the table of the side that ran with each failed check on a line of
+    its own (`--llamacpp-only` rows have no checks: llama.cpp is measured alone)."""
     if as_json:
         print(json.dumps({"rows": rows}))
+    elif llamacpp_only:
+        show(Table.of(ENGINE, rows), f"llama.cpp's context shift alone, {what}")
     else:
-        show(Table.of(CHECK, rows), f"llama.cpp against kvevict's llamacpp preset, {tokens} tokens of {text}")
+        show(Table.of(CHECK, rows), f"llama.cpp against kvevict's llamacpp preset, {what}")
         for row in rows:
             for failure in row.get("failures", []):
                 print(f"  {row['model']} keep={row['keep']}: {failure}")
-    if not all(r["passed"] for r in rows):
-        raise typer.Exit(1)

@@ -280,10 +280,7 @@ def compare(
     """
     tokens = _validate(tokens, model)
     chunk = check_chunk(chunk)
-    targets = tokens[1:]
-    steps = targets.numel()
     rows = len(policies)
-    vocab = model.get_output_embeddings().weight.shape[0]
     with torch.inference_mode():
         kept, sinks = KeptTracker(), SinkTracker()
         cache = EvictingCache(
@@ -296,70 +293,92 @@ def compare(
             full = reference
         else:
             full = full_reference(model, tokens, progress, label) if reference else None
-        nll = torch.zeros(rows, steps)
-        kl = torch.zeros(rows, steps)
-        agree = torch.zeros(rows, steps, dtype=torch.bool)
-        hit = torch.zeros(rows, steps, dtype=torch.bool)
+        scores = _Scores(rows, tokens.numel() - 1, model.get_output_embeddings().weight.shape[0])
         prefill = tokens.numel() if budget is None else min(budget, tokens.numel())
         with bars(progress) as bar:
             task = bar.add_task(f"{label} (budget {budget}, {positions})", total=tokens.numel())
             for start, stop in boundaries(tokens.numel(), prefill, chunk):
                 hidden = lane.forward(tokens[start:stop])
                 t0 = time.perf_counter()
-                n_targets = max(0, min(stop, steps) - start)
-                for lo, hi in blocks(n_targets, rows + 1, vocab):
-                    at = slice(start + lo, start + hi)
-                    tgt = targets[at]
-                    lp = log_probs(model, hidden[:, lo:hi]).expand(rows, -1, -1)
-                    nll[:, at] = -lp.gather(-1, tgt.view(1, -1, 1).expand(rows, -1, 1))[..., 0]
-                    top = lp.argmax(-1)  # [rows, k]
-                    hit[:, at] = top == tgt
-                    if full is not None:
-                        ref = full.log_probs(at.start, at.stop)[None]  # [1, k, vocab]
-                        kl[:, at] = (ref.exp() * (ref - lp)).sum(-1)
-                        agree[:, at] = top == ref.argmax(-1)
+                scores.add(model, hidden, tokens[1:], start, stop, full)
                 lane.seconds += time.perf_counter() - t0
                 bar.advance(task, stop - start)
                 if on_step is not None:
                     on_step(stop)
             bar.remove_task(task)
-        lost_at = cache.sink_lost_at()  # [layers, rows, heads]
-        windows = cache.sliding_windows()  # a sliding layer is bounded by the model's window, not the budget
-        sliding = [w is not None for w in windows]
-        window = next((w for w in windows if w is not None), None)
-        grids = [[None if slides else at[row].tolist() for slides, at in zip(sliding, lost_at)] for row in range(rows)]
-        pinned_lost = held_pinned_lost(cache.kept_positions(), [p.pinned for p in cache.row_policies()])
-        memory = cache.memory()
-        per_row = {
-            "held": memory.held, "kv_bytes": memory.kv_bytes // rows, "full_kv_bytes": memory.full_kv_bytes // rows,
-            # the same at the deployment dtype: every float at 2 bytes (a full cache holds floats alone)
-            "kv_bytes_bf16": memory.kv_bytes_bf16 // rows,
-            "full_kv_bytes_bf16": memory.full_kv_bytes * 2 // model.dtype.itemsize // rows,
-        }
-        per_head = memory.per_head  # adakv: per layer [B][H_kv] entries each head holds
-        results = [
-            RowResult(
-                policy=policy.spec(),
-                budget=budget,
-                positions=positions,
-                nll=nll[row].clone(),
-                kl=kl[row].clone() if full is not None else None,
-                agree=agree[row].clone() if full is not None else None,
-                hit=hit[row].clone(),
-                max_kept=kept.most,
-                mean_kept=sum(held_per_step(policy, budget, tokens.numel())) / tokens.numel(),
-                pinned_sink_evicted=bool(pinned_lost[row]),
-                first_token_evicted=bool((lost_at[:, row] >= 0).any()),
-                sink_loss=sink_loss(grids[row]).share or 0.0,
-                sink_lost_at=grids[row],
-                sliding_window=window,
-                seconds=lane.seconds,
-                memory=per_row if per_head is None else {**per_row, "held_per_head": [lay[row] for lay in per_head]},
-                layer_budgets=cache.layer_budgets() if policy.varies_by_layer else None,
-            )
-            for row, policy in enumerate(cache.row_policies())
-        ]
+        results = _row_results(lane, kept, scores, full, budget, positions, tokens.numel())
         return results, (full.result if full is not None else None)
+
+
+class _Scores:
+    """What `compare` measures per prediction, each `[rows, T-1]`, filled block by block as the stream is
+    read, so that no `[rows, T, vocab]` distribution is ever held."""
+
+    def __init__(self, rows: int, steps: int, vocab: int) -> None:
+        self.nll, self.kl = torch.zeros(rows, steps), torch.zeros(rows, steps)
+        self.agree, self.hit = torch.zeros(rows, steps, dtype=torch.bool), torch.zeros(rows, steps, dtype=torch.bool)
+        self.vocab = vocab
+
+    def add(self, model, hidden: torch.Tensor, targets: torch.Tensor, start: int, stop: int,
+            full: Reference | None) -> None:
+        """Score the predictions made from stream positions start..stop-1, whose final hidden states are
+        `hidden` `[1 or rows, stop - start, H]` (one row stands for all while they hold the same tokens);
+        `targets` `[T-1]`. KL and agreement need the full cache's `full`, read block by block beside them."""
+        rows, steps = self.nll.shape
+        n_targets = max(0, min(stop, steps) - start)
+        for lo, hi in blocks(n_targets, rows + 1, self.vocab):
+            at = slice(start + lo, start + hi)
+            tgt = targets[at]
+            lp = log_probs(model, hidden[:, lo:hi]).expand(rows, -1, -1)
+            self.nll[:, at] = -lp.gather(-1, tgt.view(1, -1, 1).expand(rows, -1, 1))[..., 0]
+            top = lp.argmax(-1)  # [rows, k]
+            self.hit[:, at] = top == tgt
+            if full is not None:
+                ref = full.log_probs(at.start, at.stop)[None]  # [1, k, vocab]
+                self.kl[:, at] = (ref.exp() * (ref - lp)).sum(-1)
+                self.agree[:, at] = top == ref.argmax(-1)
+
+
+def _row_results(lane: _Lane, kept: KeptTracker, scores: _Scores, full: Reference | None, budget: int | None,
+                 positions: str, length: int) -> list[RowResult]:
+    """One RowResult per policy row of `lane` after its `length`-token stream: the scores, and what the cache
+    held and lost by the end (token 0 per layer and head, pinned entries, bytes per row)."""
+    cache, rows = lane.cache, lane.rows
+    lost_at = cache.sink_lost_at()  # [layers, rows, heads]
+    windows = cache.sliding_windows()  # a sliding layer is bounded by the model's window, not the budget
+    sliding = [w is not None for w in windows]
+    window = next((w for w in windows if w is not None), None)
+    grids = [[None if slides else at[row].tolist() for slides, at in zip(sliding, lost_at)] for row in range(rows)]
+    pinned_lost = held_pinned_lost(cache.kept_positions(), [p.pinned for p in cache.row_policies()])
+    per_row, per_head = _row_memory(cache, lane.model.dtype, rows)
+    return [
+        RowResult(
+            policy=policy.spec(), budget=budget, positions=positions, nll=scores.nll[row].clone(),
+            kl=scores.kl[row].clone() if full is not None else None,
+            agree=scores.agree[row].clone() if full is not None else None,
+            hit=scores.hit[row].clone(), max_kept=kept.most,
+            mean_kept=sum(held_per_step(policy, budget, length)) / length,
+            pinned_sink_evicted=bool(pinned_lost[row]), first_token_evicted=bool((lost_at[:, row] >= 0).any()),
+            sink_loss=sink_loss(grids[row]).share or 0.0, sink_lost_at=grids[row],
+            sliding_window=window, seconds=lane.seconds,
+            memory=per_row if per_head is None else {**per_row, "held_per_head": [lay[row] for lay in per_head]},
+            layer_budgets=cache.layer_budgets() if policy.varies_by_layer else None,
+        )
+        for row, policy in enumerate(cache.row_policies())
+    ]
+
+
+def _row_memory(cache: EvictingCache, dtype: torch.dtype, rows: int) -> tuple[dict, list | None]:
+    """(the bytes and entries one row holds, the same for every row; adakv's per layer `[B][H_kv]` entries
+    each head holds, or None): bytes counted from the tensors the cache keeps, split evenly over its rows."""
+    memory = cache.memory()
+    per_row = {
+        "held": memory.held, "kv_bytes": memory.kv_bytes // rows, "full_kv_bytes": memory.full_kv_bytes // rows,
+        # the same at the deployment dtype: every float at 2 bytes (a full cache holds floats alone)
+        "kv_bytes_bf16": memory.kv_bytes_bf16 // rows,
+        "full_kv_bytes_bf16": memory.full_kv_bytes * 2 // dtype.itemsize // rows,
+    }
+    return per_row, memory.per_head
 
 
 def streaming_ppl(
