@@ -305,7 +305,7 @@ def test_every_command_turns_errors_into_one_line():
     commands = {c.callback.__name__: c.callback for c in app.registered_commands}
     assert set(commands) == {
         "ppl", "compare", "ab", "report", "demo", "needle", "generation", "sinks", "lm_eval", "ruler", "engine_check",
-        "envelope",
+        "envelope", "audit",
     }
     for name, callback in commands.items():
         assert callback.__code__ is guarded, f"`kvevict {name}` is not wrapped in one_line_errors"
