@@ -18,6 +18,12 @@ alike), and every answer is asserted identical between them. Prints a table and 
 ratio of the total times.
 
     .venv/bin/python benchmarks/ruler_shared_prefill.py --length 2128 --samples 2 --budgets 50%,25%
+
+`--qa FILE` answers the first `--samples` lines of a QA file instead (`kvevict ruler --qa`'s
+prompts, each at its own length), e.g. the QA run's grid, where one prefill stands for five:
+
+    .venv/bin/python benchmarks/ruler_shared_prefill.py --qa runs/niah-qa-2k.jsonl --samples 20 \
+        --budgets 50% --policies snapkv,streamingllm,knorm,tova
 """
 
 from __future__ import annotations
@@ -29,8 +35,9 @@ import time
 import torch
 
 from kvevict.eval.ruler.framing import framing
-from kvevict.eval.ruler.grid import check_budget
+from kvevict.eval.ruler.grid import RulerGrid, check_budget, prompts
 from kvevict.eval.ruler.protocols import answer, answer_budgets
+from kvevict.eval.ruler.qa import QaFile, load_qa
 from kvevict.eval.ruler.registry import get_task
 from kvevict.eval.ruler.sample import fit
 from kvevict.eval.ruler.words import Material
@@ -60,6 +67,17 @@ def separate(model, tokenizer, prompt, budgets, policies) -> dict:
     return out
 
 
+def grid_prompts(args, tokenizer):
+    """The prompts both arms answer: the RULER task's seeded samples at `--length`, or the QA file's first lines."""
+    if args.qa:
+        grid = RulerGrid(qa=QaFile(tuple(load_qa(args.qa))), samples=args.samples)
+        yield from prompts(grid, tokenizer, None)
+        return
+    shape, material = framing(tokenizer), Material()
+    for index in range(args.samples):
+        yield fit(get_task(args.task), args.length, index, 0, shape, material)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--task", default="niah_single_2")
@@ -68,16 +86,15 @@ def main() -> None:
     parser.add_argument("--budgets", default="50%,25%")
     parser.add_argument("--policies", default=",".join(POLICIES),
                         help="the policy rows (one batch: uniform-budget policies; adakv:P alone, its own batch)")
+    parser.add_argument("--qa", default="", help="a QA file (kvevict ruler --qa) to answer instead of --task")
     parser.add_argument("--json", default="", help="also write the measurements to this file")
     args = parser.parse_args()
     budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     model, tokenizer = load_model("smollm2-135m")
-    shape, material = framing(tokenizer), Material()
     rows, totals = [], {"kvevict": 0.0, "per policy": 0.0}
-    for index in range(args.samples):
-        prompt = fit(get_task(args.task), args.length, index, 0, shape, material)
-        results = {}
+    for prompt in grid_prompts(args, tokenizer):
+        index, results = prompt.sample.index, {}
         for arm, run in (("kvevict", shared), ("per policy", separate)):
             torch.manual_seed(0)
             t0 = time.perf_counter()
