@@ -177,7 +177,7 @@ class Policy:
     #: per key, keeps it per slot and hands it back (`SlotView.arrival`), so a decode step does not
     #: recompute it for every held key
     arrival_stat: ClassVar[bool] = False
-    #: how the cache holds each kept entry: None (at the model's dtype), or the `quantized.KvQuant` of a
+    #: how the cache holds each kept entry: None (at the model's dtype), or the `StorageForm` of a
     #: `qB+P` spec. A storage form, not a rule: it never changes which entries a policy keeps
     kv_storage: ClassVar[object | None] = None
     #: scored by reconstructing the context after its prefill (KVzip, `kvzip.py`): extra forwards of the
