@@ -34,6 +34,7 @@ import torch
 
 from ..errors import KvevictError
 from ..storage_forms import StorageForm
+from .key_blocks import KeyBlocks
 from .storage import SlotStorage
 
 
@@ -48,6 +49,9 @@ class QuantizedStorage(SlotStorage):
         self._raw: torch.Tensor | None = None
         self.held: dict[str, torch.Tensor] = {}
         self.ring: torch.Tensor | None = None
+        # full-precision tokens the ring keeps: the residual, and keys of blocks not taken yet (`key_blocks.py`)
+        self.ring_len = form.residual + max(form.key_block - 1, 0)
+        self.blocks: KeyBlocks | None = None
         self.seen_end = 0  # tokens seen at the end of the forward in flight (the residual's reference)
         super().__init__(*args, **kwargs)
 
@@ -100,14 +104,16 @@ class QuantizedStorage(SlotStorage):
         d, f = self.head_dim, self.form
         self.parts = f.parts(d, self.dtype)
         fresh = {}
-        for part in "kv":
-            for name, (width, dtype) in self.parts.items():
+        for part, parts in (("k", f.key_parts(d, self.dtype)), ("v", self.parts)):
+            for name, (width, dtype) in parts.items():
                 fresh[part + name] = torch.zeros(*shape, width, dtype=dtype, device=self.device)
                 if old is not None and n:
                     fresh[part + name][:, :, :n] = old[part + name][:, :, :n]
         self.held = fresh
-        if self.ring is None and f.residual:
-            self.ring = torch.zeros(2, self.batch, self.heads, f.residual, d, dtype=self.dtype, device=self.device)
+        if self.ring is None and self.ring_len:
+            self.ring = torch.zeros(2, self.batch, self.heads, self.ring_len, d, dtype=self.dtype, device=self.device)
+        if self.blocks is None and f.key_block:
+            self.blocks = KeyBlocks(f, self.batch, self.heads, d, self.dtype, self.device)
 
     def _per_slot(self) -> list[torch.Tensor]:
         return [*super()._per_slot(), *self.held.values()]
@@ -117,11 +123,15 @@ class QuantizedStorage(SlotStorage):
         self.held = {name: buffer.index_select(0, index) for name, buffer in self.held.items()}
         if self.ring is not None:
             self.ring = self.ring.index_select(1, index)
+        if self.blocks is not None:
+            self.blocks.keep_rows(index)
 
     # --- the seam ----------------------------------------------------------------------------------
     def begin(self, n: int, q: int, seen_end: int) -> None:
         """Before a forward writes `q` entries after the `n` held: dequantize what is held."""
         self.seen_end = seen_end
+        if self.blocks is not None:
+            self.blocks.drop_empty(self.pos[:, :, :n])
         self._materialize(n)
 
     def written(self, n: int, end: int) -> bool:
@@ -131,6 +141,8 @@ class QuantizedStorage(SlotStorage):
         f = self.form
         keys, values = self._key_form()[:, :, n:end], self._kv[1][:, :, n:end]  # [B, H, q, D]
         full = torch.stack([keys, values])  # [2, B, H, q, D]: one call encodes both
+        if self.blocks is not None:
+            return self._written_by_blocks(n, end, full)
         held = f.encode(full, self.state)
         for name in self.parts:
             self.held["k" + name][:, :, n:end], self.held["v" + name][:, :, n:end] = held[name]
@@ -143,6 +155,24 @@ class QuantizedStorage(SlotStorage):
             self.ring[:, :, :, rows] = full[:, :, :, -fresh:]
             self._key_form()[:, :, end - fresh:end] = full[0, :, :, -fresh:]
             self._kv[1][:, :, end - fresh:end] = full[1, :, :, -fresh:]
+        return self.raw_keys
+
+    def _written_by_blocks(self, n: int, end: int, full: torch.Tensor) -> bool:
+        """`written` with keys per channel over blocks: values encoded per entry, keys when their block is
+        taken (`KeyBlocks.take`, before the ring turns over the tokens it reads)."""
+        f, values = self.form, self._kv[1][:, :, n:end]
+        held = f.encode(full[1:], self.state)
+        for name in self.parts:
+            self.held["v" + name][:, :, n:end] = held[name][0]
+        values.copy_(f.decode(held, self.dtype, self.state)[0])
+        self.blocks.take(self, n, end, full[0], self.ring[0] if self.ring is not None else full[0, :, :, :0])
+        if self.ring_len:
+            fresh = min(end - n, self.ring_len)
+            rows = torch.arange(self.seen_end - fresh, self.seen_end, device=self.device) % self.ring_len
+            self.ring[:, :, :, rows] = full[:, :, :, -fresh:]
+        if f.residual:
+            fresh = min(end - n, f.residual)
+            values[:, :, -fresh:] = full[1, :, :, -fresh:]
         return self.raw_keys
 
     def release(self) -> None:
@@ -159,15 +189,22 @@ class QuantizedStorage(SlotStorage):
         self._kv = torch.empty(2, *shape, dtype=self.dtype, device=self.device)
         if self.raw_keys:
             self._raw = torch.empty(shape, dtype=self.dtype, device=self.device)
-        held = {name: torch.stack([self.held["k" + name][:, :, :count], self.held["v" + name][:, :, :count]])
-                for name in self.parts}
-        images = f.decode(held, self.dtype, self.state)  # [2, B, H, count, D]
-        for i, x in enumerate((self._key_form(), self._kv[1])):
+        if self.blocks is not None:  # keys by their blocks, values alone by the form
+            self._key_form()[:, :, :count] = self.blocks.images(self, count, None if self.ring is None else self.ring[0])
+            held = {name: self.held["v" + name][None, :, :, :count] for name in self.parts}
+            images = torch.cat([self._kv[:1, :, :, :count], f.decode(held, self.dtype, self.state)])
+            pairs = [(1, self._kv[1])]
+        else:
+            held = {name: torch.stack([self.held["k" + name][:, :, :count], self.held["v" + name][:, :, :count]])
+                    for name in self.parts}
+            images = f.decode(held, self.dtype, self.state)  # [2, B, H, count, D]
+            pairs = list(enumerate((self._key_form(), self._kv[1])))
+        for i, x in pairs:
             x[:, :, :count] = images[i]
             if f.residual and count:
                 pos = self.pos[:, :, :count]
                 recent = (pos >= self.seen_end - f.residual)[..., None]  # [B, H, count, 1]
-                rows = (pos % f.residual)[..., None].expand(*pos.shape, self.head_dim)
+                rows = (pos % self.ring_len)[..., None].expand(*pos.shape, self.head_dim)
                 x[:, :, :count] = torch.where(recent, self.ring[i].gather(2, rows), x[:, :, :count])
 
     def held_bytes(self, entries: int, full_bytes: int | None = None) -> int:
@@ -177,8 +214,9 @@ class QuantizedStorage(SlotStorage):
         many bytes per number (2: bf16) instead."""
         f, d = self.form, self.head_dim
         number = full_bytes or torch.empty((), dtype=self.dtype).element_size()
-        ring = 2 * self.batch * self.heads * f.residual * d * number
-        return entries * f.entry_bytes(d, number) + ring + f.state_bytes(self.state)
+        ring = 2 * self.batch * self.heads * self.ring_len * d * number
+        blocks = self.blocks.bytes(number) if self.blocks is not None else 0
+        return entries * f.entry_bytes(d, number) + ring + blocks + f.state_bytes(self.state)
 
     def allocated_bytes(self) -> int:
         """Bytes of every held buffer (all slots, the room after the held ones included), plus the
@@ -186,7 +224,8 @@ class QuantizedStorage(SlotStorage):
         held = sum(b.numel() * b.element_size() for b in self.held.values())
         ring = self.ring.numel() * self.ring.element_size() if self.ring is not None else 0
         work = sum(b.numel() * b.element_size() for b in (self._kv, self._raw) if b is not None)
-        return held + ring + work + self.form.state_bytes(self.state)
+        blocks = self.blocks.bytes(self.blocks.scale.element_size()) if self.blocks is not None else 0
+        return held + ring + work + blocks + self.form.state_bytes(self.state)
 
 
 def storage_form_of(policies: Sequence, head_dim: int) -> Callable[..., SlotStorage]:

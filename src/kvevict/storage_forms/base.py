@@ -31,6 +31,9 @@ class StorageForm:
     family: ClassVar[str] = ""
     #: the most recent tokens read at full precision (a form with a `residual` option overrides it)
     residual: int = 0
+    #: keys encoded per channel over blocks of this many positions (`integer.KvQuant`, keys=channel: its
+    #: `key_parts`, `block_scales`, `encode_keys`, `decode_keys`), or 0: keys encoded per entry like values
+    key_block: int = 0
 
     @property
     def width(self) -> str:
@@ -58,6 +61,10 @@ class StorageForm:
     def parts(self, head_dim: int, dtype: torch.dtype) -> dict[str, tuple[int, torch.dtype]]:
         """Per slot, for keys and for values alike: each held part's width and dtype."""
         raise NotImplementedError
+
+    def key_parts(self, head_dim: int, dtype: torch.dtype) -> dict[str, tuple[int, torch.dtype]]:
+        """Per slot, for keys: the same parts as values unless keys are encoded per block."""
+        return self.parts(head_dim, dtype)
 
     def encode(self, x: torch.Tensor, state: dict) -> dict[str, torch.Tensor]:
         """Entries `x` `[2, B, H, q, D]` to their held parts `{part: [2, B, H, q, width]}`."""

@@ -60,14 +60,28 @@ def quantize(x: torch.Tensor, bits: int, group: int) -> Codes:
     codes, meta = quantizer.quantize(
         flat, nbits=bits, channel_wise=True, group_size=group, optimize=False, axis=1, bitpack=False, device=x.device
     )  # codes [entries * D / group, group] (float), scale and zero [entries * D / group, 1]
-    per_entry = codes.reshape(-1, dim).to(torch.uint8).t()  # [D, entries]: one column per entry
-    packed = {8: bitpack.pack_8bit_u8, 4: bitpack.pack_4bit_u8, 2: bitpack.pack_2bit_u8}[bits](per_entry)
     groups = dim // group
     return Codes(
-        packed.t().reshape(*lead, dim * bits // 8),
+        pack(codes.reshape(*lead, dim).to(torch.uint8), bits),
         meta["scale"].to(x.dtype).reshape(*lead, groups),
         meta["zero"].to(x.dtype).reshape(*lead, groups),
     )
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes uint8 `[..., D]` packed per entry, `[..., D * bits / 8]` (HQQ's `BitPack`)."""
+    _, bitpack = require()
+    lead, dim = codes.shape[:-1], codes.shape[-1]
+    per_entry = codes.reshape(-1, dim).t()  # [D, entries]: one column per entry
+    packed = {8: bitpack.pack_8bit_u8, 4: bitpack.pack_4bit_u8, 2: bitpack.pack_2bit_u8}[bits](per_entry)
+    return packed.t().reshape(*lead, dim * bits // 8)
+
+
+def unpack(codes: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """Packed codes `[..., D * bits / 8]` back to one code per channel `[..., D]`, in `dtype`."""
+    mask = (1 << bits) - 1
+    parts = [codes if bits == 8 else (codes >> shift) & mask for shift in _SHIFTS[bits]]
+    return torch.cat(parts, dim=-1).to(dtype)  # [..., D]: channel i of every byte, then channel i + D/k ...
 
 
 #: where each packed code sits in its byte, first channels first (HQQ's `BitPack.pack_*_u8` layout)
@@ -82,9 +96,7 @@ def dequantize(held: Codes, bits: int, group: int, dtype: torch.dtype) -> torch.
     three KV heads (keys and values) this takes 0.15 ms against HQQ's 0.45 ms (same bits, checked equal
     in tests/test_quantized.py), and a decode step dequantizes every layer's entries.
     """
-    mask = (1 << bits) - 1
-    parts = [held.codes if bits == 8 else (held.codes >> shift) & mask for shift in _SHIFTS[bits]]
-    codes = torch.cat(parts, dim=-1).to(dtype)  # [..., D]: channel i of every byte, then channel i + D/k ...
+    codes = unpack(held.codes, bits, dtype)
     lead, dim = codes.shape[:-1], codes.shape[-1]
     grouped = codes.view(*lead, dim // group, group)  # [..., D / group, group]
     return ((grouped - held.zero[..., None]) * held.scale[..., None]).view(*lead, dim)
