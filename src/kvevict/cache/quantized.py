@@ -190,7 +190,8 @@ class QuantizedStorage(SlotStorage):
         if self.raw_keys:
             self._raw = torch.empty(shape, dtype=self.dtype, device=self.device)
         if self.blocks is not None:  # keys by their blocks, values alone by the form
-            self._key_form()[:, :, :count] = self.blocks.images(self, count, None if self.ring is None else self.ring[0])
+            ring = None if self.ring is None else self.ring[0]
+            self._key_form()[:, :, :count] = self.blocks.images(self, count, ring)
             held = {name: self.held["v" + name][None, :, :, :count] for name in self.parts}
             images = torch.cat([self._kv[:1, :, :, :count], f.decode(held, self.dtype, self.state)])
             pairs = [(1, self._kv[1])]

@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 from ..errors import KvevictError
 from ..position_modes import ORIGINAL, check_positions
+from ..storage_forms import FORMS
 from .adakv import AdaKV
 from .base import Policy
 from .expected_attention import ExpectedAttention
@@ -34,7 +35,6 @@ from .lagkv import LagKV
 from .llamacpp import LlamaCpp, Ollama
 from .paged import Paged
 from .pyramidkv import PyramidKV
-from ..storage_forms import FORMS
 from .quantized import Quantized
 from .random_subset import Random
 from .sinkauto import SinkAuto
