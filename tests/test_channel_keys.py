@@ -127,3 +127,27 @@ def test_keys_per_channel_read_outlier_channels_better_than_per_token():
     by_token = image(keys, 4, 16)
     torch.testing.assert_close(by_channel, channel_images(keys, 4, 16))
     assert (by_channel - keys).abs().mean() < (by_token - keys).abs().mean() / 3
+
+
+def test_per_token_keys_match_transformers_quantized_cache_with_quanto(tiny):
+    """transformers' `QuantizedCache(backend="quanto")` at its defaults groups keys and values per token
+    (axis 0: `group` consecutive channels of one entry), the grouping of kvevict's `keys=token`; quanto's
+    MaxOptimizer is the same min/max affine rounding as HQQ with its optimiser off. With residual_length=1
+    it re-quantizes everything at every step and reads the newest token at full precision: `residual=1`.
+    (Per-channel keys have no schedule in common with it: its axis -1 groups the flattened heads and
+    positions, which needs the cache length to be a multiple of the group at every flush.)"""
+    pytest.importorskip("optimum.quanto")
+    from transformers import QuantizedCache
+
+    model = exact_build(ARCHS[0])
+    tokens = TOKENS[:30]
+    for bits in (4, 2):
+        theirs = QuantizedCache("quanto", model.config, nbits=bits, q_group_size=GROUP, residual_length=1)
+        ours = EvictingCache(model, f"q{bits}:group={GROUP},residual=1+full", budget=None)
+        plain = EvictingCache(model, "full", budget=None)
+        with torch.inference_mode():
+            a = torch.cat([model(t[None, None], cache=ours, use_cache=True).logits[0] for t in tokens])
+            b = torch.cat([model(t[None, None], cache=theirs, use_cache=True).logits[0] for t in tokens])
+            c = torch.cat([model(t[None, None], cache=plain, use_cache=True).logits[0] for t in tokens])
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        assert (a - c).abs().max() > 1e-2  # quantization changed the logits
