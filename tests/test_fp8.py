@@ -4,7 +4,7 @@ The reference is the architecture matrix's eager attention over a full `DynamicC
 the policy keeps, whose keys and values are replaced by their float8 e4m3 images computed here with
 torch alone: `(x / scale)` cast to `torch.float8_e4m3fn` (saturating at ±448) and multiplied back, the
 scale calibrated once per layer as amax / 448 over the first forward's entries (the prefill of the
-budget), per tensor or per KV head. In position-shift mode the image is of the un-rotated key.
+budget), per tensor or per KV head, in float32 (float64 for the float64 models here). In position-shift mode the image is of the un-rotated key.
 """
 
 from __future__ import annotations
@@ -26,11 +26,12 @@ LIMIT = 448.0  # e4m3's largest finite value
 def fp8_scale(x: torch.Tensor, per_head: bool) -> torch.Tensor:
     """amax / 448 of `x` `[B, H, T, D]`, over all of it or per KV head."""
     dims = (0, 2, 3) if per_head else (0, 1, 2, 3)
-    return x.abs().amax(dim=dims, keepdim=True).float() / LIMIT
+    return x.abs().amax(dim=dims, keepdim=True).to(torch.promote_types(x.dtype, torch.float32)) / LIMIT
 
 
 def fp8_image(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return ((x.float() / scale).clamp(-LIMIT, LIMIT).to(E4M3).float() * scale).to(x.dtype)
+    """float32 scales and arithmetic (float64 for a float64 model), as vLLM's and transformers' fp8 caches."""
+    return ((x.to(scale.dtype) / scale).clamp(-LIMIT, LIMIT).to(E4M3).to(scale.dtype) * scale).to(x.dtype)
 
 
 class Fp8Reference(Reference):
@@ -73,15 +74,23 @@ RULES = {"sink4+window": ("band", 4), "h2o:recent=0.5": ("h2o", 0.5)}
 CASES = [(a, p) for a in ARCHS for p in a.positions]
 
 
+#: how far the NLL may lie from the reference's. In position-shift mode the engine re-rotates keys with its
+#: rotary tables and the reference with its own arithmetic, ~1e-7 apart even in float64 (6e-7 on Gemma 3's
+#: values after one layer): e4m3's 3-bit mantissa turns that into an occasional code one step off, which
+#: moved Gemma 3's NLL by 6.5e-4. Original positions hold the keys as the model made them.
+TOLERANCE = {"original": 1e-4, "cache": 2e-3}
+
+
 def check(model, spec: str, rule, positions: str, per_head: bool, chunks=(1, 7)) -> None:
     ref = fp8_reference_nll(model, rule, positions == "cache", per_head)
     plain = compare(model, TOKENS, [spec.split("+", 1)[1]], BUDGET, positions, reference=False, progress=False)[0][0]
     for chunk in chunks:
         row = compare(model, TOKENS, [spec], BUDGET, positions, reference=False, progress=False, chunk=chunk)[0][0]
         err = ((row.nll - ref).abs() / ref.abs().clamp(min=1.0)).max()
-        assert err < 1e-4, f"{spec} {positions} chunk {chunk}: {err:.2e}"
+        assert err < TOLERANCE[positions], f"{spec} {positions} chunk {chunk}: {err:.2e}"
     # the images differ from the entries: the check above is not the unquantized cache passing again
-    assert (plain.nll - ref).abs().max() > 1e-4
+    gap = ((plain.nll - ref).abs() / ref.abs().clamp(min=1.0)).max()
+    assert gap > 2 * TOLERANCE[positions], f"{spec} {positions}: fp8 moved the NLL by only {gap:.2e}"
 
 
 @pytest.mark.parametrize("arch,positions", CASES, ids=[f"{a.name}-{p}" for a, p in CASES])

@@ -11,7 +11,7 @@ saturates; torch's cast on a CPU does too, the clamp makes it so on every device
 
 Held per entry: the key's and value's D codes, one byte each (`torch.float8_e4m3fn`, kept as its
 bytes in a uint8 view because torch has no scatter for float8 on a CPU); per layer the float32
-scales (2, or 2 per KV head). At head_dim 64 that is 128 bytes per entry, half of bf16's 256.
+scales (2, or 2 per KV head; float64 in a float64 model). At head_dim 64 that is 128 bytes per entry, half of bf16's 256.
 """
 
 from __future__ import annotations
@@ -53,24 +53,26 @@ class Fp8(StorageForm):
         return {"codes": (head_dim, torch.uint8)}
 
     def calibrated(self, x: torch.Tensor, state: dict) -> torch.Tensor:
-        """The scales `[2, 1, H or 1, 1, 1]` (float32), set from `x` `[2, B, H, q, D]` the first time."""
+        """The scales `[2, 1, H or 1, 1, 1]`, set from `x` `[2, B, H, q, D]` the first time: float32 (vLLM's
+        and transformers' scales), float64 for a float64 model (whose float noise float32 would round up)."""
         if "scale" not in state:
             dims = (1, 3, 4) if self.scale == "head" else (1, 2, 3, 4)
-            amax = x.abs().amax(dim=dims, keepdim=True).float()
+            amax = x.abs().amax(dim=dims, keepdim=True).to(torch.promote_types(x.dtype, torch.float32))
             state["scale"] = (amax / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)  # an all-zero tensor
         return state["scale"]
 
     def encode(self, x: torch.Tensor, state: dict) -> dict[str, torch.Tensor]:
         if x.shape[3] == 0:  # nothing to calibrate on yet
             return {"codes": torch.zeros(x.shape, dtype=torch.uint8, device=x.device)}
-        codes = (x.float() / self.calibrated(x, state)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        scale = self.calibrated(x, state)
+        codes = (x.to(scale.dtype) / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
         return {"codes": codes.view(torch.uint8)}
 
     def decode(self, held: dict[str, torch.Tensor], dtype: torch.dtype, state: dict) -> torch.Tensor:
         codes = held["codes"]
         if "scale" not in state:  # nothing stored yet
             return torch.zeros(codes.shape, dtype=dtype, device=codes.device)
-        return (codes.view(FP8).float() * state["scale"]).to(dtype)
+        return (codes.view(FP8).to(state["scale"].dtype) * state["scale"]).to(dtype)
 
     def entry_bytes(self, head_dim: int, number: int) -> int:
         return 2 * head_dim  # one byte per channel, key and value
