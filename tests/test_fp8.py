@@ -4,7 +4,8 @@ The reference is the architecture matrix's eager attention over a full `DynamicC
 the policy keeps, whose keys and values are replaced by their float8 e4m3 images computed here with
 torch alone: `(x / scale)` cast to `torch.float8_e4m3fn` (saturating at ±448) and multiplied back, the
 scale calibrated once per layer as amax / 448 over the first forward's entries (the prefill of the
-budget), per tensor or per KV head, in float32 (float64 for the float64 models here). In position-shift mode the image is of the un-rotated key.
+budget), per tensor or per KV head, in float32 (float64 for the float64 models here). In
+position-shift mode the image is of the un-rotated key.
 """
 
 from __future__ import annotations

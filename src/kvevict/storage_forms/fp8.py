@@ -11,7 +11,8 @@ saturates; torch's cast on a CPU does too, the clamp makes it so on every device
 
 Held per entry: the key's and value's D codes, one byte each (`torch.float8_e4m3fn`, kept as its
 bytes in a uint8 view because torch has no scatter for float8 on a CPU); per layer the float32
-scales (2, or 2 per KV head; float64 in a float64 model). At head_dim 64 that is 128 bytes per entry, half of bf16's 256.
+scales (2, or 2 per KV head; float64 in a float64 model). At head_dim 64 that is 128 bytes per
+entry, half of bf16's 256.
 """
 
 from __future__ import annotations
