@@ -126,13 +126,12 @@ def arms(model, args) -> dict:
     return {
         "full": lambda: EvictingCache(model, "full", budget=None),
         f"kvevict {spec}+full": lambda: EvictingCache(model, f"{spec}+full", budget=None),
-        "emulated quanto keys=token ring": emulated("quanto", "token", "ring"),
-        "emulated hqq keys=token flush": emulated("hqq", "token", "flush"),
-        "emulated quanto keys=token flush": emulated("quanto", "token", "flush"),
         "QuantizedCache quanto": lambda: QuantizedCache("quanto", model.config, nbits=b, q_group_size=g,
                                                         residual_length=r),
-        "emulated hqq keys=channel ring": emulated("hqq", "channel", "ring"),
         f"kvevict {spec},keys=channel+full": lambda: EvictingCache(model, f"{spec},keys=channel+full", budget=None),
+        "emulated quanto keys=token ring": emulated("quanto", "token", "ring"),
+        "emulated hqq keys=token flush": emulated("hqq", "token", "flush"),
+        "emulated hqq keys=channel ring": emulated("hqq", "channel", "ring"),
     }
 
 
