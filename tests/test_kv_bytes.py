@@ -145,3 +145,16 @@ def test_verdict_ships_the_fewest_bytes_where_widths_differ_at_a_budget():
     # one width at the budget: bytes play no part, the old order holds (no pinned slots first)
     plain = [records[0], _record("window", 1024, 3_000_000, [x + 0.01 for x in base]), records[2]]
     assert verdict(plain)[0].recommended.name == "window"
+
+
+def test_fp8_and_q8_rows_are_different_widths_at_equal_bytes():
+    """Both hold 8 bits per channel, but they are two storage forms: a group of an fp8 row and a q8 row alone is
+    a comparison at equal bytes (widths are told apart by the form's label, not its bits)."""
+    base = [2.0, 2.3, 1.8, 2.1] * 5
+    records = [
+        _record("full", None, None, base, kind="full"),
+        _record("fp8+h2o", 2048, 1_000_000, [x + 0.02 for x in base]),
+        _record("q8+h2o", 1820, 1_010_000, [x + 0.03 for x in base]),
+    ]
+    members = [[g.lowest.policy, *(v.record.policy for v in g.others)] for g in equal_bytes(records)]
+    assert members == [["fp8+h2o", "q8+h2o"]]

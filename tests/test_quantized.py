@@ -154,7 +154,7 @@ def test_rows_of_different_widths_are_refused_in_one_cache(tiny):
 @pytest.mark.parametrize("spec,needle", [
     ("q3+window", "q8, q4 or q2"),
     ("q4:group=0+window", "positive"),
-    ("q4:keys=channel+window", "keys=token"),
+    ("q4:keys=head+window", "keys=token"),
     ("q4+adakv:snapkv", "per-head layers"),
     ("q4", r"qB\+<policy>"),
 ])

@@ -1,25 +1,28 @@
-"""`QuantizedStorage`: a layer's slots held as packed integer codes, a full-precision residual beside them.
+"""`QuantizedStorage`: a layer's slots held in a storage form (codes), a full-precision residual beside them.
 
-A storage form behind `SlotStorage`'s seam (`begin`, `written`, `release`, `held_bytes`): the layer,
-the policies and the replay see the same slot buffers as ever, `kv` `[2, B, H, capacity, D]`, but
-here that buffer is a working copy that lives for one forward only:
+The one storage behind `SlotStorage`'s seam (`begin`, `written`, `release`, `held_bytes`) for every
+registered form (`storage_forms.FORMS`: `q8`/`q4`/`q2` integer codes, `fp8`): the layer, the policies
+and the replay see the same slot buffers as ever, `kv` `[2, B, H, capacity, D]`, but here that buffer
+is a working copy that lives for one forward only:
 
-* **held between forwards**, per slot: the key's and the value's codes (uint8
-  `[B, H, capacity, D * bits / 8]`), scales and zero points (`[B, H, capacity, D / group]`, the
-  model's dtype), moved with their slot by every gather, hole fill and ring turn, like the positions;
-  and a ring of the `residual` most recent tokens' keys and values at full precision
-  (`[2, B, H, residual, D]`, token `p` in row `p % residual`). Both are counted by `held_bytes`.
-* **in a forward**: `begin` dequantizes the held codes into a fresh `kv` (`quant_backend.dequantize`)
-  and puts back, from the ring, the entries still among the `residual` most recent tokens at the
-  forward's end; `written` quantizes the forward's new entries once (`quant_backend.quantize`) and
-  leaves attention their images (the latest `residual` of them at full precision); `release`
-  drops `kv` after the forward (the layer's `fit_storage`).
+* **held between forwards**, per slot: the key's and the value's parts as the form declares them
+  (`StorageForm.parts`: for `q4` the packed codes, uint8 `[B, H, capacity, D * bits / 8]`, and the
+  scales and zero points, `[B, H, capacity, D / group]` at the model's dtype; for `fp8` the D float8
+  codes), moved with their slot by every gather, hole fill and ring turn, like the positions; the
+  form's own numbers that are not per slot (`state`: fp8's scales); and a ring of the `residual` most
+  recent tokens' keys and values at full precision (`[2, B, H, residual, D]`, token `p` in row
+  `p % residual`). All are counted by `held_bytes`.
+* **in a forward**: `begin` decodes the held parts into a fresh `kv` (`StorageForm.decode`) and puts
+  back, from the ring, the entries still among the `residual` most recent tokens at the forward's
+  end; `written` encodes the forward's new entries once (`StorageForm.encode`) and leaves attention
+  their images (the latest `residual` of them at full precision); `release` drops `kv` after the
+  forward (the layer's `fit_storage`).
 
-So attention, and every policy that scores by attention or keys, reads exactly the dequantized
-entries. Quantization is per entry (groups of channels of one key or value), so an entry's codes do
-not depend on when or beside what it was quantized: a chunk equals its tokens one by one at
-residual 0. In position-shift mode the un-rotated keys `raw` are what is held; the position mode
-rotates their images to their slots (`written` answers that the keys need it).
+So attention, and every policy that scores by attention or keys, reads exactly the decoded entries.
+Encoding is per entry (given the form's calibrated state), so an entry's codes do not depend on when
+or beside what it was encoded: a chunk equals its tokens one by one at residual 0. In position-shift
+mode the un-rotated keys `raw` are what is held; the position mode rotates their images to their
+slots (`written` answers that the keys need it).
 """
 
 from __future__ import annotations
@@ -30,22 +33,25 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..errors import KvevictError
-from . import quant_backend
+from ..storage_forms import StorageForm
+from .key_blocks import KeyBlocks
 from .storage import SlotStorage
-
-#: per-slot buffers of the held form, per stored tensor (`k` the key form, `v` the values)
-_PARTS = ("codes", "scale", "zero")
 
 
 class QuantizedStorage(SlotStorage):
-    """Slots held as codes (see the module docstring); `form` is the policies' `KvQuant`."""
+    """Slots held in a storage form (see the module docstring); `form` is the policies' `StorageForm`."""
 
-    def __init__(self, *args, form, **kwargs) -> None:
+    def __init__(self, *args, form: StorageForm, **kwargs) -> None:
         self.form = form
+        self.parts: dict[str, tuple[int, torch.dtype]] = {}  # per slot, of keys and of values alike
+        self.state: dict = {}  # the form's numbers that are not per slot (fp8's scales)
         self._kv: torch.Tensor | None = None
         self._raw: torch.Tensor | None = None
         self.held: dict[str, torch.Tensor] = {}
         self.ring: torch.Tensor | None = None
+        # full-precision tokens the ring keeps: the residual, and keys of blocks not taken yet (`key_blocks.py`)
+        self.ring_len = form.residual + max(form.key_block - 1, 0)
+        self.blocks: KeyBlocks | None = None
         self.seen_end = 0  # tokens seen at the end of the forward in flight (the residual's reference)
         super().__init__(*args, **kwargs)
 
@@ -96,17 +102,18 @@ class QuantizedStorage(SlotStorage):
         super()._allocate(capacity, n)
         shape = (self.batch, self.heads, capacity)
         d, f = self.head_dim, self.form
-        widths = {"codes": d * f.bits // 8, "scale": d // f.group, "zero": d // f.group}
+        self.parts = f.parts(d, self.dtype)
         fresh = {}
-        for part in "kv":
-            for name in _PARTS:
-                dtype = torch.uint8 if name == "codes" else self.dtype
-                fresh[part + name] = torch.zeros(*shape, widths[name], dtype=dtype, device=self.device)
+        for part, parts in (("k", f.key_parts(d, self.dtype)), ("v", self.parts)):
+            for name, (width, dtype) in parts.items():
+                fresh[part + name] = torch.zeros(*shape, width, dtype=dtype, device=self.device)
                 if old is not None and n:
                     fresh[part + name][:, :, :n] = old[part + name][:, :, :n]
         self.held = fresh
-        if self.ring is None and f.residual:
-            self.ring = torch.zeros(2, self.batch, self.heads, f.residual, d, dtype=self.dtype, device=self.device)
+        if self.ring is None and self.ring_len:
+            self.ring = torch.zeros(2, self.batch, self.heads, self.ring_len, d, dtype=self.dtype, device=self.device)
+        if self.blocks is None and f.key_block:
+            self.blocks = KeyBlocks(f, self.batch, self.heads, d, self.dtype, self.device)
 
     def _per_slot(self) -> list[torch.Tensor]:
         return [*super()._per_slot(), *self.held.values()]
@@ -116,24 +123,30 @@ class QuantizedStorage(SlotStorage):
         self.held = {name: buffer.index_select(0, index) for name, buffer in self.held.items()}
         if self.ring is not None:
             self.ring = self.ring.index_select(1, index)
+        if self.blocks is not None:
+            self.blocks.keep_rows(index)
 
     # --- the seam ----------------------------------------------------------------------------------
     def begin(self, n: int, q: int, seen_end: int) -> None:
         """Before a forward writes `q` entries after the `n` held: dequantize what is held."""
         self.seen_end = seen_end
+        if self.blocks is not None:
+            self.blocks.drop_empty(self.pos[:, :, :n])
         self._materialize(n)
 
     def written(self, n: int, end: int) -> bool:
-        """Quantize the entries just written to slots `n..end-1` (once), leave their images for attention
+        """Encode the entries just written to slots `n..end-1` (once), leave their images for attention
         and keep the latest `residual` at full precision. Returns whether the rotated keys must be
         rebuilt from `raw` (position shift)."""
         f = self.form
         keys, values = self._key_form()[:, :, n:end], self._kv[1][:, :, n:end]  # [B, H, q, D]
-        full = torch.stack([keys, values])  # [2, B, H, q, D]: one call quantizes both
-        held = quant_backend.quantize(full, f.bits, f.group)
-        for name in _PARTS:
-            self.held["k" + name][:, :, n:end], self.held["v" + name][:, :, n:end] = getattr(held, name)
-        images = quant_backend.dequantize(held, f.bits, f.group, self.dtype)
+        full = torch.stack([keys, values])  # [2, B, H, q, D]: one call encodes both
+        if self.blocks is not None:
+            return self._written_by_blocks(n, end, full)
+        held = f.encode(full, self.state)
+        for name in self.parts:
+            self.held["k" + name][:, :, n:end], self.held["v" + name][:, :, n:end] = held[name]
+        images = f.decode(held, self.dtype, self.state)
         keys.copy_(images[0])
         values.copy_(images[1])
         if f.residual:
@@ -142,6 +155,24 @@ class QuantizedStorage(SlotStorage):
             self.ring[:, :, :, rows] = full[:, :, :, -fresh:]
             self._key_form()[:, :, end - fresh:end] = full[0, :, :, -fresh:]
             self._kv[1][:, :, end - fresh:end] = full[1, :, :, -fresh:]
+        return self.raw_keys
+
+    def _written_by_blocks(self, n: int, end: int, full: torch.Tensor) -> bool:
+        """`written` with keys per channel over blocks: values encoded per entry, keys when their block is
+        taken (`KeyBlocks.take`, before the ring turns over the tokens it reads)."""
+        f, values = self.form, self._kv[1][:, :, n:end]
+        held = f.encode(full[1:], self.state)
+        for name in self.parts:
+            self.held["v" + name][:, :, n:end] = held[name][0]
+        values.copy_(f.decode(held, self.dtype, self.state)[0])
+        self.blocks.take(self, n, end, full[0], self.ring[0] if self.ring is not None else full[0, :, :, :0])
+        if self.ring_len:
+            fresh = min(end - n, self.ring_len)
+            rows = torch.arange(self.seen_end - fresh, self.seen_end, device=self.device) % self.ring_len
+            self.ring[:, :, :, rows] = full[:, :, :, -fresh:]
+        if f.residual:
+            fresh = min(end - n, f.residual)
+            values[:, :, -fresh:] = full[1, :, :, -fresh:]
         return self.raw_keys
 
     def release(self) -> None:
@@ -158,27 +189,35 @@ class QuantizedStorage(SlotStorage):
         self._kv = torch.empty(2, *shape, dtype=self.dtype, device=self.device)
         if self.raw_keys:
             self._raw = torch.empty(shape, dtype=self.dtype, device=self.device)
-        both = [torch.stack([self.held["k" + name][:, :, :count], self.held["v" + name][:, :, :count]])
-                for name in _PARTS]
-        held = quant_backend.Codes(*both)
-        images = quant_backend.dequantize(held, f.bits, f.group, self.dtype)  # [2, B, H, count, D]
-        for i, x in enumerate((self._key_form(), self._kv[1])):
+        if self.blocks is not None:  # keys by their blocks, values alone by the form
+            ring = None if self.ring is None else self.ring[0]
+            self._key_form()[:, :, :count] = self.blocks.images(self, count, ring)
+            held = {name: self.held["v" + name][None, :, :, :count] for name in self.parts}
+            images = torch.cat([self._kv[:1, :, :, :count], f.decode(held, self.dtype, self.state)])
+            pairs = [(1, self._kv[1])]
+        else:
+            held = {name: torch.stack([self.held["k" + name][:, :, :count], self.held["v" + name][:, :, :count]])
+                    for name in self.parts}
+            images = f.decode(held, self.dtype, self.state)  # [2, B, H, count, D]
+            pairs = list(enumerate((self._key_form(), self._kv[1])))
+        for i, x in pairs:
             x[:, :, :count] = images[i]
             if f.residual and count:
                 pos = self.pos[:, :, :count]
                 recent = (pos >= self.seen_end - f.residual)[..., None]  # [B, H, count, 1]
-                rows = (pos % f.residual)[..., None].expand(*pos.shape, self.head_dim)
+                rows = (pos % self.ring_len)[..., None].expand(*pos.shape, self.head_dim)
                 x[:, :, :count] = torch.where(recent, self.ring[i].gather(2, rows), x[:, :, :count])
 
     def held_bytes(self, entries: int, full_bytes: int | None = None) -> int:
-        """Bytes this storage holds for `entries` entries (summed over rows and heads): codes, scales and
-        zero points per entry, plus the residual ring. `full_bytes`: count the floating-point parts
-        (scales, zeros, ring) at that many bytes per number (2: bf16) instead of the model's dtype."""
+        """Bytes this storage holds for `entries` entries (summed over rows and heads): the form's parts
+        per entry (codes, scales and zero points), its state (fp8's scales), plus the residual ring.
+        `full_bytes`: count the floating-point parts at the model's dtype (scales, zeros, ring) at that
+        many bytes per number (2: bf16) instead."""
         f, d = self.form, self.head_dim
         number = full_bytes or torch.empty((), dtype=self.dtype).element_size()
-        per_entry = 2 * (d * f.bits // 8 + 2 * (d // f.group) * number)  # key and value
-        ring = 2 * self.batch * self.heads * f.residual * d * number
-        return entries * per_entry + ring
+        ring = 2 * self.batch * self.heads * self.ring_len * d * number
+        blocks = self.blocks.bytes(number) if self.blocks is not None else 0
+        return entries * f.entry_bytes(d, number) + ring + blocks + f.state_bytes(self.state)
 
     def allocated_bytes(self) -> int:
         """Bytes of every held buffer (all slots, the room after the held ones included), plus the
@@ -186,22 +225,23 @@ class QuantizedStorage(SlotStorage):
         held = sum(b.numel() * b.element_size() for b in self.held.values())
         ring = self.ring.numel() * self.ring.element_size() if self.ring is not None else 0
         work = sum(b.numel() * b.element_size() for b in (self._kv, self._raw) if b is not None)
-        return held + ring + work
+        blocks = self.blocks.bytes(self.blocks.scale.element_size()) if self.blocks is not None else 0
+        return held + ring + work + blocks + self.form.state_bytes(self.state)
 
 
 def storage_form_of(policies: Sequence, head_dim: int) -> Callable[..., SlotStorage]:
     """The storage form every layer of a cache running `policies` (one per row) uses: `SlotStorage`, or
-    `QuantizedStorage` with the rows' `KvQuant` bound. One layer holds one form, so rows must agree."""
+    `QuantizedStorage` with the rows' `StorageForm` bound. One layer holds one form, so rows must agree."""
     forms = {p.kv_storage for p in policies}
     if len(forms) > 1:
         specs = ", ".join(sorted(p.spec() for p in policies))
         raise KvevictError(
             f"rows of one cache must hold their entries alike ({specs}): a layer has one storage form, so run "
-            "each quantized width (q8+, q4+, q2+ and unquantized) in a batch of its own"
+            "each storage form (q8+, q4+, q2+, fp8+ and unquantized) in a batch of its own"
         )
     form = forms.pop()
     if form is None:
         return SlotStorage
     form.check_head_dim(head_dim)
-    quant_backend.require()
+    form.require()
     return functools.partial(QuantizedStorage, form=form)

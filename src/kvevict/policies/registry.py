@@ -7,8 +7,9 @@ wrapper like `sinkN+`: its own options come first, as the `:`-field that holds `
 the rest is the inner policy's spec. Options may also be separated by `;`
 (`snapkv:window=32;kernel=7`), for places that split at commas themselves (lm-eval's
 `model_args`). Aliases: `streamingllm` = `sink4+window`,
-`local` / `fifo` = `window`. `qB+` (`q8+`, `q4+`, `q2+`) holds the kept entries as B-bit codes
-(`quantized.py`: options `group`, `residual`, `keys`, e.g. `q4:group=64,residual=32+sink4+h2o`).
+`local` / `fifo` = `window`. A storage prefix holds the kept entries in a registered storage form
+(`storage_forms.FORMS`): `qB+` (`q8+`, `q4+`, `q2+`) as B-bit codes (options `group`, `residual`,
+`keys`, e.g. `q4:group=64,residual=32+sink4+h2o`), `fp8+` as float8 (option `scale`).
 A new policy registers its class here; its options are read off its constructor, so the parser
 and the error messages never go stale.
 """
@@ -21,6 +22,7 @@ from collections.abc import Callable
 
 from ..errors import KvevictError
 from ..position_modes import ORIGINAL, check_positions
+from ..storage_forms import FORMS
 from .adakv import AdaKV
 from .base import Policy
 from .expected_attention import ExpectedAttention
@@ -33,7 +35,7 @@ from .lagkv import LagKV
 from .llamacpp import LlamaCpp, Ollama
 from .paged import Paged
 from .pyramidkv import PyramidKV
-from .quantized import KvQuant, Quantized
+from .quantized import Quantized
 from .random_subset import Random
 from .sinkauto import SinkAuto
 from .sinks import SinkPinned
@@ -70,7 +72,7 @@ ALIASES = {"streamingllm": "sink4+window", "local": "window", "fifo": "window"}
 _SINK = re.compile(r"^sink(\d+)\+(.+)$")
 _SINKAUTO = re.compile(r"^sinkauto(\d*)\+(.+)$")
 _ADAKV = "adakv"
-_QUANT = re.compile(r"^q(\d+)(?::([^+]*))?\+(.+)$")
+_STORED = re.compile(r"^([a-z]+)(\d+)(?::([^+]*))?\+(.+)$")  # a storage form's prefix: family, width, options
 # page-granular eviction, an option of the whole spec wherever it is written (`sink4+snapkv:page=32`)
 _PAGE_OPTION = re.compile(r"(?<=[:,;])(page|pagescore)=([^,;:+]*)")
 
@@ -82,7 +84,7 @@ def register(name: str, factory: Callable[..., Policy]) -> None:
 
 def known_specs() -> str:
     return ", ".join([*REGISTRY, *ALIASES, "sinkN+<policy>", "sinkauto+<policy>", "adakv:<policy>", "<policy>:page=N",
-                      "q8+<policy>", "q4+<policy>", "q2+<policy>"])
+                      "q8+<policy>", "q4+<policy>", "q2+<policy>", "fp8+<policy>"])
 
 
 def parse_policy(spec: str | Policy) -> Policy:
@@ -96,9 +98,9 @@ def parse_policy(spec: str | Policy) -> Policy:
     if paging:
         return _parse_paged(spec, text, paging)
     text = ALIASES.get(text, text)
-    quant = _QUANT.match(text)
-    if quant:
-        return _parse_quantized(spec, quant)
+    stored = _STORED.match(text)
+    if stored and stored.group(1) in FORMS:
+        return _parse_stored(spec, stored)
     if re.match(r"^q\d+(:|$)", text):
         raise KvevictError(f"cannot parse '{spec}': quantized storage is written qB+<policy>, e.g. q4+sink4+h2o")
     auto = _SINKAUTO.match(text)
@@ -133,13 +135,16 @@ def _parse_paged(spec: str, text: str, paging: dict[str, str]) -> Policy:
     return Paged(parse_policy(rest), page, paging.get("pagescore", "mean"))
 
 
-def _parse_quantized(spec: str, match: re.Match) -> Policy:
-    """`qB[:group=G,residual=R,keys=token]+P`: P's entries held as B-bit codes (`quantized.KvQuant`)."""
-    bits, options, inner = match.groups()
-    parsed = _parse_options(KvQuant, f"q{bits}", options or "")
-    if "bits" in parsed:
-        raise KvevictError(f"'{spec}' sets bits twice: the width is the number after q (q8, q4, q2)")
-    return Quantized(KvQuant(int(bits), **parsed), parse_policy(inner))
+def _parse_stored(spec: str, match: re.Match) -> Policy:
+    """`<family><width>[:options]+P`: P's entries held in the storage form registered for the family
+    (`q4:group=G,residual=R+P`: `KvQuant`; `fp8:scale=head+P`: `Fp8`); the width is the form's first field."""
+    family, width, options, inner = match.groups()
+    form = FORMS[family]
+    parsed = _parse_options(form, f"{family}{width}", options or "")
+    first = next(iter(inspect.signature(form).parameters))
+    if first in parsed:
+        raise KvevictError(f"'{spec}' sets {first} twice: the width is the number after {family} ({family}{width})")
+    return Quantized(form(int(width), **parsed), parse_policy(inner))
 
 
 def _parse_adakv(spec: str, rest: str) -> Policy:

@@ -20,7 +20,7 @@ from ..stats.judge import Measured, judge
 from ..stats.tolerance import Judgement, Tolerance, judge_ppl
 from ..stats.uncertainty import blocks
 from .columns import Column, Table, number
-from .traits import kv_bits
+from .traits import kv_width
 
 
 def tolerance_of(max_ppl_ratio: float | None, max_kl: float | None) -> Tolerance:
@@ -98,7 +98,7 @@ class EnvelopeRow:
     @property
     def eviction_only(self) -> bool:
         """The configuration holds its entries at full width (no storage form, as its policy declares)."""
-        return kv_bits(self.spec) is None
+        return kv_width(self.spec) is None
 
 
 def envelope_rows(records: list[PplRecord], tolerance: Tolerance) -> tuple[PplRecord | None, list[EnvelopeRow]]:

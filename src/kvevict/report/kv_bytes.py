@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from ..records.schema import PplRecord
 from ..stats.uncertainty import Interval, blocks, paired_difference
-from .traits import kv_bits
+from .traits import kv_width
 
 #: two rows hold equal bytes when the larger is within this share of the smaller (bf16 bytes per sequence)
 EQUAL_BYTES = 0.05
@@ -136,8 +136,8 @@ def equal_bytes(records: Sequence[PplRecord], within: float = EQUAL_BYTES) -> li
     return found
 
 
-def _width(r: PplRecord) -> int | None:
-    return None if r.kind == "full" else kv_bits(r.policy)
+def _width(r: PplRecord) -> str | None:
+    return None if r.kind == "full" else kv_width(r.policy)
 
 
 def _unique(group: list[tuple[int, PplRecord]]) -> list[tuple[int, PplRecord]]:

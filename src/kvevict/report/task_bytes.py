@@ -22,7 +22,7 @@ from ..records.schema import RulerRecord
 from ..stats.tolerance import drop_interval
 from .kv_bytes import EQUAL_BYTES, mib
 from .ruler import where_label
-from .traits import kv_bits
+from .traits import kv_width
 
 LEVEL = 0.95
 
@@ -95,7 +95,7 @@ def task_equal_bytes(records: Sequence[RulerRecord], within: float = EQUAL_BYTES
             while j + 1 < len(sized) and sized[j + 1].bf16 <= sized[i].bf16 * (1 + within):
                 j += 1
             group = sized[i : j + 1]
-            if len({kv_bits(c.policy) if c.budget != "full" else None for c in group}) > 1:
+            if len({kv_width(c.policy) if c.budget != "full" else None for c in group}) > 1:
                 found.append(_compared(where, group))
             i = j + 1
     return found

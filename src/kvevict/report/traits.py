@@ -52,7 +52,8 @@ def is_preset(spec: str) -> bool:
     return bool(_policy(spec).preset)
 
 
-def kv_bits(spec: str) -> int | None:
-    """Bits per code of a quantized row (`q4+h2o`: 4); None where entries are held unquantized."""
+def kv_width(spec: str) -> str | None:
+    """The storage width of a row held in a storage form (`q4+h2o`: `q4`, `fp8+h2o`: `fp8`); None where
+    entries are held as they are. Rows of different widths are what equal-bytes comparisons compare."""
     storage = _policy(spec).kv_storage
-    return None if storage is None else int(storage.bits)
+    return None if storage is None else storage.width

@@ -47,7 +47,7 @@ from ..stats.uncertainty import Blocks, Interval, blocks, mean_interval, paired_
 from . import verdict_text
 from .ruler import TaskScore, beyond, judged, rank_agreement, where_label
 from .tables import budget_order
-from .traits import is_preset, kv_bits, needs_attention, pinned
+from .traits import is_preset, kv_width, needs_attention, pinned
 
 #: outside and collapsed: the whole paired PPL ratio interval at or above this
 COLLAPSE_PPL = 2.0
@@ -212,7 +212,7 @@ def _candidates(records: list[PplRecord], budget: int, needle: dict[tuple[str, s
     """The policy rows at `budget` (a sink-sweep row that repeats a policy row counts once)."""
     seen: dict[str, Candidate] = {}
     here = [r for r in records if r.budget == budget and r.kind in ("policy", "sinks")]
-    widths = len({kv_bits(r.policy) for r in here}) > 1  # bytes, not entries, tell the rows' memory apart
+    widths = len({kv_width(r.policy) for r in here}) > 1  # bytes, not entries, tell the rows' memory apart
     for r in here:
         if r.policy in seen:
             continue
