@@ -48,7 +48,8 @@ RULER_SAMPLES = 10
 @one_line_errors
 def ruler(
     tasks: str = typer.Option("niah_single_1,niah_single_2,niah_multikey_1",
-                              help="RULER tasks (comma-separated), 'niah' for the 8 needle tasks, or 'all'"),
+                              help="RULER tasks (comma-separated), 'niah' for the 8 needle tasks, 'all' (RULER's "
+                                   "11), or 'conversation' (a chat: facts and a system rule early, questions late)"),
     lengths: str = typer.Option("1000", help="prompt lengths in the model's tokens, answer included"),
     samples: int | None = typer.Option(None, show_default=False, help=f"seeded samples per task and length (default "
                                        f"{RULER_SAMPLES}); with --qa the file's first N lines (default: every line)"),
