@@ -94,9 +94,9 @@ def ruler(
     _ = run.folder  # a bad --name is refused before the model loads
     lm, tokenizer = load_model(model, device=device, allow_download=allow_download, dtype=run.dtype)
     grid.policies, _ = settle_specs(grid.policies, None, grid.positions, tokenizer)
-    if not getattr(tokenizer, "chat_template", None):
-        err.print(f"note: '{model}' has no chat template; RULER's plain template is used")
     records = run_ruler(run, lm, tokenizer, executor=runner, allow_download=allow_download, device=device)
+    if not getattr(tokenizer, "chat_template", None):  # after the run: a refusal stays one line
+        err.print(f"note: '{model}' has no chat template; RULER's plain template was used")
     _show_run(run, records, tolerance, as_json)
     _failed(runner)
 
