@@ -103,4 +103,4 @@ def run_sweep(
     wanted = {c.key for c in cells}
     records = load(store.records())
     # this plan's cells (an older plan's rows in the same folder are not this run's) and the task trials
-    return store, [r for r in records if r.key in wanted or r.kind in tasks.KINDS]
+    return store, [r for r in records if r.key in wanted or r.kind in tasks.kinds()]

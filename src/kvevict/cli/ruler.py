@@ -47,7 +47,8 @@ RULER_SAMPLES = 10
 @one_line_errors
 def ruler(
     tasks: str = typer.Option("niah_single_1,niah_single_2,niah_multikey_1",
-                              help="RULER tasks (comma-separated), 'niah' for the 8 needle tasks, or 'all'"),
+                              help="RULER tasks (comma-separated), 'niah' for the 8 needle tasks, 'all' (RULER's "
+                                   "11), or 'conversation' (a chat: facts and a system rule early, questions late)"),
     lengths: str = typer.Option("1000", help="prompt lengths in the model's tokens, answer included"),
     samples: int | None = typer.Option(None, show_default=False, help=f"seeded samples per task and length (default "
                                        f"{RULER_SAMPLES}); with --qa the file's first N lines (default: every line)"),
@@ -79,21 +80,34 @@ def ruler(
 ) -> None:
     """RULER's tasks, offline: accuracy per task, policy, budget and protocol, with 95% intervals."""
     from ..ab.ruler import RulerRun, run_ruler
-    from ..eval.ruler.grid import RulerGrid
-    from ..eval.ruler.qa import QaFile, load_qa
-    from ..eval.ruler.registry import parse_tasks
-    from ..policies.budget import parse_budget
-    from ..records.schema import ruler_records
-    from ..report import ruler as ruler_report
-    from ..report.html import render
-    from ..report.runs import record_tolerance
-    from ..report.task_bytes import task_equal_bytes
-    from ..report.verdict import verdict
 
     check_device(device)
     tolerance = tolerance_from(max_ppl_ratio, max_accuracy_drop, max_kl, min_accuracy_ratio=min_accuracy_ratio)
     check_dtype(dtype)
     runner = remote_executor(executor, address, workers, retries)  # samples shared out across its workers
+    grid = _grid(tasks, lengths, samples, policies, budgets, protocol, form, qa, seed, positions, text, max_new_tokens)
+    from ..loading import load_model
+    from ..loading.models import model_dtype
+
+    run = RulerRun(name, out_dir, model, grid, qa or None, model_dtype(model, dtype, device, allow_download))
+    _ = run.folder  # a bad --name is refused before the model loads
+    lm, tokenizer = load_model(model, device=device, allow_download=allow_download, dtype=run.dtype)
+    grid.policies, _ = settle_specs(grid.policies, None, grid.positions, tokenizer)
+    records = run_ruler(run, lm, tokenizer, executor=runner, allow_download=allow_download, device=device)
+    if not getattr(tokenizer, "chat_template", None):  # after the run: a refusal stays one line
+        err.print(f"note: '{model}' has no chat template; RULER's plain template was used")
+    _show_run(run, records, tolerance, as_json)
+    _failed(runner)
+
+
+def _grid(tasks: str, lengths: str, samples: int | None, policies: str, budgets: str, protocol: str, form: str,
+          qa: str, seed: int, positions: str | None, text: str, max_new_tokens: int):
+    """The command's `RulerGrid`, checked: everything refused before the model loads."""
+    from ..eval.ruler.grid import RulerGrid
+    from ..eval.ruler.qa import QaFile, load_qa
+    from ..eval.ruler.registry import parse_tasks
+    from ..policies.budget import parse_budget
+
     specs = split_specs(policies)
     if not specs:
         raise KvevictError("--policies is empty: give comma-separated specs such as window,h2o,snapkv")
@@ -108,23 +122,25 @@ def ruler(
         qa=QaFile(rows) if qa else None, max_new_tokens=answer_cap(max_new_tokens),
     )
     grid.check()
-    from ..loading import load_model
-    from ..loading.models import model_dtype
+    return grid
 
-    run = RulerRun(name, out_dir, model, grid, qa or None, model_dtype(model, dtype, device, allow_download))
-    _ = run.folder  # a bad --name is refused before the model loads
-    lm, tokenizer = load_model(model, device=device, allow_download=allow_download, dtype=run.dtype)
-    grid.policies, _ = settle_specs(specs, None, positions, tokenizer)
-    if not getattr(tokenizer, "chat_template", None):
-        err.print(f"note: '{model}' has no chat template; RULER's plain template is used")
-    records = run_ruler(run, lm, tokenizer, executor=runner, allow_download=allow_download, device=device)
+
+def _show_run(run, records: list, tolerance, as_json: bool) -> None:
+    """The report page, then the tables, the equal-bytes groups and the verdict (or `--json`'s line)."""
+    from ..records.schema import ruler_records
+    from ..report import ruler as ruler_report
+    from ..report.html import render
+    from ..report.runs import record_tolerance
+    from ..report.task_bytes import task_equal_bytes
+    from ..report.verdict import verdict
+
     config = {**run.config(), **record_tolerance(run.folder, tolerance.as_dict())}
     path = render(records, config, run.folder / "report.html")
     cells = ruler_report.cells(ruler_records(records))
     if as_json:
         print_json({"cells": [vars(c) for c in cells], "report": str(path)})
-        return _failed(runner)
-    show(ruler_report.ruler_table(cells), f"RULER, {model} ({run.dtype}; {path})")
+        return
+    show(ruler_report.ruler_table(cells), f"RULER, {run.model} ({run.dtype}; {path})")
     held = ruler_report.bytes_table(cells)
     if held is not None:
         show(held, "KV bytes per sequence once the context was compressed (MiB at bf16)")
@@ -133,7 +149,6 @@ def ruler(
     print(f"tolerance: {tolerance.describe()}")
     for found in verdict(records, tolerance):  # the report's verdict, drawn from the same records
         print(found.sentence)
-    _failed(runner)
 
 
 def _failed(runner) -> None:

@@ -134,22 +134,11 @@ def run_generation(
     on_record: Callable[[dict], None] | None = None,
 ) -> GenerationResult:
     """Greedy continuations of the same seeded long prompts under every policy and budget."""
-    if trials < 1:
-        raise KvevictError(f"trials must be at least 1, got {trials}")
-    if length < 16:
-        raise KvevictError(f"prompt length {length} is too short: use at least 16 tokens of text")
-    if max_new_tokens < 1:
-        raise KvevictError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    _check_counts(trials, length, max_new_tokens)
     budgets = [parse_budget(b) for b in budgets]
     maker = GenPromptMaker(tokenizer, text, seed, chat)
     prompts = [maker.make(length, trial) for trial in range(trials)]
-    limit = max_positions(model)
-    longest = max(p.ids.numel() for p in prompts) + max_new_tokens
-    if limit is not None and longest > limit:
-        raise KvevictError(
-            f"prompts of {length} tokens plus {max_new_tokens} generated need {longest} positions, more than the "
-            f"model's context of {limit}: lower the length"
-        )
+    _check_fits(model, prompts, length, max_new_tokens)
     check_budgets(policies, budgets, [p.ids.numel() - 1 for p in prompts], positions)
     plan = _batches(policies, budgets)
     stops = stop_ids(tokenizer) if maker.chat else []
@@ -165,26 +154,48 @@ def run_generation(
                 seconds = time.perf_counter() - started
                 for spec, output in zip(specs, outputs, strict=True):
                     text_out = tokenizer.decode(output, skip_special_tokens=True)
-                    record = {
-                        "task": "generation",
-                        "policy": spec,
-                        "budget": "full" if state.budget is None else budget_label(budget),
-                        "budget_tokens": state.budget,
-                        "positions": positions,
-                        "length": length,
-                        "trial": prompt.trial,
-                        "fact": prompt.kind,
-                        "expected": prompt.answer,
-                        "output": text_out,
-                        "output_tokens": len(output),
-                        "recalled": prompt.answer.lower() in text_out.lower(),
-                        "repetition": repetition_rate(output, ngram),
-                        "prompt_tokens": prompt.ids.numel(),
-                        "seconds": seconds,
-                    }
+                    record = {"policy": spec, "budget": "full" if state.budget is None else budget_label(budget),
+                              "budget_tokens": state.budget, "positions": positions, "length": length}
+                    record = _record(prompt, output, text_out, ngram, seconds, record)
                     result.records.append(record)
                     if on_record is not None:
                         on_record(record)
                 bar.advance(task)
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _check_counts(trials: int, length: int, max_new_tokens: int) -> None:
+    if trials < 1:
+        raise KvevictError(f"trials must be at least 1, got {trials}")
+    if length < 16:
+        raise KvevictError(f"prompt length {length} is too short: use at least 16 tokens of text")
+    if max_new_tokens < 1:
+        raise KvevictError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+
+
+def _check_fits(model, prompts: list[GenPrompt], length: int, max_new_tokens: int) -> None:
+    """Every prompt and its continuation within the model's context."""
+    limit = max_positions(model)
+    longest = max(p.ids.numel() for p in prompts) + max_new_tokens
+    if limit is not None and longest > limit:
+        raise KvevictError(
+            f"prompts of {length} tokens plus {max_new_tokens} generated need {longest} positions, more than the "
+            f"model's context of {limit}: lower the length"
+        )
+
+
+def _record(prompt: GenPrompt, output: list[int], text_out: str, ngram: int, seconds: float, cell: dict) -> dict:
+    """One continuation's record: the cell it ran in (policy, budget, positions, length), then what it wrote."""
+    return {
+        "task": "generation", **cell,
+        "trial": prompt.trial,
+        "fact": prompt.kind,
+        "expected": prompt.answer,
+        "output": text_out,
+        "output_tokens": len(output),
+        "recalled": prompt.answer.lower() in text_out.lower(),
+        "repetition": repetition_rate(output, ngram),
+        "prompt_tokens": prompt.ids.numel(),
+        "seconds": seconds,
+    }

@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from .sample import Question, Sample
+from .sample import Question, RulerTask, Sample
 from .words import Material
 
 TEMPLATE = ("Below is a numbered list of words. In these words, some appear more often than others. "
@@ -28,7 +28,7 @@ def numbered(words: list[str]) -> str:
 
 
 @dataclass(frozen=True)
-class CommonWords:
+class CommonWords(RulerTask):
     name: str = "cwe"
     common: int = 10
     family: str = "cwe"

@@ -13,7 +13,7 @@ import random
 import string
 from dataclasses import dataclass
 
-from .sample import Question, Sample
+from .sample import Question, RulerTask, Sample
 from .words import Material
 
 TEMPLATE = ("Read the following coded text and track the frequency of each coded word. "
@@ -30,7 +30,7 @@ def zeta(alpha: float, terms: int = 10000) -> float:
 
 
 @dataclass(frozen=True)
-class FrequentWords:
+class FrequentWords(RulerTask):
     name: str = "fwe"
     alpha: float = 2.0
     letters: int = 6

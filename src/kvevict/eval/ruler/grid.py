@@ -24,11 +24,12 @@ from ...policies.engine_defaults import with_stream_start
 from ...position_modes import DEFAULT_POSITIONS
 from ..reconstruction import KeptScores
 from .framing import framing
-from .protocols import answer_budgets, check_aware, check_protocol, full_shares_prefill, reads_question
+from .protocol_kinds.base import Protocol
+from .protocol_kinds.registry import check_protocol, get_protocol
+from .protocols import answer_budgets, check_aware, full_shares_prefill
 from .qa import QaFile
-from .registry import get_task
-from .sample import Prompt, encode, fit, seeded
-from .scoring import score
+from .registry import get_task, several_keys
+from .sample import Prompt, fit, seeded
 from .words import Material
 
 
@@ -67,14 +68,12 @@ class RulerGrid:
             for length in self.lengths:
                 if length < 128:
                     raise KvevictError(f"length {length} is too short for a RULER prompt: use at least 128 tokens")
-        if self.protocol == "multi":
-            from .registry import MULTI
-
-            wrong = [t for t in self.tasks if t not in MULTI] if self.qa is None else ["qa"]
+        if self.kind.asks_each_key:
+            wrong = [t for t in self.tasks if not get_task(t).asks_several] if self.qa is None else ["qa"]
             if wrong:
-                raise KvevictError(f"protocol multi needs several keys in one context, which {', '.join(wrong)} "
-                                   f"does not hide: use {', '.join(MULTI)}")
-        if reads_question(self.protocol, self.form):
+                raise KvevictError(f"protocol {self.kind.name} needs several keys in one context, which "
+                                   f"{', '.join(wrong)} does not hide: use {', '.join(several_keys())}")
+        if self.kind.reads_question:
             check_aware(self.policies, self.protocol, self.form)
         for budget in self.budgets:
             budget = parse_budget(budget)
@@ -83,6 +82,11 @@ class RulerGrid:
                                    "measures first; use budgets below 100%")
         for spec in self.bounded:
             check_policy(spec, None, self.positions)
+
+    @property
+    def kind(self) -> Protocol:
+        """The protocol object `protocol` and `form` name (`protocol_kinds.registry`)."""
+        return get_protocol(self.protocol, self.form)
 
     @property
     def bounded(self) -> list[str]:
@@ -106,17 +110,12 @@ class RulerGrid:
 def record_key(protocol: str, form: str, task: str, length: int, sample: int, policy: str, budget: str,
                question: int) -> str:
     """A sample's answer for one policy, budget and question: what a rerun skips."""
-    shape = f"multi-{form}" if protocol == "multi" else protocol
-    return f"ruler|{shape}|{task}|{length}|{sample}|{policy}|{budget}|{question}"
+    return f"ruler|{get_protocol(protocol, form).label}|{task}|{length}|{sample}|{policy}|{budget}|{question}"
 
 
-def compressed_length(prompt: Prompt, protocol: str) -> int:
-    """The tokens a budget share is taken of: the context, or (aware) the prompt but its last token. Under
-    multi aware-requests the first question is kept whole beside the budget (`protocols.pinned_span`),
-    so the share is the context's, as in `requests`."""
-    if protocol == "aware":
-        return prompt.tokens - 1
-    return prompt.context.numel()
+def compressed_length(prompt: Prompt, protocol: str, form: str = "requests") -> int:
+    """The tokens a budget share is taken of under the protocol (`Protocol.compressed_length`)."""
+    return get_protocol(protocol, form).compressed_length(prompt)
 
 
 def check_budget(prompt: Prompt, protocol: str, specs: Sequence[str], budget: Budget, form: str,
@@ -125,7 +124,7 @@ def check_budget(prompt: Prompt, protocol: str, specs: Sequence[str], budget: Bu
     in the position mode `positions`."""
     if budget is None:
         return None
-    length = compressed_length(prompt, protocol)
+    length = compressed_length(prompt, protocol, form)
     entries = resolve_budget(budget, length)
     if entries >= length:
         raise KvevictError(
@@ -148,7 +147,7 @@ def prompts(grid: RulerGrid, tokenizer, limit: int | None) -> Iterator[Prompt]:
     if grid.qa is not None:
         for index in _indices(grid, min(grid.samples, len(grid.qa.rows))):
             sample = grid.qa.build(0, index, 0, seeded(grid.seed, "qa", 0, index))
-            prompt = encode(sample, 0, shape, grid.qa.tokens_to_generate)
+            prompt = grid.qa.prompt(sample, 0, shape)
             prompt.length = prompt.tokens + prompt.answer_tokens
             check_length(prompt.length, limit, f"QA line {index + 1}")
             yield prompt
@@ -179,6 +178,7 @@ def preflight(grid: RulerGrid, tokenizer, limit: int | None) -> int:
     plan = grid.batches()
     count = 0
     for prompt in prompts(grid, tokenizer, limit):
+        grid.kind.check_prompt(prompt)
         for specs, budgets in plan:
             for budget in budgets:
                 check_budget(prompt, grid.protocol, specs, budget, grid.form, grid.positions)
@@ -205,13 +205,10 @@ def run_grid(model, tokenizer, grid: RulerGrid, done: set[str] = frozenset(),
     grid = replace(grid, policies=with_stream_start(list(grid.policies), bool(stream_start(tokenizer))))
     preflight(grid, tokenizer, limit)
     plan = grid.batches()
-    metric = grid.qa.metric if grid.qa is not None else None
     kept = KeptScores(Path(grid.scores)) if grid.scores is not None else None
     out: list[dict] = []
     for prompt in prompts(grid, tokenizer, limit):
-        sample = prompt.sample
-        questions = sample.per_key if grid.protocol == "multi" else [sample.question]
-        task_metric = metric or get_task(sample.task).metric
+        questions = grid.kind.questions(prompt.sample)
         for specs, budgets in plan:
             missing = [b for b in budgets if not all(k in done for k in _keys(grid, prompt, specs, b, len(questions)))]
             for _ in range(len(budgets) - len(missing)):
@@ -223,26 +220,30 @@ def run_grid(model, tokenizer, grid: RulerGrid, done: set[str] = frozenset(),
             replies = answer_budgets(model, tokenizer, prompt, specs, entries, grid.protocol, grid.form,
                                      grid.positions, grid.max_new_tokens, kept=kept)
             for budget, count, answers in zip(missing, entries, replies, strict=True):
-                label = budget_label(budget)
-                records = []
                 rows = _rows(specs, budget)
-                for i, reply in enumerate(answers):  # question by question, row by row
-                    spec, refs = rows[i % len(rows)], questions[reply.question].answers
-                    records.append({
-                        "key": record_key(grid.protocol, grid.form, sample.task, prompt.length, sample.index, spec,
-                                          label, reply.question),
-                        "task": sample.task, "protocol": grid.protocol,
-                        "form": grid.form if grid.protocol == "multi" else None,
-                        "length": prompt.length, "sample": sample.index, "question": reply.question,
-                        "policy": spec, "budget": label, "budget_tokens": count,
-                        "metric": task_metric, "score": score(task_metric, reply.text, refs), "answers": refs,
-                        "output": reply.text, "prompt_tokens": prompt.tokens, "context_tokens": prompt.context.numel(),
-                        "depths": [round(d, 4) for d in sample.depths], "kept": reply.kept,
-                        "kv_bytes": reply.kv_bytes, "kv_bytes_bf16": reply.kv_bytes_bf16,
-                        "seconds": round(reply.seconds, 3), "seed": grid.seed,
-                    })
+                # question by question, row by row
+                records = [_record(grid, prompt, rows[i % len(rows)], budget, count, reply)
+                           for i, reply in enumerate(answers)]
                 if on_records is not None:
                     on_records(records)
                 out += records
     return out
 
+
+def _record(grid: RulerGrid, prompt: Prompt, spec: str, budget: Budget, count: int | None, reply) -> dict:
+    """One answer as the record `records.schema.RulerRecord` reads, scored by its task (`RulerTask.score`)."""
+    sample, label = prompt.sample, budget_label(budget)
+    task = grid.qa if grid.qa is not None else get_task(sample.task)
+    refs = grid.kind.questions(sample)[reply.question].answers
+    return {
+        "key": record_key(grid.protocol, grid.form, sample.task, prompt.length, sample.index, spec, label,
+                          reply.question),
+        "task": sample.task, "protocol": grid.protocol, "form": grid.kind.form,
+        "length": prompt.length, "sample": sample.index, "question": reply.question,
+        "policy": spec, "budget": label, "budget_tokens": count,
+        "metric": task.metric, "score": task.score(reply.text, refs), "answers": refs,
+        "output": reply.text, "prompt_tokens": prompt.tokens, "context_tokens": prompt.context.numel(),
+        "depths": [round(d, 4) for d in sample.depths], "kept": reply.kept,
+        "kv_bytes": reply.kv_bytes, "kv_bytes_bf16": reply.kv_bytes_bf16,
+        "seconds": round(reply.seconds, 3), "seed": grid.seed,
+    }

@@ -20,7 +20,7 @@ import random
 import uuid
 from dataclasses import dataclass
 
-from .sample import Question, Sample
+from .sample import Question, RulerTask, Sample
 from .words import NOISE, Material, sentences, spread_depths
 
 NEEDLE = "One of the special magic {kind} for {key} is: {value}."
@@ -38,7 +38,7 @@ def _singular(text: str) -> str:
 
 
 @dataclass(frozen=True)
-class Niah:
+class Niah(RulerTask):
     """One NIAH task: its haystack, the kinds of keys and values, and how many of each."""
 
     name: str
@@ -51,6 +51,12 @@ class Niah:
     family: str = "niah"
     tokens_to_generate: int = 128
     metric: str = "all"
+
+    @property
+    def asks_several(self) -> bool:
+        """Whether a sample asks each key on its own (`Sample.per_key`): several keys, or one among distractor
+        needles (three of them are asked too)."""
+        return max(self.keys, self.queries) > 1 or self.haystack == "needle"
 
     def _draw(self, kind: str, rng: random.Random, material: Material) -> str:
         if kind == "numbers":

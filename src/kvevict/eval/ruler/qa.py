@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import KvevictError
-from .sample import Question, Sample
+from .sample import Question, RulerTask, Sample
 
 INSTRUCTION = ("Answer the question based on the given documents. Only give me the answer and do not output "
                "any other words.")
@@ -74,7 +74,7 @@ def load_qa(path: str | Path) -> list[QaRow]:
 
 
 @dataclass(frozen=True)
-class QaFile:
+class QaFile(RulerTask):
     """A user's QA file as a task; sample `index` is line `index` (blank lines skipped)."""
 
     rows: tuple[QaRow, ...]

@@ -9,6 +9,7 @@ length (RULER's binary search: prompt tokens + tokens to generate <= length).
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -16,6 +17,7 @@ import torch
 
 from ...errors import KvevictError
 from .framing import Framing
+from .scoring import score
 
 
 @dataclass
@@ -25,6 +27,8 @@ class Question:
     text: str  # with its leading separator ("\nWhat are all ...?")
     answer_prefix: str  # RULER's answer prefix (" The special magic numbers for ... are")
     answers: list[str]
+    #: read to the end of the turn even with one reference: an answer judged by how it ends, not by its first line
+    reads_whole: bool = False
 
 
 @dataclass
@@ -48,7 +52,8 @@ class Sample:
 
 
 class Task(Protocol):
-    """A RULER task: a name, its family, its answer length, its metric and a builder."""
+    """A task of the grid: a name, its family, its answer length, its metric, a builder, and (`RulerTask`)
+    how a sample becomes token ids and how an answer is scored."""
 
     name: str
     family: str
@@ -56,6 +61,28 @@ class Task(Protocol):
     metric: str  # "all" (every reference, averaged) or "part" (any reference)
 
     def build(self, units: int, index: int, length: int, rng: random.Random, material) -> Sample: ...
+
+    def prompt(self, sample: Sample, length: int, framing: Framing) -> Prompt: ...
+
+    def score(self, answer: str, references: Sequence[str]) -> float: ...
+
+
+class RulerTask:
+    """What a task does unless it says otherwise: RULER's prompt (`encode`) and RULER's score (`metric`).
+
+    `asks_several`: whether a sample hides several keys, each asked on its own (`Sample.per_key`), as the
+    `multi` protocol needs.
+    """
+
+    asks_several: bool = False
+
+    def prompt(self, sample: Sample, length: int, framing: Framing) -> Prompt:
+        """The sample's token ids inside the model's template, with the task's answer length."""
+        return encode(sample, length, framing, self.tokens_to_generate)
+
+    def score(self, answer: str, references: Sequence[str]) -> float:
+        """The answer's score in [0, 1] by the task's RULER metric (`scoring.METRICS`)."""
+        return score(self.metric, answer, references)
 
 
 @dataclass
@@ -84,7 +111,8 @@ def encode(sample: Sample, length: int, framing: Framing, answer_tokens: int) ->
     return Prompt(
         sample, length, framing.context_ids(sample.head), framing.question_ids(sample.question, first=True),
         [framing.question_ids(q, first=True) for q in sample.per_key],
-        [framing.question_ids(q, first=False) for q in sample.per_key], answer_tokens,
+        [framing.question_ids(q, first=False) for q in sample.per_key] if framing.turn is not None else [],
+        answer_tokens,
     )
 
 
@@ -103,8 +131,8 @@ def fit(task: Task, length: int, index: int, seed: int, framing: Framing, materi
     budget = length - task.tokens_to_generate
 
     def tokens(units: int) -> int:
-        return encode(task.build(units, index, length, seeded(seed, task.name, length, index), material),
-                      length, framing, task.tokens_to_generate).tokens
+        return task.prompt(task.build(units, index, length, seeded(seed, task.name, length, index), material),
+                           length, framing).tokens
 
     probe = 64
     rate = max(1e-3, (tokens(probe) - tokens(1)) / (probe - 1))
@@ -121,4 +149,4 @@ def fit(task: Task, length: int, index: int, seed: int, framing: Framing, materi
         else:
             hi = mid - 1
     sample = task.build(best, index, length, seeded(seed, task.name, length, index), material)
-    return encode(sample, length, framing, task.tokens_to_generate)
+    return task.prompt(sample, length, framing)

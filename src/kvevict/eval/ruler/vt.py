@@ -14,7 +14,7 @@ import random
 import string
 from dataclasses import dataclass
 
-from .sample import Question, Sample
+from .sample import Question, RulerTask, Sample
 from .words import NOISE, Material
 
 TEMPLATE = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}"
@@ -25,7 +25,7 @@ EXAMPLE_NOISE = 20
 
 
 @dataclass(frozen=True)
-class VariableTracking:
+class VariableTracking(RulerTask):
     name: str = "vt"
     hops: int = 4
     family: str = "vt"
