@@ -25,7 +25,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "kvevict"
 def test_no_caller_asks_which_protocol_or_task_it_holds():
     """Only the registries match names: in the packages that run protocols and tasks, a comparison of a
     protocol, form or task kind with a literal is a decision that belongs to the object. (The record schema,
-    `report/records.py`, reads a line's kind to type it.)"""
+    `records/schema.py`, reads a line's kind to type it.)"""
     tested = re.compile(r"""\b(protocol|form|kind)\s*[!=]=\s*["'](agnostic|aware|stream|multi|requests|turns|"""
                         r"""aware-requests|needle|generation|ruler|sinkmap)["']""")
     files = [path for package in ("eval", "ab", "cli") for path in (SRC / package).rglob("*.py")]
@@ -115,7 +115,8 @@ def test_an_error_other_than_the_templates_is_not_hidden():
 def test_every_sweep_task_declares_its_record_and_its_section():
     from kvevict.ab.sweep_tasks.registry import SWEEP_TASKS
     from kvevict.ab.tasks import kinds
-    from kvevict.report import records, sections
+    from kvevict.records import schema as records
+    from kvevict.report import sections
 
     assert kinds() == ("needle", "generation", "ruler", "sinkmap")
     for task in SWEEP_TASKS:
@@ -131,7 +132,7 @@ def test_a_sweep_task_added_by_one_registration_runs_closes_and_is_skipped_on_a_
     from kvevict.ab import SweepConfig, run_sweep
     from kvevict.ab.sweep_tasks import registry as sweep_registry
     from kvevict.ab.sweep_tasks.base import SweepTask
-    from kvevict.report import records
+    from kvevict.records import schema as records
 
     class Count(SweepTask):
         kind = "count"
