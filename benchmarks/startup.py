@@ -35,7 +35,7 @@ MODEL_COMMANDS = {
     "ruler": ["ruler", "--tasks", "niah_single_1", "--lengths", "500", "--budgets", "50%", "--samples", "1"],
 }
 HELP = ["ppl", "compare", "ab", "report", "demo", "needle", "generation", "sinks", "ruler", "lm-eval",
-        "engine-check", "envelope"]
+        "engine-check", "envelope", "audit"]
 
 
 def seconds(argv: list[str]) -> float:
