@@ -114,3 +114,16 @@ def count_repeat_forwards(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(reconstruction, "body", counted)
     return calls
+
+
+def reference_nll_with(reference, model, rule, cache_mode: bool):
+    """`test_architectures.reference_nll` with its `Reference` attention swapped for `reference` (called as
+    `Reference` is: model, rule, cache mode, then the rest), for a storage form's images of the entries."""
+    import test_architectures
+
+    original = test_architectures.Reference
+    test_architectures.Reference = reference
+    try:
+        return test_architectures.reference_nll(model, rule, cache_mode)
+    finally:
+        test_architectures.Reference = original

@@ -17,8 +17,10 @@ import torch
 
 from architectures import ARCHS
 from kvevict import EvictingCache, compare
-from test_architectures import BUDGET, TOKENS, Reference, reference_nll
+from test_architectures import BUDGET, TOKENS, Reference
 from test_quantized import GROUP, exact_build, image
+
+from support import reference_nll_with
 
 
 def channel_images(keys: torch.Tensor, bits: int, group: int) -> torch.Tensor:
@@ -54,14 +56,8 @@ class ChannelReference(Reference):
 
 
 def channel_reference_nll(model, rule, cache_mode: bool, bits: int, residual: int) -> torch.Tensor:
-    import test_architectures
-
-    original = test_architectures.Reference
-    test_architectures.Reference = lambda m, r, c, *rest: ChannelReference(m, r, c, bits, residual, *rest)
-    try:
-        return reference_nll(model, rule, cache_mode)
-    finally:
-        test_architectures.Reference = original
+    images = lambda m, r, c, *rest: ChannelReference(m, r, c, bits, residual, *rest)  # noqa: E731
+    return reference_nll_with(images, model, rule, cache_mode)
 
 
 RULES = {"sink4+window": ("band", 4), "h2o:recent=0.5": ("h2o", 0.5)}

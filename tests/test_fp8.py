@@ -17,8 +17,10 @@ from architectures import ARCHS
 from kvevict import EvictingCache, compare
 from kvevict.errors import KvevictError
 from kvevict.policies import parse_policy
-from test_architectures import BUDGET, TOKENS, Reference, reference_nll
+from test_architectures import BUDGET, TOKENS, Reference
 from test_quantized import exact_build
+
+from support import reference_nll_with
 
 E4M3 = torch.float8_e4m3fn
 LIMIT = 448.0  # e4m3's largest finite value
@@ -61,14 +63,7 @@ class Fp8Reference(Reference):
 
 
 def fp8_reference_nll(model, rule, cache_mode: bool, per_head: bool) -> torch.Tensor:
-    import test_architectures
-
-    original = test_architectures.Reference
-    test_architectures.Reference = lambda m, r, c, *rest: Fp8Reference(m, r, c, per_head, *rest)
-    try:
-        return reference_nll(model, rule, cache_mode)
-    finally:
-        test_architectures.Reference = original
+    return reference_nll_with(lambda m, r, c, *rest: Fp8Reference(m, r, c, per_head, *rest), model, rule, cache_mode)
 
 
 RULES = {"sink4+window": ("band", 4), "h2o:recent=0.5": ("h2o", 0.5)}

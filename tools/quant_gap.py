@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, QuantizedCache
 
-from kvevict import EvictingCache, load_model, load_tokens
+from kvevict import EvictingCache, attach, load_model, load_tokens
 
 
 def affine_image(x: torch.Tensor, dim: int, bits: int) -> torch.Tensor:
@@ -151,7 +151,10 @@ def main() -> None:
     for name, make in arms(model, args).items():
         if wanted and name != "full" and not any(w in name for w in wanted):
             continue
-        model.set_attn_implementation("kvevict" if name.startswith(("full", "kvevict")) else "sdpa")
+        if name.startswith(("full", "kvevict")):
+            attach(model)  # kvevict's attention function, registered in transformers
+        else:
+            model.set_attn_implementation("sdpa")
         t0 = time.perf_counter()
         table[name] = nll_token_by_token(model, tokens, make())
         print(f"{name:<40} PPL {math.exp(table[name].mean()):8.3f}  "
