@@ -116,14 +116,15 @@ def count_repeat_forwards(monkeypatch) -> list[int]:
     return calls
 
 
-def reference_nll_with(reference, model, rule, cache_mode: bool):
+def reference_nll_with(reference, model, rule, cache_mode: bool, prefill: int | None = None):
     """`test_architectures.reference_nll` with its `Reference` attention swapped for `reference` (called as
-    `Reference` is: model, rule, cache mode, then the rest), for a storage form's images of the entries."""
+    `Reference` is: model, rule, cache mode, then the rest), for a storage form's images of the entries.
+    `prefill`: tokens of the first forward (the budget by default; 1 for a stream read token by token)."""
     import test_architectures
 
     original = test_architectures.Reference
     test_architectures.Reference = reference
     try:
-        return test_architectures.reference_nll(model, rule, cache_mode)
+        return test_architectures.reference_nll(model, rule, cache_mode, prefill=prefill)
     finally:
         test_architectures.Reference = original

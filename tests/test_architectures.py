@@ -141,14 +141,15 @@ class Reference:
 
 
 def reference_nll(model, rule, cache_mode: bool, tokens: torch.Tensor = TOKENS, budget: int = BUDGET,
-                  acc_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Prefill the budget, then one token per forward (H2O's kept set moves at every step)."""
+                  acc_dtype: torch.dtype = torch.float32, prefill: int | None = None) -> torch.Tensor:
+    """Prefill the budget (or `prefill` tokens), then one token per forward (H2O's kept set moves at every step)."""
     ref = Reference(model, rule, cache_mode, budget, acc_dtype)
     AttentionInterface.register("matrix_reference", ref)
     logits = []
+    first = budget if prefill is None else prefill
     with attn(model, "matrix_reference"), torch.inference_mode():
         cache = DynamicCache()
-        pieces = [tokens[:budget]] + [tokens[t : t + 1] for t in range(budget, tokens.numel())]
+        pieces = [tokens[:first]] + [tokens[t : t + 1] for t in range(first, tokens.numel())]
         for piece in pieces:
             logits.append(model(piece[None], use_cache=True, **{CACHE_KWARG(model): cache}).logits[0])
     lp = torch.log_softmax(torch.cat(logits)[:-1].float(), -1)

@@ -57,7 +57,7 @@ class ChannelReference(Reference):
 
 def channel_reference_nll(model, rule, cache_mode: bool, bits: int, residual: int) -> torch.Tensor:
     images = lambda m, r, c, *rest: ChannelReference(m, r, c, bits, residual, *rest)  # noqa: E731
-    return reference_nll_with(images, model, rule, cache_mode)
+    return reference_nll_with(images, model, rule, cache_mode, prefill=1)  # blocks taken token by token
 
 
 RULES = {"sink4+window": ("band", 4), "h2o:recent=0.5": ("h2o", 0.5)}
@@ -65,12 +65,14 @@ CASES = [(a, p) for a in ARCHS for p in a.positions]
 
 
 def check(model, spec: str, rule, positions: str, bits: int, residual: int) -> None:
-    """Token by token after the prefill: a block is taken at the end of the forward that makes it old."""
+    """Token by token from the first token, whatever chunk is asked for: a block is taken at the end of the
+    forward that makes it old, so a longer forward would read a block its later tokens complete."""
     ref = channel_reference_nll(model, rule, positions == "cache", bits, residual)
     plain = compare(model, TOKENS, [spec.split("+", 1)[1]], BUDGET, positions, reference=False, progress=False)[0][0]
-    row = compare(model, TOKENS, [spec], BUDGET, positions, reference=False, progress=False, chunk=1)[0][0]
-    err = ((row.nll - ref).abs() / ref.abs().clamp(min=1.0)).max()
-    assert err < 1e-4, f"{spec} {positions}: {err:.2e}"
+    for chunk in (1, 7):
+        row = compare(model, TOKENS, [spec], BUDGET, positions, reference=False, progress=False, chunk=chunk)[0][0]
+        err = ((row.nll - ref).abs() / ref.abs().clamp(min=1.0)).max()
+        assert err < 1e-4, f"{spec} {positions} chunk {chunk}: {err:.2e}"
     assert (plain.nll - ref).abs().max() > 1e-3  # the images differ from the entries
 
 
@@ -152,5 +154,8 @@ def test_per_token_keys_match_transformers_quantized_cache_with_quanto(tiny):
             a = torch.cat([model(t[None, None], cache=ours, use_cache=True).logits[0] for t in tokens])
             b = torch.cat([model(t[None, None], cache=theirs, use_cache=True).logits[0] for t in tokens])
             c = torch.cat([model(t[None, None], cache=plain, use_cache=True).logits[0] for t in tokens])
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        # quanto's images differ from the min/max affine ones by float32 rounding (<= 5e-7 per entry on
+        # this float64 model, from a float32 step inside quanto), ~1e-5 on the logits; one code taken
+        # differently would move them by a grid step, ~1e-2 here
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
         assert (a - c).abs().max() > 1e-2  # quantization changed the logits

@@ -18,7 +18,9 @@ from kvevict import EvictingCache, compare
 from kvevict.cache import quant_backend
 from kvevict.errors import KvevictError
 from kvevict.policies import parse_policy
-from test_architectures import BUDGET, TOKENS, Reference, reference_nll
+from test_architectures import BUDGET, TOKENS, Reference
+
+from support import reference_nll_with
 
 GROUP = 8  # the tiny models' head_dim is 16
 
@@ -54,14 +56,10 @@ class QuantReference(Reference):
 
 
 def quant_reference_nll(model, rule, cache_mode: bool, bits: int, residual: int = 0) -> torch.Tensor:
-    import test_architectures
-
-    original = test_architectures.Reference
-    test_architectures.Reference = lambda m, r, c, *rest: QuantReference(m, r, c, bits, residual, *rest)
-    try:
-        return reference_nll(model, rule, cache_mode)
-    finally:
-        test_architectures.Reference = original
+    """With a residual, token by token from the first token: a forward of many tokens would read its own
+    older tokens as images, where a decode step reads each recent one at full precision."""
+    images = lambda m, r, c, *rest: QuantReference(m, r, c, bits, residual, *rest)  # noqa: E731
+    return reference_nll_with(images, model, rule, cache_mode, prefill=1 if residual else None)
 
 
 def exact_build(arch):
@@ -104,7 +102,7 @@ def test_every_width_matches_its_images(bits):
 def test_residual_reads_the_latest_tokens_at_full_precision(positions):
     model = exact_build(ARCHS[0])
     for spec, rule in RULES.items():
-        check(model, f"q4:group={GROUP},residual=5+{spec}", rule, positions, 4, residual=5, chunks=(1,))
+        check(model, f"q4:group={GROUP},residual=5+{spec}", rule, positions, 4, residual=5)
 
 
 def test_held_bytes_are_codes_scales_zeros_and_residual(tiny):

@@ -318,6 +318,13 @@ class EvictingCache(Reconstructing, Cache):
         return memo
 
     # --- what the cache holds --------------------------------------------------------------
+    @property
+    def chunk_exact(self) -> bool:
+        """Whether a forward of many tokens reads what that many one-token forwards read: not where a row's
+        storage form counts its residual or key blocks at a forward's end (`StorageForm.chunk_exact`), and
+        a stream must then be fed one token per forward to be scored as decode steps."""
+        return all(p.kv_storage is None or p.kv_storage.chunk_exact for p in self.policies)
+
     def fits(self, q: int) -> bool:
         """Whether a forward of `q` more tokens evicts in no layer the policy runs in (rows stay identical)."""
         return all(layer.budget is None or layer.n + q <= layer.budget for layer in self.layers if not layer.is_sliding)

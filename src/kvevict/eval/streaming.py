@@ -295,8 +295,11 @@ def compare(
             full = full_reference(model, tokens, progress, label) if reference else None
         scores = _Scores(rows, tokens.numel() - 1, model.get_output_embeddings().weight.shape[0])
         prefill = tokens.numel() if budget is None else min(budget, tokens.numel())
+        how = ""
+        if not cache.chunk_exact:  # a residual counted at each forward's end: only single tokens read as decode
+            prefill, chunk, how = 1, 1, ", token by token for the storage's residual"
         with bars(progress) as bar:
-            task = bar.add_task(f"{label} (budget {budget}, {positions})", total=tokens.numel())
+            task = bar.add_task(f"{label} (budget {budget}, {positions}{how})", total=tokens.numel())
             for start, stop in boundaries(tokens.numel(), prefill, chunk):
                 hidden = lane.forward(tokens[start:stop])
                 t0 = time.perf_counter()

@@ -36,6 +36,15 @@ class StorageForm:
     key_block: int = 0
 
     @property
+    def chunk_exact(self) -> bool:
+        """Whether a forward of many tokens reads what its tokens read one per forward. Encoding is per
+        entry, so it is, unless something is counted at a forward's end: the `residual` (a chunk's own
+        tokens older than it are read as images, where one per forward each was read at full precision
+        while it was recent) or a key block (taken once whole, so the chunk's later tokens read it as
+        images before its last token is in). Where it is not, a stream is read one token per forward."""
+        return self.residual == 0 and self.key_block == 0
+
+    @property
     def width(self) -> str:
         """What a report tells storage widths apart by: the family and its number (`q4`, `fp8`)."""
         return f"{self.family}{self.number()}"
