@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn, ParamSpec, TypeVar
@@ -90,8 +91,16 @@ def check_dtype(dtype: str | None) -> str | None:
 
 
 def split_specs(text: str) -> list[str]:
-    """Comma-separated items, blanks dropped (`--policies "window, h2o,"`)."""
-    return [part.strip() for part in text.split(",") if part.strip()]
+    """Comma-separated items, blanks dropped (`--policies "window, h2o,"`). A spec's own options are
+    comma-separated too (`q4:group=64,residual=128+full`), so an item that starts `name=` continues the
+    spec before it rather than starting one: no spec starts with an option."""
+    items: list[str] = []
+    for part in (p.strip() for p in text.split(",")):
+        if items and re.match(r"[A-Za-z_]\w*=", part):
+            items[-1] += "," + part
+        elif part:
+            items.append(part)
+    return items
 
 
 def parse_numbers(text: str, option: str, kind: type, noun: str) -> list:
