@@ -12,6 +12,10 @@ All policies at one budget run as rows of one batch (the weights are read once p
 forward for all of them). The full cache runs in lockstep as a batch of its own, so
 fidelity (KL to the full cache, top-1 agreement) is measured on exactly the same tokens
 from the same chunked pass, in sub-blocks, without storing any distribution.
+
+The engine (`cache/cache.py`, which imports transformers' cache machinery and, with HQQ installed, HQQ
+and torch's compiler stack: seconds) is imported where the cache is built, not at the top: a command's
+checks before its model load import this module's neighbours and do without it.
 """
 
 from __future__ import annotations
@@ -20,11 +24,11 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..cache import EvictingCache, KeptTracker, Observer, SinkTracker
-from ..cache.observers import held_pinned_lost
+from ..cache.observers import KeptTracker, Observer, SinkTracker, held_pinned_lost
 from ..defaults import DEFAULT_CHUNK
 from ..errors import KvevictError
 from ..policies.base import held_per_step
@@ -33,6 +37,9 @@ from ..progress import bars
 from .chunks import boundaries, check_chunk
 from .forward import body, log_probs
 from .sink_loss import sink_loss
+
+if TYPE_CHECKING:
+    from ..cache import EvictingCache
 
 # Elements of `[rows, tokens, vocab]` log-probabilities held at once: NLL and KL are
 # computed in sub-blocks of predictions so a long chunk never holds more.
@@ -234,6 +241,8 @@ def full_reference(model, tokens: torch.Tensor, progress=True, label: str = "str
     targets = tokens[1:]
     steps = targets.numel()
     vocab = model.get_output_embeddings().weight.shape[0]
+    from ..cache.cache import EvictingCache  # here, not at the top (module docstring)
+
     kept = KeptTracker()
     lane = _Lane(model, EvictingCache(model, "full", budget=None, observers=[kept]), 1)
     hidden = []
@@ -281,6 +290,8 @@ def compare(
     tokens = _validate(tokens, model)
     chunk = check_chunk(chunk)
     rows = len(policies)
+    from ..cache.cache import EvictingCache  # here, not at the top (module docstring)
+
     with torch.inference_mode():
         kept, sinks = KeptTracker(), SinkTracker()
         cache = EvictingCache(
