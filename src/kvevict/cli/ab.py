@@ -66,6 +66,7 @@ def run_ab(config, allow_download: bool = False, executor=None, device: str = "c
     from ..report.runs import load_run, record_tolerance
     from ..report.tables import summary_table
     from ..report.verdict import verdict
+    from ..report.verdict_text import sentence
     from ..stats.tolerance import Tolerance
 
     check_device(device)
@@ -86,7 +87,7 @@ def run_ab(config, allow_download: bool = False, executor=None, device: str = "c
     print(f"tolerance: {tolerance.describe()}")
     verdicts = verdict(records, tolerance)
     for found in verdicts:
-        print(found.sentence)
+        print(sentence(found))
     groups = equal_bytes(ppl_records(records))
     for group in groups:  # rows of different KV widths at the same memory
         print(group.sentence())
