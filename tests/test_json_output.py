@@ -7,6 +7,7 @@ from kvevict.records.schema import load, ppl_records
 from kvevict.records.store import ResultStore
 from kvevict.report.envelope import envelope_rows
 from kvevict.report.verdict import verdict
+from kvevict.report.verdict_text import sentence
 from kvevict.stats.tolerance import Tolerance
 from test_capacity import LLAMA3_8B
 
@@ -61,5 +62,5 @@ def test_ab_json_holds_the_rows_and_the_verdict(tmp_path, tiny_dir):
         (r.policy, r.budget): r.ppl for r in ppl_records(records)}
     expected = verdict(records, Tolerance())
     assert [(v["budget"], v["recommended"], v["sentence"]) for v in got["verdict"]] == [
-        (v.budget, v.recommended.name if v.recommended else None, v.sentence) for v in expected]
+        (v.budget, v.recommended.name if v.recommended else None, sentence(v)) for v in expected]
     assert got["tolerance"] == Tolerance().as_dict() and got["report"].endswith("report.html")

@@ -134,6 +134,7 @@ def test_verdict_ships_the_fewest_bytes_where_widths_differ_at_a_budget():
     """At one budget a `q8+full` row holds more than a plain bounded row: where both are inside the tolerance, the
     verdict ships the one holding fewer bytes, though it pins slots (entries alone no longer measure memory)."""
     from kvevict.report.verdict import verdict
+    from kvevict.report.verdict_text import sentence
 
     base = [2.0, 2.3, 1.8, 2.1, 2.4, 1.9] * 4
     records = [_record("full", None, None, base, kind="full"),
@@ -141,7 +142,7 @@ def test_verdict_ships_the_fewest_bytes_where_widths_differ_at_a_budget():
                _record("sink4+window", 1024, 1_000_000, [x + 0.02 for x in base])]
     (found,) = verdict(records)
     assert found.recommended.name == "sink4+window"
-    assert "0.9537 MiB KV per sequence at bf16" in found.sentence
+    assert "0.9537 MiB KV per sequence at bf16" in sentence(found)
     # one width at the budget: bytes play no part, the old order holds (no pinned slots first)
     plain = [records[0], _record("window", 1024, 3_000_000, [x + 0.01 for x in base]), records[2]]
     assert verdict(plain)[0].recommended.name == "window"

@@ -14,7 +14,7 @@ from kvevict.records.store import ResultStore
 from kvevict.report.html import render
 from kvevict.report.sections import SECTIONS
 from kvevict.report.verdict import verdict
-from kvevict.report.verdict_text import HOW, markdown
+from kvevict.report.verdict_text import HOW, markdown, sentence, unsound_text
 from kvevict.stats.tolerance import Tolerance
 from kvevict.stats.uncertainty import blocks, mean_interval, paired_difference, wilson
 
@@ -104,24 +104,24 @@ def test_closest_is_lowest_kl_not_lowest_ppl():
     assert [c.name for c in v.inside] == ["h2o", "snapkv"]
     assert [c.name for c in v.tied] == ["snapkv"]  # 25/24 and 24/25 both within 1.3
     assert v.collapsed == [] and v.lost_sink == []
-    assert v.sentence == ("At budget 8 ship h2o (KL 0.100 [0.100, 0.100], PPL 25.00 [25.00, 25.00] vs 20.00 full; "
-                          "PPL: PPL ratio 1.250 [1.250, 1.250] ≤ 1.300): inside the tolerance; also inside: snapkv, "
-                          "and it is the cheapest (no pinned slots, attention statistics).")
+    assert sentence(v) == ("At budget 8 ship h2o (KL 0.100 [0.100, 0.100], PPL 25.00 [25.00, 25.00] vs 20.00 full; "
+                           "PPL: PPL ratio 1.250 [1.250, 1.250] ≤ 1.300): inside the tolerance; also inside: snapkv, "
+                           "and it is the cheapest (no pinned slots, attention statistics).")
 
 
 def test_not_told_apart_is_not_inside_the_default_tolerance():
     # the same rows at the default 5%: nothing is shown inside, the closest is named with its interval
     v = by_budget([FULL, row("h2o", 8, 25.0, 0.10), row("snapkv", 8, 24.0, 0.30)])[8]
     assert v.recommended is None and not v.inside
-    assert v.sentence == ("At budget 8 nothing is shown inside the tolerance; closest is h2o (PPL: PPL ratio 1.250 "
-                          "[1.250, 1.250] > 1.050): raise the budget; avoid snapkv (outside the tolerance).")
+    assert sentence(v) == ("At budget 8 nothing is shown inside the tolerance; closest is h2o (PPL: PPL ratio 1.250 "
+                           "[1.250, 1.250] > 1.050): raise the budget; avoid snapkv (outside the tolerance).")
 
 
 def test_without_kl_the_closest_is_the_lowest_ppl():
     v = by_budget([FULL, row("h2o", 8, 25.0, None), row("snapkv", 8, 24.0, None)], WIDE)[8]
     assert v.closest.name == "snapkv" and v.recommended.name == "snapkv"
-    assert v.sentence.startswith("At budget 8 ship snapkv (PPL 24.00 [24.00, 24.00] vs 20.00 full; PPL: PPL ratio "
-                                 "1.200 [1.200, 1.200] ≤ 1.300)")
+    assert sentence(v).startswith("At budget 8 ship snapkv (PPL 24.00 [24.00, 24.00] vs 20.00 full; PPL: PPL ratio "
+                                  "1.200 [1.200, 1.200] ≤ 1.300)")
 
 
 def test_the_cheapest_policy_inside_the_tolerance_is_recommended():
@@ -133,9 +133,9 @@ def test_the_cheapest_policy_inside_the_tolerance_is_recommended():
     assert v.closest.name == "h2o"
     assert [c.name for c in v.inside] == ["h2o", "sink8+window", "sink1+window"]
     assert v.recommended.name == "sink1+window"
-    assert v.sentence.startswith("At budget 8 ship sink1+window (KL 0.052")
+    assert sentence(v).startswith("At budget 8 ship sink1+window (KL 0.052")
     assert ("also inside: h2o, sink8+window, and it is the cheapest (1 pinned slot, no attention statistics)"
-            in v.sentence)
+            in sentence(v))
 
 
 def test_an_interval_that_straddles_the_limit_is_undecided_with_the_samples_that_would_decide_it():
@@ -145,18 +145,18 @@ def test_an_interval_that_straddles_the_limit_is_undecided_with_the_samples_that
     [(label, j)] = h2o.judgements
     assert label == "PPL" and j.outcome == "undecided" and j.low < 1.05 < j.high and j.more_samples > 0
     assert v.recommended is None
-    assert v.sentence.startswith("At budget 8 nothing is shown inside the tolerance yet; undecided: h2o (PPL: PPL "
-                                 "ratio 1.040")
+    assert sentence(v).startswith("At budget 8 nothing is shown inside the tolerance yet; undecided: h2o (PPL: PPL "
+                                  "ratio 1.040")
     assert f"about {j.more_samples} more blocks of tokens ({j.more_samples * 10:,} tokens) would decide its PPL" \
-        in v.sentence
-    assert "ship" not in v.sentence
+        in sentence(v)
+    assert "ship" not in sentence(v)
 
 
 def test_a_row_without_per_block_data_cannot_be_judged_inside():
     old = PplRecord("policy|h2o|8", "policy", "h2o", 8, 20.0, label="h2o", kl_to_full=0.0)  # no curve recorded
     v = by_budget([FULL, old])[8]
     assert v.recommended is None and v.undecided[0].missing == ("PPL",)
-    assert "it has no paired PPL data to judge" in v.sentence
+    assert "it has no paired PPL data to judge" in sentence(v)
 
 
 def test_a_full_cache_worse_than_the_policies_is_no_reference_to_be_close_to():
@@ -170,17 +170,17 @@ def test_a_full_cache_worse_than_the_policies_is_no_reference_to_be_close_to():
     v = by_budget([full(79.1), *rows])[8]
     assert v.closest.name == "sink4+window" and v.recommended.name == "sink4+window"
     assert {c.name for c in v.inside} == {"window", "sink4+window"} and v.tied == []
-    assert v.unsound_reference == ("ranked by PPL, not by closeness to the full cache, which is worse than every "
-                                   "policy here (PPL 79.10 [79.10, 79.10]: a stream past the positions the model "
-                                   "was trained on degrades the full cache itself)")
-    assert v.unsound_reference in v.sentence
+    assert unsound_text(v.unsound) == ("ranked by PPL, not by closeness to the full cache, which is worse than "
+                                       "every policy here (PPL 79.10 [79.10, 79.10]: a stream past the positions the "
+                                       "model was trained on degrades the full cache itself)")
+    assert unsound_text(v.unsound) in sentence(v)
     assert "lowest PPL (the full cache is worse)" in markdown([v])
     # only the policy whose PPL is below the full cache's beyond the noise is named
     v = by_budget([full(30.0), row("window", 8, 36.8, 1.672, kl_wobble=0.5), rows[1]])[8]
-    assert "which is worse than sink4+window here (PPL 30.00" in v.unsound_reference
+    assert "which is worse than sink4+window here (PPL 30.00" in unsound_text(v.unsound)
     # the same rows beside a full cache better than both: both outside 5%
     v = by_budget([full(20.0), *rows])[8]
-    assert v.unsound_reference is None and v.recommended is None
+    assert v.unsound is None and v.recommended is None
 
 
 def test_collapse_needs_the_whole_paired_interval_at_twice_the_full_cache():
@@ -191,9 +191,9 @@ def test_collapse_needs_the_whole_paired_interval_at_twice_the_full_cache():
     assert [(c.name, why) for c, why in v.collapsed] == [("window", "PPL ratio [2.00, 2.00] ≥ 2"),
                                                          ("random", "PPL ratio [4.50, 4.50] ≥ 2")]
     assert [c.name for c in v.outside] == ["h2o", "window", "knorm", "random"]
-    assert v.sentence.startswith("At budget 8 nothing is shown inside the tolerance; closest is h2o (PPL: PPL ratio "
-                                 "1.995 [1.995, 1.995] > 1.050)")
-    assert v.sentence.endswith("; avoid window (collapsed), knorm, random (collapsed) (outside the tolerance).")
+    assert sentence(v).startswith("At budget 8 nothing is shown inside the tolerance; closest is h2o (PPL: PPL ratio "
+                                  "1.995 [1.995, 1.995] > 1.050)")
+    assert sentence(v).endswith("; avoid window (collapsed), knorm, random (collapsed) (outside the tolerance).")
 
 
 def test_pass_key_trials_are_judged_paired_with_the_full_cache():
@@ -219,26 +219,26 @@ def test_lost_sink_lists_every_policy_and_how_many_heads():
     v = by_budget([FULL, row("h2o", 8, 22.0, 0.05, lost=1), row("window", 8, 30.0, 0.4, lost=4),
                    row("snapkv", 8, 23.0, 0.08)], Tolerance(max_ppl_ratio=1.2))[8]
     assert [(c.name, c.heads_lost, c.heads) for c in v.lost_sink] == [("h2o", 1, 4), ("window", 4, 4)]
-    assert v.sentence.startswith("At budget 8 ship h2o (KL 0.050")
-    assert v.sentence.endswith("but it lost token 0 on 1 of 4 heads; the closest policy inside the tolerance that "
-                               "kept it on every head is snapkv; avoid window (outside the tolerance).")
+    assert sentence(v).startswith("At budget 8 ship h2o (KL 0.050")
+    assert sentence(v).endswith("but it lost token 0 on 1 of 4 heads; the closest policy inside the tolerance that "
+                                "kept it on every head is snapkv; avoid window (outside the tolerance).")
     # with no policy inside that kept token 0 everywhere, the advice is to pin sinks
     v = by_budget([FULL, row("h2o", 8, 22.0, 0.05, lost=1), row("window", 8, 30.0, 0.4, lost=4),
                    row("sink4+random", 8, 45.0, 0.9)], Tolerance(max_ppl_ratio=1.2))[8]
-    assert v.sentence.endswith("but it lost token 0 on 1 of 4 heads: pin sinks (sinkN+h2o); "
-                               "avoid window, sink4+random (collapsed) (outside the tolerance).")
+    assert sentence(v).endswith("but it lost token 0 on 1 of 4 heads: pin sinks (sinkN+h2o); "
+                                "avoid window, sink4+random (collapsed) (outside the tolerance).")
     # a serving engine's preset refuses sink wrappers: the advice names the engine's own option instead
     v = by_budget([FULL, row("trtllm:sink=0", 8, 22.0, 0.05, lost=4), row("vllm-swa", 8, 22.0, 0.05, lost=4)],
                   Tolerance(max_ppl_ratio=1.2))[8]
-    assert v.sentence.endswith("but it lost token 0 on 4 of 4 heads: keep sinks with the engine's own option "
-                               "(the preset's keep or sink count, e.g. 4).")
+    assert sentence(v).endswith("but it lost token 0 on 4 of 4 heads: keep sinks with the engine's own option "
+                                "(the preset's keep or sink count, e.g. 4).")
 
 
 def test_every_policy_outside_says_raise_the_budget():
     v = by_budget([FULL, row("window", 4, 80.0, 1.0, lost=4), row("random", 4, 95.0, 1.2, lost=4)])[4]
-    assert v.sentence == ("At budget 4 nothing is shown inside the tolerance; closest is window (PPL: PPL ratio 4.000 "
-                          "[4.000, 4.000] > 1.050): raise the budget; avoid random (collapsed) (outside the "
-                          "tolerance).")
+    assert sentence(v) == ("At budget 4 nothing is shown inside the tolerance; closest is window (PPL: PPL ratio 4.000 "
+                           "[4.000, 4.000] > 1.050): raise the budget; avoid random (collapsed) (outside the "
+                           "tolerance).")
 
 
 def test_budget_with_only_the_oracle_has_no_verdict():

@@ -14,6 +14,7 @@ from kvevict.records.schema import RulerRecord
 from kvevict.report.markdown import run_markdown
 from kvevict.report.sections import decision
 from kvevict.report.verdict import verdict
+from kvevict.report.verdict_text import sentence
 from kvevict.stats.tolerance import Tolerance
 from test_verdict import FULL, row
 
@@ -67,8 +68,8 @@ def test_tasks_outside_the_tolerance_overturn_the_perplexity_pick_and_the_senten
     assert 0.4 < judged["tasks"].low < 0.5
     assert [c.name for c in v.outside] == ["window"] and not v.collapsed
     # PPL alone would take window (the cheapest); the tasks refuse it: h2o is the cheapest inside on both
-    assert v.recommended.name == "h2o" and v.sentence.startswith("At budget 64 ship h2o")
-    assert "avoid window (outside the tolerance)" in v.sentence
+    assert v.recommended.name == "h2o" and sentence(v).startswith("At budget 64 ship h2o")
+    assert "avoid window (outside the tolerance)" in sentence(v)
     # Spearman over window, h2o, snapkv: -PPL ranks (2.5, 2.5, 1), task rates (0.1, 0.9, 1.0) rank (1, 2, 3):
     # cov = 0.5 x (-1) + 0.5 x 0 + (-1) x 1 = -1.5, var 1.5 and 2: rho = -1.5 / sqrt(3) = -0.866
     [agreement] = v.agreement
@@ -81,8 +82,8 @@ def test_tasks_outside_the_tolerance_overturn_the_perplexity_pick_and_the_senten
 def test_tasks_inside_the_tolerance_keep_the_perplexity_pick():
     v = by_budget(ab_run(window_hits=9, with_snapkv=False), LOOSE)[64]
     assert v.recommended.name == "window" and [c.name for c in v.inside] == ["window", "h2o"]
-    assert v.sentence.startswith("At budget 64 ship window (KL 0.500")
-    assert "tasks: accuracy drop +0.10" in v.sentence and "also inside: h2o" in v.sentence
+    assert sentence(v).startswith("At budget 64 ship window (KL 0.500")
+    assert "tasks: accuracy drop +0.10" in sentence(v) and "also inside: h2o" in sentence(v)
 
 
 def test_perplexity_inside_and_tasks_straddling_is_undecided_not_shipped():
@@ -96,8 +97,8 @@ def test_perplexity_inside_and_tasks_straddling_is_undecided_not_shipped():
     # at 20% on PPL h2o is outside: nothing inside, window undecided with the answers that would decide it
     v = by_budget(records, Tolerance(max_ppl_ratio=1.3, max_accuracy_drop=0.4))[64]
     assert v.recommended is None
-    assert v.sentence.startswith("At budget 64 nothing is shown inside the tolerance yet; undecided: window")
-    assert "more task answers would decide its tasks" in v.sentence and "avoid h2o" in v.sentence
+    assert sentence(v).startswith("At budget 64 nothing is shown inside the tolerance yet; undecided: window")
+    assert "more task answers would decide its tasks" in sentence(v) and "avoid h2o" in sentence(v)
 
 
 def test_a_run_of_tasks_alone_gets_a_verdict_per_budget():
@@ -111,15 +112,15 @@ def test_a_run_of_tasks_alone_gets_a_verdict_per_budget():
     assert {c.name for c in half.inside} == {"window", "h2o"} and [c.name for c in half.outside] == ["snapkv"]
     assert [c.name for c in half.tied] == ["h2o"]
     assert half.recommended.name == "window"  # the cheapest: no attention statistics
-    assert half.sentence.startswith("At budget 50% ship window (tasks: accuracy drop +0.10")
-    assert "avoid snapkv (collapsed) (outside the tolerance)" in half.sentence
+    assert sentence(half).startswith("At budget 50% ship window (tasks: accuracy drop +0.10")
+    assert "avoid snapkv (collapsed) (outside the tolerance)" in sentence(half)
     # 25%: both 3/10 against 10/10: [0.22, 0.95] straddles 0.4
     assert quarter.recommended is None and not quarter.collapsed
-    assert quarter.sentence.startswith("At budget 25% nothing is shown inside the tolerance yet; undecided: window")
+    assert sentence(quarter).startswith("At budget 25% nothing is shown inside the tolerance yet; undecided: window")
     # the HTML section and the Markdown render the same sentence, computed once (default tolerance: nothing ships)
     title, body = decision(records)
     assert title == "Verdict" and "At budget 50% nothing is shown inside the tolerance" in body
-    assert found["50%"].sentence in run_markdown(records, tolerance=LOOSE)
+    assert sentence(found["50%"]) in run_markdown(records, tolerance=LOOSE)
 
 
 def _niah(policy: str, budget: str, scores: list[float]) -> list[RulerRecord]:
@@ -134,9 +135,9 @@ def test_a_policy_that_lost_five_of_nine_answers_is_not_shipped():
     records = _niah("full", "full", full) + _niah("streamingllm", "50%", [1.0] * 4 + [0.0] * 8)
     records += _niah("tova", "50%", [0.0] * 12)
     [v] = verdict(records)
-    assert v.recommended is None and "ship" not in v.sentence
+    assert v.recommended is None and "ship" not in sentence(v)
     # 5 lost, none won, of 12: 6/14 - 1/14 = 0.36 ± 0.32, the drop [0.04, 0.68] straddles 0.05
-    assert v.sentence.startswith("At budget 50% nothing is shown inside the tolerance yet; undecided: streamingllm")
+    assert sentence(v).startswith("At budget 50% nothing is shown inside the tolerance yet; undecided: streamingllm")
     assert [c.name for c in v.outside] == ["tova"]
 
 
@@ -146,9 +147,9 @@ def test_a_policy_that_found_neither_needle_is_not_shipped():
     records = [FULL, row("h2o", 64, 20.5, 0.02), row("window", 64, 40.0, 0.8)]
     records += answers("full", "full", 2, n=2) + answers("h2o", "64", 0, n=2) + answers("window", "64", 0, n=2)
     [v] = verdict(records)
-    assert v.recommended is None and "ship" not in v.sentence
-    assert v.sentence.startswith("At budget 64 nothing is shown inside the tolerance yet; undecided: h2o")
-    assert "more task answers would decide its tasks" in v.sentence
+    assert v.recommended is None and "ship" not in sentence(v)
+    assert sentence(v).startswith("At budget 64 nothing is shown inside the tolerance yet; undecided: h2o")
+    assert "more task answers would decide its tasks" in sentence(v)
 
 
 def test_one_lost_answer_ships_within_five_points_only_on_enough_answers():
@@ -159,8 +160,8 @@ def test_one_lost_answer_ships_within_five_points_only_on_enough_answers():
         policy = [1.0] * (n - 6) + [0.0] * 6  # lost answer n - 6
         [v] = verdict(_niah("full", "full", full) + _niah("h2o", "50%", policy))
         assert (v.recommended is not None) == ships, n
-        assert v.sentence.startswith("At budget 50% ship h2o" if ships else
-                                     "At budget 50% nothing is shown inside the tolerance yet; undecided: h2o")
+        assert sentence(v).startswith("At budget 50% ship h2o" if ships else
+                                      "At budget 50% nothing is shown inside the tolerance yet; undecided: h2o")
 
 
 def test_a_run_of_tasks_alone_prints_no_empty_perplexity_table():
@@ -192,7 +193,7 @@ def test_the_tasks_are_judged_agnostic_and_a_policy_told_the_question_is_not_ran
     assert v.protocol == "agnostic"
     assert {c.name: (c.task.hits, c.task.n) for c in v.candidates} == {"h2o": (9, 10), "snapkv": (0, 10)}
     assert v.partial == [("adakv:alpha=1:snapkv", 0, 10)]
-    assert v.recommended.name == "h2o" and "adakv" not in v.sentence.partition("avoid")[0]
+    assert v.recommended.name == "h2o" and "adakv" not in sentence(v).partition("avoid")[0]
     assert ("not ranked on the tasks (fewer agnostic answers than the other policies at this budget; a run of the same "
             "tasks and samples fills them): adakv:alpha=1:snapkv 0/10") in run_markdown(records)
 
@@ -211,8 +212,8 @@ def test_policies_that_answered_different_samples_are_not_ranked_against_each_ot
     records += [r for r in answers("tova", "50%", 0) if r.sample >= 5]  # samples 5-9 only
     [v] = verdict(records)
     assert not v.candidates and v.partial == [("h2o", 5, 10), ("tova", 5, 10)]
-    assert v.sentence == ("At budget 50% no policy answered every agnostic answer the budget asks (h2o 5/10, tova "
-                          "5/10): run the same tasks and samples for each.")
+    assert sentence(v) == ("At budget 50% no policy answered every agnostic answer the budget asks (h2o 5/10, tova "
+                           "5/10): run the same tasks and samples for each.")
 
 
 def test_a_run_without_agnostic_answers_is_judged_on_its_first_protocol_in_order():
@@ -226,8 +227,8 @@ def test_a_budget_whose_every_task_is_beyond_the_model_says_so():
     records = answers("full", "full", 1) + answers("window", "50%", 10)
     [v] = verdict(records)
     assert v.recommended is None and not v.candidates
-    assert v.sentence == ("At budget 50% every task the run holds is beyond this model at its length (the full cache "
-                          "scores below 50%: niah_single_1@1000 (agnostic)): the tasks cannot judge the policies.")
+    assert sentence(v) == ("At budget 50% every task the run holds is beyond this model at its length (the full cache "
+                           "scores below 50%: niah_single_1@1000 (agnostic)): the tasks cannot judge the policies.")
 
 
 def test_a_list_tasks_partial_scores_are_counted_to_one_decimal():

@@ -17,7 +17,8 @@ import torch
 
 from ..data import load_tokens
 from ..eval.oracle import recompute_oracle
-from ..eval.streaming import Reference, RowResult, compare, full_reference
+from ..eval.row_result import RowResult
+from ..eval.streaming import Reference, compare, full_reference
 from ..loading import load_model
 from ..policies import shared_batches
 from ..position_modes import DEFAULT_POSITIONS

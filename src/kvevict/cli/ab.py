@@ -66,6 +66,7 @@ def run_ab(config, allow_download: bool = False, executor=None, device: str = "c
     from ..report.runs import load_run, record_tolerance
     from ..report.tables import summary_table
     from ..report.verdict import verdict
+    from ..report.verdict_text import sentence
     from ..stats.tolerance import Tolerance
 
     check_device(device)
@@ -86,7 +87,7 @@ def run_ab(config, allow_download: bool = False, executor=None, device: str = "c
     print(f"tolerance: {tolerance.describe()}")
     verdicts = verdict(records, tolerance)
     for found in verdicts:
-        print(found.sentence)
+        print(sentence(found))
     groups = equal_bytes(ppl_records(records))
     for group in groups:  # rows of different KV widths at the same memory
         print(group.sentence())
@@ -175,13 +176,11 @@ def ab(
 
     check_device(device)  # before the dtype: on cuda the default is read from the checkpoint
     tolerance = tolerance_from(max_ppl_ratio, max_accuracy_drop, max_kl, min_accuracy_ratio=min_accuracy_ratio)
-
     config = SweepConfig(
         model=model, dtype=model_dtype(model, check_dtype(dtype), device, allow_download), text=text,
-        tokens=tokens, budgets=parse_ints(budgets, "--budgets"),
-        policies=split_specs(policies), sinks=parse_ints(sinks, "--sinks"),
-        oracle_stride=oracle_stride, positions=positions, chunk=parse_chunk(chunk), seed=seed, name=name,
-        out=out_dir,
+        tokens=tokens, budgets=parse_ints(budgets, "--budgets"), policies=split_specs(policies),
+        sinks=parse_ints(sinks, "--sinks"), oracle_stride=oracle_stride, positions=positions, chunk=parse_chunk(chunk),
+        seed=seed, name=name, out=out_dir,
         needle=parse_ints(needle, "--needle"), needle_depths=parse_floats(needle_depths, "--needle-depths"),
         needle_trials=needle_trials, generation=generation, sink_map=sink_map,
         ruler=_ruler_tasks(ruler), ruler_length=ruler_length, ruler_samples=ruler_samples,

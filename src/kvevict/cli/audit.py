@@ -75,13 +75,43 @@ def audit(
 ) -> None:
     """Audit a running server: its fidelity along a long generation against the reference, the eviction events,
     the sink-loss signature, a rerun with the sinks kept; judged by the verdict's rule (docs/audit.md)."""
-    from ..audit.api import ROUTES
+    settings = {"api_key_env": api_key_env, "timeout": timeout, "retries": retries, "concurrency": concurrency}
+    spec = _spec(url, reference_url, settings, (max_ppl_ratio, max_accuracy_drop, max_kl), tasks, route=api,
+                 served_model=served_model, reference_route=reference_api, reference_mode=reference_mode, model=model,
+                 text=text, prompt_tokens=prompt_tokens, new_tokens=new_tokens, top_k=top_k, offset=offset,
+                 n_keep=n_keep, sinks=sinks, context=context, server_keep=server_keep, out=Path(out), qa=qa,
+                 samples=samples, generation_trials=generation_trials, task_length=task_length,
+                 conversations=conversations)
+    _run(spec, reproduce, as_json)
+
+
+def _spec(url: str, reference_url: str | None, settings: dict, tolerance: tuple, tasks: str, *, route: str,
+          reference_route: str | None, reference_mode: str, prompt_tokens: int, new_tokens: int, top_k: int,
+          **fields):
+    """The `AuditSpec` the options describe, every one checked before the first request goes out (`_check`).
+    `settings`: how both endpoints are spoken to; `tolerance`: `tolerance_from`'s three limits; `fields`: the
+    spec's fields that the options give as they are."""
     from ..audit.client import Endpoint
     from ..audit.run import AuditSpec
-    from ..errors import KvevictError
     from ..eval.ruler.registry import parse_tasks
 
-    for name, value in (("--api", api), ("--reference-api", reference_api or api)):
+    _check(route, reference_route, reference_mode, prompt_tokens, new_tokens, top_k)
+    return AuditSpec(
+        deployment=Endpoint(url, **settings), route=route,
+        reference=Endpoint(reference_url, **settings) if reference_url else None, reference_route=reference_route,
+        reference_mode=reference_mode, prompt_tokens=prompt_tokens, new_tokens=new_tokens, top_k=top_k,
+        tolerance=tolerance_from(*tolerance), tasks=tuple(parse_tasks(tasks)) if tasks else (), **fields,
+    )
+
+
+def _check(route: str, reference_route: str | None, reference_mode: str, prompt_tokens: int, new_tokens: int,
+           top_k: int) -> None:
+    """Routes and a reference mode the client speaks, and lengths of at least 1: each refused in one line naming
+    its option before any request."""
+    from ..audit.api import ROUTES
+    from ..errors import KvevictError
+
+    for name, value in (("--api", route), ("--reference-api", reference_route or route)):
         if value not in ROUTES:
             raise KvevictError(f"{name} must be one of {', '.join(ROUTES)}, got '{value}'")
     if reference_mode not in ("positions", "prompt-logprobs"):
@@ -89,18 +119,6 @@ def audit(
     for name, value in (("--prompt-tokens", prompt_tokens), ("--new-tokens", new_tokens), ("--top-k", top_k)):
         if value < 1:
             raise KvevictError(f"{name} must be at least 1, got {value}")
-    settings = {"api_key_env": api_key_env, "timeout": timeout, "retries": retries, "concurrency": concurrency}
-    spec = AuditSpec(
-        deployment=Endpoint(url, **settings), route=api, served_model=served_model,
-        reference=Endpoint(reference_url, **settings) if reference_url else None, reference_route=reference_api,
-        reference_mode=reference_mode,
-        model=model, text=text, prompt_tokens=prompt_tokens, new_tokens=new_tokens, top_k=top_k, offset=offset,
-        n_keep=n_keep, sinks=sinks, context=context, server_keep=server_keep, out=Path(out),
-        tolerance=tolerance_from(max_ppl_ratio, max_accuracy_drop, max_kl), tasks=tuple(parse_tasks(tasks)) if
-        tasks else (), qa=qa, samples=samples, generation_trials=generation_trials, task_length=task_length,
-        conversations=conversations,
-    )
-    _run(spec, reproduce, as_json)
 
 
 def _run(spec, reproduce: bool, as_json: bool) -> None:

@@ -143,25 +143,34 @@ def envelope(
         return _tasks(model, dtype, tasks, lengths, protocol, policies, floor, resolution, accuracy,
                       samples_start, samples_max, seed, positions, text, name, out_dir, allow_download, device,
                       remote_executor(executor, address, workers, retries), answer_cap(max_new_tokens), as_json)
+    check_device(device)  # before the dtype: on cuda the default is read from the checkpoint
+    runner = remote_executor(executor, address, workers, retries)
+    per_length = _configs_per_length(model, text, tokens, lengths, policies, floor, resolution, max_ppl_ratio,
+                                     max_kl, positions, dtype, chunk, seed, name, out_dir, allow_download, device)
+    _search(per_length, runner, deployment, weight_bytes, allow_download, device, as_json)
+
+
+def _configs_per_length(model: str, text: str, tokens: int, lengths: str, policies: str, floor: int,
+                        resolution: float, max_ppl_ratio: str, max_kl: str, positions: str | None, dtype: str | None,
+                        chunk: str, seed: int, name: str, out_dir: str, allow_download: bool, device: str) -> list:
+    """One perplexity search (`ab.envelope.EnvelopeConfig`) per stream length, each in OUT/NAME-LENGTH when there
+    are several: the options read once, so a bad one is refused before any search starts."""
     from ..ab.envelope import EnvelopeConfig
     from ..loading.models import model_dtype
     from ..policies.engine_defaults import run_positions
 
-    check_device(device)  # before the dtype: on cuda the default is read from the checkpoint
-    runner = remote_executor(executor, address, workers, retries)
     if positions:
         check_positions(positions)
     positions = run_positions(split_specs(policies), positions)  # an engine preset brings its own mode
     dtype = model_dtype(model, check_dtype(dtype), device, allow_download)
     sizes = parse_lengths(lengths) if lengths.strip() else [tokens]
-    configs = [EnvelopeConfig(
+    return [EnvelopeConfig(
         model=model, dtype=dtype, text=text, tokens=size, policies=split_specs(policies), floor=floor,
         resolution=resolution,
         max_ppl_ratio=_optional_float(max_ppl_ratio, "--max-ppl-ratio"), max_kl=_optional_float(max_kl, "--max-kl"),
         positions=positions, chunk=parse_chunk(chunk), seed=seed, name=name if len(sizes) == 1 else f"{name}-{size}",
         out=out_dir,
     ) for size in sizes]
-    _search(configs, runner, deployment, weight_bytes, allow_download, device, as_json)
 
 
 def _search(configs: list, runner, deployment, weight_bytes: str, allow_download: bool, device: str,

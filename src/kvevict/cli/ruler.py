@@ -133,6 +133,7 @@ def _show_run(run, records: list, tolerance, as_json: bool) -> None:
     from ..report.runs import record_tolerance
     from ..report.task_bytes import task_equal_bytes
     from ..report.verdict import verdict
+    from ..report.verdict_text import sentence
 
     config = {**run.config(), **record_tolerance(run.folder, tolerance.as_dict())}
     path = render(records, config, run.folder / "report.html")
@@ -148,7 +149,7 @@ def _show_run(run, records: list, tolerance, as_json: bool) -> None:
             print(group.sentence())
     print(f"tolerance: {tolerance.describe()}")
     for found in verdict(records, tolerance):  # the report's verdict, drawn from the same records
-        print(found.sentence)
+        print(sentence(found))
 
 
 def _failed(runner) -> None:

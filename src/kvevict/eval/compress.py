@@ -14,22 +14,29 @@ compressed, so every generated token is computed from what the policy kept.
 
 A policy scored by reconstruction (`kvzip`) needs the model's `tokenizer`: the prefill is held
 back, the context reconstructed (`reconstruction.reconstruct`), then compressed.
+
+The engine (`cache/cache.py`, which imports transformers' cache machinery and, with HQQ installed, HQQ
+and torch's compiler stack: seconds) is imported where the cache is built, not at the top: a command's
+checks before its model load import this module's neighbours and do without it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..cache import EvictingCache
 from ..errors import KvevictError
 from ..policies import Policy
 from ..policies.budget import Budget, resolve_budget
 from ..position_modes import DEFAULT_POSITIONS
 from .forward import body, log_probs, logits
 from .reconstruction import reconstruct, reconstructing_policy
+
+if TYPE_CHECKING:
+    from ..cache import EvictingCache
 
 
 @dataclass
@@ -113,6 +120,8 @@ def compress(
     if context.dim() == 2 and len(specs) == 1:
         specs = specs * context.shape[0]
     entries = resolve_budget(budget, context.shape[-1])
+    from ..cache.cache import EvictingCache  # here, not at the top (module docstring)
+
     with torch.inference_mode():
         cache = EvictingCache(model, specs, budget=entries, positions=positions)
         ids = context.long().expand(len(specs), -1)

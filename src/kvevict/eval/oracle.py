@@ -17,7 +17,8 @@ from ..errors import KvevictError
 from ..position_modes import DEFAULT_POSITIONS
 from ..progress import bars
 from .forward import log_probs
-from .streaming import Reference, RowResult
+from .row_result import RowResult
+from .streaming import Reference
 
 # Tokens per batched forward: bounds activation memory of the oracle's windows.
 TOKENS_PER_BATCH = 4096

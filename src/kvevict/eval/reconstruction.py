@@ -25,14 +25,17 @@ import hashlib
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..cache import EvictingCache
 from ..errors import KvevictError
 from ..files import atomic_write
 from ..policies import Policy
 from .forward import body
+
+if TYPE_CHECKING:  # what is handed in; this module builds no cache
+    from ..cache import EvictingCache
 
 FIRST = "\n\nRepeat the previous context exactly."
 LATER = "\n\nRepeat the part of the previous context exactly, starting with"

@@ -15,6 +15,7 @@ from dataclasses import asdict
 from ..capacity import CapacityRow
 from ..records.schema import PplRecord
 from ..stats.tolerance import Judgement
+from . import verdict_text
 from .envelope import EnvelopeRow, Probe
 from .task_envelope import Cell, TaskRow
 from .verdict import BudgetVerdict
@@ -44,7 +45,7 @@ def verdicts(found: Sequence[BudgetVerdict]) -> list[dict]:
              "outside": [c.name for c in v.outside], "collapsed": [c.name for c, _ in v.collapsed],
              "tied": [c.name for c in v.tied],
              "judgements": {c.name: {label: judgement(j) for label, j in c.judgements} for c in v.candidates},
-             "sentence": v.sentence} for v in found]
+             "sentence": verdict_text.sentence(v)} for v in found]
 
 
 def _probe(p: Probe | None) -> dict | None:

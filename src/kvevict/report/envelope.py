@@ -189,7 +189,7 @@ def unsound_reference(full: PplRecord, rows: list[EnvelopeRow], tolerance: Toler
     """Undecided, and why, where some probe's whole paired PPL interval lies below the full cache's (ratio < 1):
     the full cache is then not the better model (a stream past the positions the model was trained on degrades
     it), so being within a tolerance of it shows nothing safe. None where the full cache is a sound reference.
-    The same test as the A/B verdict's (`verdict.unsound_reference`), on the envelope's probes."""
+    The same test as the A/B verdict's (`verdict.Unsound`), on the envelope's probes."""
     reference = blocks(full.curve, "ppl")
     better = []
     for row in rows:

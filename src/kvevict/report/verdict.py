@@ -28,8 +28,9 @@ is the better model: where a policy's paired PPL lies wholly below the full cach
 stream past the model's trained positions), the policies are ranked by PPL and the sentence
 says why (`BudgetVerdict.unsound`).
 
-This module decides; how each decision is said (the sentence, the facts under it, the verdict
-as Markdown and HTML) is `verdict_text`'s, which reads these dataclasses and decides nothing.
+This module decides and says nothing: how each decision is said (the sentence, the facts under
+it, the verdict as Markdown and HTML) is `verdict_text`'s, which reads these dataclasses and
+decides nothing. The records flow one way, so a wording never reaches back into a decision.
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ from ..records.schema import PplRecord, Record, ppl_records, ruler_records, task
 from ..stats.judge import Judged, Measured, judge
 from ..stats.tolerance import Judgement, Tolerance
 from ..stats.uncertainty import Blocks, Interval, blocks, mean_interval, paired_difference, wilson
-from . import verdict_text
 from .ruler import TaskScore, beyond, judged, rank_agreement, where_label
 from .tables import budget_order
 from .traits import is_preset, kv_width, needs_attention, pinned
@@ -142,7 +142,7 @@ class Unsound:
 class BudgetVerdict:
     """The verdict at one budget: every `candidate` (closest first), split by outcome into `inside`, `undecided`
     and `outside` (each closest first), `collapsed` as (candidate, reason), the `recommended` one, `tied` with it,
-    `lost_sink`, and the sentence. With tasks: `agreement` (`ruler.rank_agreement` rows of this budget),
+    `lost_sink`. With tasks: `agreement` (`ruler.rank_agreement` rows of this budget),
     `opposed` ((a, b): PPL shows a ahead of b beyond the tolerance, the tasks b ahead of a) and `beyond`
     (task@length the model fails itself). A budget of tasks alone is its label (`50%`), with no PPL."""
 
@@ -163,17 +163,6 @@ class BudgetVerdict:
     protocol: str | None = None  # the protocol the tasks are judged on (`ruler.judged_protocol`)
     partial: list[tuple[str, int, int]] = field(default_factory=list)  # (policy, answered, asked): not ranked
     unsound: Unsound | None = None  # why the policies are ranked by PPL, not by KL to the full cache
-
-    @property
-    def sentence(self) -> str:
-        """The verdict at this budget in one sentence (`verdict_text.sentence`)."""
-        return verdict_text.sentence(self)
-
-    @property
-    def unsound_reference(self) -> str | None:
-        """Why the policies are ranked by PPL, in words (`verdict_text.unsound_text`); None where the full cache
-        is a sound reference."""
-        return None if self.unsound is None else verdict_text.unsound_text(self.unsound)
 
     @property
     def has_ppl(self) -> bool:

@@ -2,7 +2,8 @@
 
 Everything here reads the decisions `verdict` made (`BudgetVerdict`, `Candidate`, `Unsound`)
 and decides nothing: which policy ships, which are undecided, outside, collapsed or tied is
-`verdict.py`'s; how that is said is this module's.
+`verdict.py`'s; how that is said is this module's. The decisions never import it: a caller that
+prints a verdict asks for its words here (`sentence(v)`).
 """
 
 from __future__ import annotations
@@ -10,14 +11,11 @@ from __future__ import annotations
 import html
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from .columns import number
 from .kv_bytes import mib
 from .ruler import FLOOR
-
-if TYPE_CHECKING:
-    from .verdict import BudgetVerdict, Candidate, Unsound
+from .verdict import BudgetVerdict, Candidate, Unsound
 
 #: how the verdict decides, said in the report under the verdict
 HOW = (
@@ -121,8 +119,8 @@ def sentence(v: BudgetVerdict) -> str:
     full = f" vs {v.full_ppl:.2f} full" if v.full_ppl and not math.isnan(best.ppl) else ""
     scores = _scores(best) + full + "; " if not math.isnan(best.ppl) else ""
     text = f"At budget {v.budget} ship {best.name} ({scores}{judged_text(best)}): inside the tolerance"
-    if v.unsound_reference:
-        text += f"; {v.unsound_reference}"
+    if v.unsound is not None:
+        text += f"; {unsound_text(v.unsound)}"
     others = [c for c in v.inside if c is not best]
     if others:
         text += f"; also inside: {_names(others)}, and it is the cheapest ({_cost_text(best)})"
@@ -181,7 +179,7 @@ def _ranking_facts(v: BudgetVerdict) -> list[tuple[str, str]]:
         return ([("closest to full", _closest_text(v))] + _judgement_facts(v)
                 + [("tied with the one shipped (inside the tolerance both ways)", tied),
                    ("collapsed", collapsed)] + _task_facts(v))
-    first = "lowest PPL (the full cache is worse)" if v.unsound_reference else "closest to full"
+    first = "lowest PPL (the full cache is worse)" if v.unsound is not None else "closest to full"
     facts = [(first, _closest_text(v))] + _judgement_facts(v)
     facts += [("tied with the one shipped (inside the tolerance both ways)", tied),
               ("collapsed", collapsed), ("lost token 0", lost)]
@@ -228,7 +226,7 @@ def markdown(verdicts: Sequence[BudgetVerdict], title: str = "Verdict") -> str:
     if verdicts:
         lines += [f"Tolerance: {verdicts[0].tolerance.describe()}.", ""]
     for v in verdicts:
-        lines.append(f"**Budget {v.budget}.** {v.sentence}")
+        lines.append(f"**Budget {v.budget}.** {sentence(v)}")
         lines.append("")
         for label, text in _facts(v):
             lines.append(f"- {label}: {text}")
@@ -246,7 +244,7 @@ def section_html(verdicts: Sequence[BudgetVerdict]) -> str:
         parts.append(f'<p class="tolerance">Tolerance: {html.escape(verdicts[0].tolerance.describe())}.</p>')
     for v in verdicts:
         items = "".join(f"<li>{html.escape(label)}: {html.escape(text)}</li>" for label, text in _facts(v))
-        parts.append(f'<div class="verdict" data-budget="{v.budget}"><p><strong>{html.escape(v.sentence)}'
+        parts.append(f'<div class="verdict" data-budget="{v.budget}"><p><strong>{html.escape(sentence(v))}'
                      f"</strong></p><ul>{items}</ul></div>")
     parts.append(f'<p class="how">{html.escape(HOW)}</p>')
     return "".join(parts)

@@ -4,6 +4,10 @@ What every protocol is built from (`protocol_kinds/`): `prefill` reads ids into 
 for a batch of policy rows (the shared prefix fed once), `compress_at` compresses a state
 whose eviction was held back, `snapshot` copies a state so that several questions start
 from the same one, and `whole` turns a held-back state into the full cache.
+
+The engine (`cache/cache.py`, which imports transformers' cache machinery and, with HQQ installed, HQQ
+and torch's compiler stack: seconds) is imported where the cache is built, not at the top: `kvevict ruler`
+checks its grid before its model load through the protocols, which import this module, and without the engine.
 """
 
 from __future__ import annotations
@@ -12,7 +16,6 @@ from dataclasses import replace
 
 import torch
 
-from ...cache import EvictingCache
 from ...defaults import DEFAULT_CHUNK
 from ...errors import KvevictError
 from ..compress import Compressed
@@ -36,6 +39,8 @@ def prefill(model, ids: torch.Tensor, specs: list[str], entries: int | None, pos
     (`tokenizer`: the model's) before any budget compresses it, or scored from `kept` where it holds this
     context's scores (`reconstruction.KeptScores`).
     """
+    from ...cache.cache import EvictingCache  # here, not at the top (module docstring)
+
     rows = len(specs)
     with torch.inference_mode():
         cache = EvictingCache(model, specs, budget=entries, positions=positions, per_token=stream)
