@@ -183,7 +183,7 @@ class EvictingLayer(SlotLayer):
 
     def _evict_to(self, views: list[SlotView], total: int, target: int) -> None:
         self.identical = False
-        slot = self._fifo_victim(total, target)
+        slot = self.fifo_victim(total, target)
         if slot is None:
             self._evict(views, total, target)
         else:
@@ -265,7 +265,7 @@ class EvictingLayer(SlotLayer):
 
     def _evict_slot(self, slot: int, keep_count: int) -> None:
         """Evict slot `slot` (the newest entry, slot `keep_count`, takes its place) and report it."""
-        gone = self._turn_ring(slot, keep_count)
+        gone = self.turn_ring(slot, keep_count)
         self.n = keep_count
         wanted = any(o.wants_victims for o in self.settings.observers)
         self.report_eviction(self.seen, self.storage.pos[:, :, :keep_count], gone if wanted else None)

@@ -36,7 +36,7 @@ class SlotLayer(CacheLayer):
         self.storage: SlotStorage | None = None
         self.ordered = True  # slots sit in positional order (until a hole is filled in place)
         # (slot of the oldest unpinned entry, tokens seen when it was found): valid for the next
-        # decode step only, see `_fifo_victim`
+        # decode step only, see `fifo_victim`
         self._ring: tuple[int, int] | None = None
 
     def _slot_storage(self, names: tuple[str, ...]) -> SlotStorage:
@@ -132,7 +132,7 @@ class SlotLayer(CacheLayer):
     def ring_start(self) -> int | None:
         """The first slot of the first-in-first-out ring (the pinned tokens sit before it), or None: no ring."""
 
-    def _fifo_victim(self, total: int, keep_count: int) -> int | None:
+    def fifo_victim(self, total: int, keep_count: int) -> int | None:
         """The victim slot of a decode step under a first-in-first-out eviction, found without scores,
         or None (score and select; or compact)."""
         fifo = self.settings.mode.ring(self.ring_start())
@@ -144,7 +144,7 @@ class SlotLayer(CacheLayer):
             return self._ring[0]
         return None
 
-    def _turn_ring(self, slot: int, keep_count: int) -> torch.Tensor:
+    def turn_ring(self, slot: int, keep_count: int) -> torch.Tensor:
         """Move the newest entry (slot `keep_count`) into the victim's slot `slot` and note the next victim,
         the slot after it (the ring wraps to `ring_start`). Returns the positions `[B, H_kv]` evicted."""
         gone = self.storage.move_slot(keep_count, slot)
