@@ -13,7 +13,9 @@ oldest unpinned entry sits in slot N (`ring_start`). An in-place eviction puts t
 newest entry into the victim's slot, so the unpinned slots turn like a ring and the
 next oldest is the next slot. The ring is trusted only right after its own eviction
 one token earlier; anything else (a chunk, a compaction, a budget change) starts again
-from positional order (`ordered`) or, in the uniform layer, from scores.
+from positional order (`ordered`) or, in the uniform layer, from scores. The uniform
+layer's steps take the ring through `step_paths.py` (its "ring" path); the sliding layer
+turns it in its own `finish`, which runs no policy.
 """
 
 from __future__ import annotations
@@ -133,8 +135,9 @@ class SlotLayer(CacheLayer):
         """The first slot of the first-in-first-out ring (the pinned tokens sit before it), or None: no ring."""
 
     def fifo_victim(self, total: int, keep_count: int) -> int | None:
-        """The victim slot of a decode step under a first-in-first-out eviction, found without scores,
-        or None (score and select; or compact)."""
+        """The victim slot of a decode step (`total` held, `keep_count` kept) under a first-in-first-out
+        eviction, found without scores, or None: the mode turns no ring, the step evicts more than one
+        entry, or the slots left positional order other than by the ring's own step one token earlier."""
         fifo = self.settings.mode.ring(self.ring_start())
         if fifo is None or total != keep_count + 1:
             return None
