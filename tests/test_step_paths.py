@@ -4,7 +4,8 @@ matrix.
 The same stream goes through two caches: a prefill, one-token forwards, a chunk (which compacts, so a ring must
 start again from positional order), then one-token forwards again. One cache's layers bind the path under test
 before the reference (`step_paths.PATHS` holds it alone), the other's bind the reference alone. The logits, the
-positions each layer holds and every per-slot statistic must agree, and the fast path must have taken steps.
+positions each layer holds, every per-slot statistic and what the observers were told (when token 0 left each
+layer and head) must agree, and the fast path must have taken steps.
 
 A path's kept set is the reference's for every policy whose scores do not depend on which slot holds an entry.
 `random` draws one number per slot, so after an in-place step it draws them over another layout than the
@@ -25,6 +26,7 @@ import kvevict.cache.step_paths as step_paths
 from architectures import ARCHS, VOCAB
 from kvevict import EvictingCache
 from kvevict.cache.layer import EvictingLayer
+from kvevict.cache.observers import SinkTracker
 from kvevict.cache.step_paths import PATHS, REFERENCE
 from kvevict.errors import KvevictError
 from kvevict.policies import AttentionRequest, SlotView
@@ -33,8 +35,8 @@ from test_architectures import CACHE_KWARG
 
 BUDGET = 8
 TOKENS = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(13))
-#: a prefill past the budget, one-token steps, a chunk, one-token steps again
-PIECES = [12] + [1] * 10 + [5] + [1] * 13
+#: a prefill within the budget, one-token steps past it (token 0 leaves `window` at a step), a chunk, steps again
+PIECES = [6] + [1] * 16 + [5] + [1] * 13
 assert sum(PIECES) == TOKENS.numel()
 #: per fast path, the policies (one per row) it takes: first-in-first-out ones for the ring; for in place,
 #: every kind of score (attention sums, the last query, a query window, keys, positions) and rows mixed
@@ -99,6 +101,9 @@ def test_a_fast_path_evicts_as_the_reference_step_does(arch, path, specs):
         for name in a.storage.stats:
             torch.testing.assert_close(_by_position(a, a.storage.stats[name]), _by_position(b, b.storage.stats[name]),
                                        rtol=1e-5, atol=1e-7)
+    lost = [next(o for o in c.observers if isinstance(o, SinkTracker)).lost_at(len(c.layers), c.layers[0].heads)
+            for c in (fast_cache, slow_cache)]
+    assert torch.equal(lost[0], lost[1])  # a victim reported (ring, in place) or what stayed (the reference)
 
 
 ROTARY = [arch for arch in ARCHS if "cache" in arch.positions]
