@@ -11,8 +11,10 @@ its concatenation, and SDPA) are timed the same way.
 Parts (nested ones are inside their parent's time): `update` (the cache writes the new entry),
 `attention` (kvevict's attention function: everything below), `sdpa` / `decode_attention` (the
 attention itself: SDPA, or by hand where the policy keeps the probabilities), `plan`, `finish`
-(statistics, the eviction, the observers), `evict` (the position mode's eviction: `victim`, the
-slot chosen with ties broken by position, and `fill_hole`, the newest slot moved into it).
+(statistics, the eviction, the observers), then the eviction by the step path that took it
+(`step_paths.py`): `step: in place` (the statistics measured, the scores, `victim`, the slot chosen
+with ties broken by position, and `fill_hole`, the newest slot moved into it), `step: ring` (the
+ring's slot moved, nothing measured or scored), `step: reference` (a compaction).
 The per-head layer (`adakv:P`) does all of it in `ragged.replay`: `ragged.append` (the new entry
 at each head's tail), `ragged.views` (each head's entries as the policies see them),
 `ragged.attend` (attention by hand over the row's buffer, masked per head), `ragged.evict`
@@ -23,6 +25,7 @@ call: compare parts, not the totals, to `decode_overhead.py`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from collections import Counter
@@ -34,6 +37,7 @@ from replay_breakdown import timed
 from transformers import AttentionInterface, DynamicCache
 
 import kvevict.cache.attention as attention
+import kvevict.cache.step_paths as step_paths
 from kvevict import load_model, load_tokens
 from kvevict.cache import selection
 from kvevict.cache.cache import EvictingCache
@@ -41,7 +45,6 @@ from kvevict.cache.layer import EvictingLayer
 from kvevict.cache.layer_interface import NAME
 from kvevict.cache.per_head import layer as ragged
 from kvevict.cache.per_head.storage import RaggedStorage
-from kvevict.cache.positions import OriginalPositions
 from kvevict.cache.storage import SlotStorage
 from kvevict.eval.forward import body
 
@@ -54,7 +57,6 @@ PARTS = [
     (attention, "decode_attention", "decode_attention"),
     (EvictingLayer, "plan", "plan"),
     (EvictingLayer, "finish", "finish"),
-    (OriginalPositions, "evict", "evict"),
     (selection, "victim", "victim"),
     (SlotStorage, "fill_hole", "fill_hole"),
     # the per-head layer (Ada-KV): every forward is its `replay`
@@ -65,6 +67,8 @@ PARTS = [
     (ragged.RaggedLayer, "_evict", "ragged.evict"),
     (ragged, "allocate", "ragged.allocate"),
 ]
+#: the eviction step paths (`step_paths.PATHS` and the reference), each timed under `step: NAME`
+STEP_LABELS = [f"step: {path.name}" for path in (*step_paths.PATHS, step_paths.REFERENCE)]
 
 
 def main() -> None:
@@ -77,6 +81,11 @@ def main() -> None:
     spent: Counter = Counter()
     for owner, name, label in PARTS:
         setattr(owner, name, timed(getattr(owner, name), label, spent))
+    # a layer binds its paths at its first forward, from these
+    step_paths.PATHS = tuple(dataclasses.replace(p, run=timed(p.run, f"step: {p.name}", spent))
+                             for p in step_paths.PATHS)
+    step_paths.REFERENCE = dataclasses.replace(step_paths.REFERENCE, run=timed(step_paths.REFERENCE.run,
+                                               "step: reference", spent))
     AttentionInterface.register(NAME, attention.kvevict_attention)  # the wrapped function
     arms = ["dynamic", *(a for a in args.arms.split(",") if a and a != "dynamic")]
     model, tokenizer = load_model(args.model)
@@ -98,7 +107,8 @@ def main() -> None:
                     parts[arm].setdefault(label, [0.0] * args.steps)[step] = seconds
     print(f"decode step, {args.model}, budget {args.budget}, batch 1, {args.steps} steps per arm; ms per step, "
           "medians over the steps (a part: its time summed over the layers of a step)")
-    labels = [label for _, _, label in PARTS if any(label in parts[arm] for arm in arms)]
+    labels = [label for label in [*(part[2] for part in PARTS), *STEP_LABELS]
+              if any(label in parts[arm] for arm in arms)]
     labels = list(dict.fromkeys(labels))
     print(f"{'arm':<14}{'median':>8}" + "".join(f"{label:>18}" for label in labels))
     for arm in arms:

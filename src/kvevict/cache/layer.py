@@ -10,11 +10,12 @@ and the rows' policies pick what goes. Life of one forward:
 2. The attention function calls `plan` (what do the policies need from this
    forward?), computes the output, then `finish` with the queries it used.
 3. `finish` feeds the policies their statistics (`Statistics`) and, if more than the
-   budget is held, keeps the best-scoring entries (`selection`): a decode step in
-   original-position mode moves the newest slot into the victim's place (under a
-   first-in-first-out policy the next slot of the ring, found without scores); anything
-   else gathers the survivors to the front in positional order. It then reports to
-   the cache's observers what it holds and what it evicted.
+   budget is held, evicts by the first of the layer's step paths that takes the step
+   (`step_paths.py`, bound once per layer): the reference keeps the best-scoring entries
+   (`selection`) gathered to the front in positional order; a decode step in
+   original-position mode moves the newest slot into the victim's place instead (under a
+   first-in-first-out policy the next slot of the ring, found without measuring or
+   scoring). It then reports to the cache's observers what it holds and what it evicted.
 
 A chunk that must evict token by token inside itself is `replay`ed instead (`replay_paths.py`: the
 reference stepping and its registered fast paths).
@@ -31,6 +32,7 @@ import torch
 
 from ..errors import KvevictError
 from ..policies import Policy, SlotView
+from . import step_paths
 from .layer_settings import LayerSettings
 from .policy_states import PolicyStates
 from .replay_paths import replay_chunk
@@ -38,6 +40,7 @@ from .rows import RowGroup
 from .sliding import band
 from .slot_layer import SlotLayer
 from .statistics import Statistics
+from .step_paths import StepPath
 from .storage import SlotStorage
 
 #: the per-slot statistic that holds `Policy.arrival` of each slot's key (`arrival_stat` policies)
@@ -57,6 +60,7 @@ class EvictingLayer(SlotLayer):
         # `finish`; and whether every held slot's number is stored (see `_arrive`)
         self._arrival_groups: list[int] | None = None
         self._arrival_valid = False
+        self.steps: tuple[StepPath, ...] = ()  # the step paths its evictions try, bound at its first forward
 
     def state_of(self, policy: Policy) -> object | None:
         """`policy`'s state in this layer (`Policy.new_state`), made on first use; handed to it as `SlotView.state`."""
@@ -72,6 +76,12 @@ class EvictingLayer(SlotLayer):
         return storage
 
     # --- transformers' layer API -------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """The storage, and the step paths (`step_paths.bind`): the rows are bound by now, and what the paths
+        read of the layer never changes, so a step need not choose again."""
+        super().lazy_initialization(key_states, value_states)
+        self.steps = step_paths.bind(self)
+
     def reset(self) -> None:
         super().reset()
         self._arrival_valid = False
@@ -160,6 +170,25 @@ class EvictingLayer(SlotLayer):
             for observer in s.observers:
                 observer.on_forward(self.index, self.n)
             return
+        target = self._target(total)
+        if target is None or self.deferred:  # nothing leaves now, but the statistics accrue all the same
+            self._measured(query, query_positions, scaling, probs, total)
+            self.n, self.new = total, 0
+            if target is not None:
+                return  # everything held, every statistic measured: `evict_deferred` evicts
+        else:  # the step path that takes it measures, unless it needs no scores (`step_paths.py`)
+            self._evict_to(lambda: self._measured(query, query_positions, scaling, probs, total), total, target)
+            self.new = 0
+        self.fit_storage()
+        for observer in s.observers:
+            observer.on_forward(self.index, self.n)
+
+    def _measured(self, query: torch.Tensor, query_positions: torch.Tensor | None, scaling: float,
+                  probs: torch.Tensor | None, total: int) -> list[SlotView]:
+        """The forward's requests measured and absorbed (`Statistics.feed`: what `plan` asked for) over the
+        `total` held slots; returns the policies' views with the fresh statistics and the stored per-key
+        numbers (`_arrive`). query `[B, H_q, new, D]` and probs `[B, H_kv, group, total]` (or None) as `finish`."""
+        s = self.settings
         if query_positions is not None:
             self.statistics.remember(query, query_positions, self.seen)
         views = self.statistics.feed(s.layout, self.storage, s.mode, query, scaling, self.seen, self.new, total, probs)
@@ -168,26 +197,14 @@ class EvictingLayer(SlotLayer):
             self._arrival_groups = [i for i, g in enumerate(s.layout.groups) if stored and g.policy.arrival_stat]
         if self._arrival_groups:
             self._arrive(views, total)
-        target = self._target(total)
-        if target is not None and self.deferred:
-            self.n, self.new = total, 0  # everything held, every statistic measured: `evict_deferred` evicts
-            return
-        if target is not None:
-            self._evict_to(views, total, target)
-        else:
-            self.n = total
-        self.new = 0
-        self.fit_storage()
-        for observer in s.observers:
-            observer.on_forward(self.index, self.n)
+        return views
 
-    def _evict_to(self, views: list[SlotView], total: int, target: int) -> None:
+    def _evict_to(self, measured: step_paths.Measured, total: int, target: int) -> None:
+        """Evict from `total` held entries down to `target` by the layer's step paths (`step_paths.take`);
+        `measured()` gives the policies' views with this forward's statistics, to a path that scores."""
         self.identical = False
-        slot = self._fifo_victim(total, target)
-        if slot is None:
-            self._evict(views, total, target)
-        else:
-            self._evict_slot(slot, target)
+        self.ordered = step_paths.take(self, measured, total, target)
+        self.n = target
 
     def evict_deferred(self) -> None:
         """Evict what the held-back forward would have evicted at the budget this layer has now.
@@ -200,13 +217,18 @@ class EvictingLayer(SlotLayer):
         total = self.n
         target = self._target(total)
         if target is not None:
-            views = [self._view(group, total) for group in self.settings.layout.groups]
-            if self._arrival_groups:
-                self._arrive(views, total)
-            self._evict_to(views, total, target)
+            self._evict_to(lambda: self._held_views(total), total, target)
         self.fit_storage()
         for observer in self.settings.observers:
             observer.on_forward(self.index, self.n)
+
+    def _held_views(self, total: int) -> list[SlotView]:
+        """The policies' views of the `total` held slots with the statistics stored per slot (the held-back
+        forward measured them) and the stored per-key numbers (`_arrive`)."""
+        views = [self._view(group, total) for group in self.settings.layout.groups]
+        if self._arrival_groups:
+            self._arrive(views, total)
+        return views
 
     def batch_select_indices(self, index: torch.Tensor) -> None:
         """Sealed only: a layer that may still evict would need its statistics and remembered
@@ -262,24 +284,6 @@ class EvictingLayer(SlotLayer):
             values=lambda: group.take(storage.values[:, :, :total]),
             state=self.state_of(group.policy),
         )
-
-    def _evict_slot(self, slot: int, keep_count: int) -> None:
-        """Evict slot `slot` (the newest entry, slot `keep_count`, takes its place) and report it."""
-        gone = self._turn_ring(slot, keep_count)
-        self.n = keep_count
-        wanted = any(o.wants_victims for o in self.settings.observers)
-        self.report_eviction(self.seen, self.storage.pos[:, :, :keep_count], gone if wanted else None)
-
-    def _evict(self, views: list[SlotView], total: int, keep_count: int) -> None:
-        layout = self.settings.layout
-        storage = self.storage
-        parts = [group.policy.scores(view) for group, view in zip(layout.groups, views)]
-        scores = layout.merge(parts, self.batch_size, self.heads, total)
-        wanted = any(o.wants_victims for o in self.settings.observers)
-        # the mode decides how: a decode step in original positions fills the victim's slot in place
-        victims, self.ordered = self.settings.mode.evict(storage, scores, total, keep_count, self.ordered, wanted)
-        self.n = keep_count
-        self.report_eviction(self.seen, storage.pos[:, :, :keep_count], victims)
 
     def report_evictions(self, seen: torch.Tensor, victims: torch.Tensor) -> None:
         """Tell the observers of `k` one-entry evictions at once (a chunk replayed in closed form):

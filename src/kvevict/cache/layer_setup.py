@@ -22,7 +22,7 @@ from .observers import Observer
 from .per_head import PER_HEAD_KINDS
 from .positions import PositionMode, for_name
 from .quantized import storage_form_of
-from .replay_paths import unmeasured
+from .replay_paths import MEASURED_ELSEWHERE, unmeasured
 from .rotary import Rotary
 from .rows import RowLayout
 from .sliding import SlidingLayer
@@ -47,19 +47,20 @@ def layer_classes(policies: Sequence[Policy]) -> dict[str, type[CacheLayer]]:
 
 def check_measures(policies: Sequence[Policy], classes: Sequence[type[CacheLayer]], per_token: bool) -> None:
     """Refuse, when the cache is built, a policy that declares a request (`Capabilities.requests`) a layer it
-    runs in cannot measure: the layer's own forwards (`CacheLayer.measures`) and, where a chunk is replayed
-    token by token (`per_token`, uniform layers), each replay path that may take its rows (`replay_paths`)."""
+    runs in cannot measure: the layer's own forwards (`CacheLayer.measures`) and, in uniform layers, each step
+    path that may take its rows (`step_paths`) and, where a chunk is replayed token by token (`per_token`),
+    each replay path that may (`replay_paths.unmeasured`)."""
     for policy in policies:
         caps = policy.capabilities
         for cls in {c for c in classes if c.measures is not None}:
-            gaps = [(kind, f"the {cls.__name__}") for kind in caps.requests if kind not in cls.measures]
-            if per_token and cls is EvictingLayer:
-                gaps += unmeasured(caps)
+            gaps = [(kind, f"the {cls.__name__}", MEASURED_ELSEWHERE) for kind in caps.requests
+                    if kind not in cls.measures]
+            if cls is EvictingLayer:
+                gaps += unmeasured(caps, per_token)
             if gaps:
-                kind, where = gaps[0]
+                kind, where, fix = gaps[0]
                 raise KvevictError(
-                    f"'{policy.spec()}' asks for '{kind}' measurements, which {where} cannot make: run it where "
-                    "they are measured (one-token steps, --chunk 1, or a layer kind that measures them)"
+                    f"'{policy.spec()}' asks for '{kind}' measurements, which {where} cannot make: {fix}"
                 )
 
 

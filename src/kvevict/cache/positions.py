@@ -1,18 +1,19 @@
 """Position modes: what position a kept key and a new query carry. Two strategies, one interface.
 
 * `OriginalPositions` (`"original"`): each key keeps the RoPE rotation of its position
-  in the stream, as H2O, SnapKV and kvpress do. Nothing is ever re-rotated; a decode
-  step may fill the victim's slot in place (slots then leave positional order, which
-  attention does not care about: every kept entry is older than every new token).
+  in the stream, as H2O, SnapKV and kvpress do. Nothing is ever re-rotated (`fixed_keys`),
+  so a decode step may fill the victim's slot in place (`step_paths.py`; slots then
+  leave positional order, which attention does not care about: every kept entry is
+  older than every new token).
 * `ShiftedPositions` (`"cache"`): StreamingLLM's position shift. Kept entries are
   numbered `0..L-1` in order and a new token sits at `L`, so the model never sees a
   position beyond its budget. Keys are stored un-rotated as well and rotated from
   scratch to their slot after every eviction, so no error accumulates; eviction
   therefore always compacts (every later slot moves down one position).
 
-The layers and the chunk replay ask their mode (`new_storage`, `store_keys`,
-`align_query`, `evict`, `compact`, `keeps_arrival`, `ring`) and hand it a chunk to
-replay (`static_attention`, `replay_steps`): each mode's maths lives in its methods (the
+The layers, their step paths and the chunk replay ask their mode (`new_storage`,
+`store_keys`, `align_query`, `compact`, `fixed_keys`, `keeps_arrival`, `ring`) and hand
+it a chunk to replay (`static_attention`, `replay_steps`): each mode's maths lives in its methods (the
 position shift's closed form and stepping here; original positions' fixed-key algorithms
 in `replay.py`, which never asks which mode it runs in). Nothing outside this module tests
 which mode it holds; the names users write live in `kvevict.position_modes`.
@@ -71,19 +72,6 @@ class PositionMode:
     def after_compaction(self, storage: SlotStorage, count: int) -> None:
         """Rebuild what a compaction to `count` slots left stale."""
         raise NotImplementedError
-
-    def evict(
-        self, storage: SlotStorage, scores: torch.Tensor, total: int, budget: int, ordered: bool, victims: bool
-    ) -> tuple[torch.Tensor | None, bool]:
-        """Keep the `budget` best-scoring of the `total` slots (scores `[B, H, total]`).
-
-        Returns the evicted positions `[B, H]` when one entry left in place and `victims`
-        was asked for (else None), and whether the slots are in positional order after.
-        This base form compacts: the kept slots move to the front in positional order.
-        """
-        keep = selection.keep_slots(scores, storage.pos[:, :, :total], budget, ordered)
-        self.compact(storage, keep, budget)
-        return None, True
 
     def align_query(
         self, query: torch.Tensor, used: Callable[[], torch.Tensor], n: int, remember: bool
@@ -148,16 +136,6 @@ class OriginalPositions(PositionMode):
 
     def ring(self, start: int | None) -> int | None:
         return start
-
-    def evict(self, storage, scores, total, budget, ordered, victims):
-        if total != budget + 1:
-            return super().evict(storage, scores, total, budget, ordered, victims)
-        # one over the budget (a decode step): the newest slot moves into the victim's place
-        pos = storage.pos[:, :, :total]
-        victim = selection.victim(scores, pos, ordered)
-        evicted = pos.gather(-1, victim[..., None])[..., 0] if victims else None
-        storage.fill_hole(victim, budget)
-        return evicted, False
 
     def now(self, stream: torch.Tensor, seen: int, total: int) -> torch.Tensor:
         """Where tokens at stream positions `stream`, all still cached, sit now."""

@@ -4,9 +4,9 @@ registered as its specialisations, each with the test that says where it applies
 The reference is stepping (`replay.replay_steps`, `stepping.Stepper`): each of the chunk's steps builds
 its policies' views of the slots a token-by-token run would hold (`stepping.step_view`), measures what they
 asked for (`statistics.measure`), lets them absorb it, scores and selects one victim, as a one-token
-forward's `EvictingLayer.finish` does. Every other path computes the same kept sets and outputs with less
-work where its `applies` holds, and a differential test (tests/test_replay_paths.py) runs each against the
-reference on the architecture matrix:
+forward's reference step does (`step_paths.REFERENCE`). Every other path computes the same kept sets and
+outputs with less work where its `applies` holds, and a differential test (tests/test_replay_paths.py) runs
+each against the reference on the architecture matrix:
 
 * **closed form** (`replay.replay_static`): every row's policy has static scores, so the kept set after any
   step is the top-budget of all tokens seen; one masked attention for the chunk. In position-shift mode the
@@ -18,7 +18,8 @@ reference on the architecture matrix:
 A path declares what it can measure (`measures`: the request kinds it serves, `AttentionRequest.kind`).
 The first registered path that applies and answers replays the chunk and returns the layer's new state
 (`stepping.Replayed`); the reference always applies. Adding a path is one `ReplayPath` here and its
-differential test.
+differential test. `unmeasured` answers for these paths and for a one-token forward's (`step_paths.py`):
+what a cache refuses when it is built.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ..policies.capabilities import Capabilities
-from . import by_slot
+from . import by_slot, step_paths
 from .replay import replay_static, replay_steps
 from .stepping import Replayed, ReplayingLayer
 
@@ -55,6 +56,9 @@ def _by_slot(layer: ReplayingLayer) -> bool:
     return layer.settings.mode.fixed_keys and by_slot.applies(layer)
 
 
+#: what a policy refused for a request some layer or chunk replay path cannot measure should do instead
+MEASURED_ELSEWHERE = "run it where they are measured (one-token steps, --chunk 1, or a layer kind that measures them)"
+
 #: the reference: what a one-token forward measures, step by step
 REFERENCE = ReplayPath("reference", lambda layer: True, replay_steps, frozenset({"new", "last", "window", "queries"}))
 
@@ -66,11 +70,17 @@ PATHS: tuple[ReplayPath, ...] = (
 )
 
 
-def unmeasured(capabilities: Capabilities) -> list[tuple[str, str]]:
-    """`(kind, where)` for each request kind these capabilities declare that a replay path which may take their
-    rows cannot measure (empty: every one is served)."""
-    return [(kind, f"the chunk replay's {path.name} path") for path in (*PATHS, REFERENCE)
+def unmeasured(capabilities: Capabilities, per_token: bool = True) -> list[tuple[str, str, str]]:
+    """`(kind, where, fix)` for each request kind these capabilities declare that a path which may take their
+    rows cannot measure: a uniform layer's eviction step path (`step_paths`, with its own fix) and, where a
+    chunk is replayed token by token (`per_token`), a replay path here (empty: every one is served)."""
+    gaps = [(kind, f"the eviction step's {path.name} path", path.fix)
+            for path in (*step_paths.PATHS, step_paths.REFERENCE)
             if path.takes(capabilities) for kind in capabilities.requests if kind not in path.measures]
+    if per_token:
+        gaps += [(kind, f"the chunk replay's {path.name} path", MEASURED_ELSEWHERE) for path in (*PATHS, REFERENCE)
+                 if path.takes(capabilities) for kind in capabilities.requests if kind not in path.measures]
+    return gaps
 
 
 def replay_chunk(layer: ReplayingLayer, query: torch.Tensor, used: torch.Tensor, scaling: float) -> Replayed:

@@ -6,7 +6,7 @@ the last `W - 1` entries between forwards and the policy does not run in it. The
 cache's budget bounds the full-attention layers, which are the ones that grow.
 
 A decode step evicts like a first-in-first-out policy in a full-attention layer: in
-original positions the newest entry takes the oldest one's slot (`SlotLayer._turn_ring`,
+original positions the newest entry takes the oldest one's slot (`SlotLayer.turn_ring`,
 one slot moved instead of the window compacted), so the slots turn like a ring and leave
 positional order. It needs no mask either: the `W - 1` entries held and the query itself
 are all inside the query's window.
@@ -77,9 +77,9 @@ class SlidingLayer(SlotLayer):
         total = self.n + self.new
         self.new = 0
         keep = min(total, self.budget)
-        slot = self._fifo_victim(total, keep) if keep < total else None
+        slot = self.fifo_victim(total, keep) if keep < total else None
         if slot is not None:
-            self._turn_ring(slot, keep)  # nothing is reported: the model's own window is no eviction to observe
+            self.turn_ring(slot, keep)  # nothing is reported: the model's own window is no eviction to observe
         elif keep < total:
             self._compact_latest(total, keep)
         self.n = keep

@@ -13,7 +13,9 @@ oldest unpinned entry sits in slot N (`ring_start`). An in-place eviction puts t
 newest entry into the victim's slot, so the unpinned slots turn like a ring and the
 next oldest is the next slot. The ring is trusted only right after its own eviction
 one token earlier; anything else (a chunk, a compaction, a budget change) starts again
-from positional order (`ordered`) or, in the uniform layer, from scores.
+from positional order (`ordered`) or, in the uniform layer, from scores. The uniform
+layer's steps take the ring through `step_paths.py` (its "ring" path); the sliding layer
+turns it in its own `finish`, which runs no policy.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class SlotLayer(CacheLayer):
         self.storage: SlotStorage | None = None
         self.ordered = True  # slots sit in positional order (until a hole is filled in place)
         # (slot of the oldest unpinned entry, tokens seen when it was found): valid for the next
-        # decode step only, see `_fifo_victim`
+        # decode step only, see `fifo_victim`
         self._ring: tuple[int, int] | None = None
 
     def _slot_storage(self, names: tuple[str, ...]) -> SlotStorage:
@@ -132,9 +134,10 @@ class SlotLayer(CacheLayer):
     def ring_start(self) -> int | None:
         """The first slot of the first-in-first-out ring (the pinned tokens sit before it), or None: no ring."""
 
-    def _fifo_victim(self, total: int, keep_count: int) -> int | None:
-        """The victim slot of a decode step under a first-in-first-out eviction, found without scores,
-        or None (score and select; or compact)."""
+    def fifo_victim(self, total: int, keep_count: int) -> int | None:
+        """The victim slot of a decode step (`total` held, `keep_count` kept) under a first-in-first-out
+        eviction, found without scores, or None: the mode turns no ring, the step evicts more than one
+        entry, or the slots left positional order other than by the ring's own step one token earlier."""
         fifo = self.settings.mode.ring(self.ring_start())
         if fifo is None or total != keep_count + 1:
             return None
@@ -144,7 +147,7 @@ class SlotLayer(CacheLayer):
             return self._ring[0]
         return None
 
-    def _turn_ring(self, slot: int, keep_count: int) -> torch.Tensor:
+    def turn_ring(self, slot: int, keep_count: int) -> torch.Tensor:
         """Move the newest entry (slot `keep_count`) into the victim's slot `slot` and note the next victim,
         the slot after it (the ring wraps to `ring_start`). Returns the positions `[B, H_kv]` evicted."""
         gone = self.storage.move_slot(keep_count, slot)

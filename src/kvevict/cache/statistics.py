@@ -106,6 +106,11 @@ class Statistics:
         self.requests = [group.policy.request(view, will_evict) for group, view in zip(layout.groups, views)]
         return all(r is not None and r.kind in ("new", "last") for r in self.requests)
 
+    def skip(self) -> None:
+        """Drop what `plan` asked for, unmeasured: the forward's eviction took a path that measures nothing
+        (`step_paths.py`'s ring, whose policies ask for nothing), so no view is held past the forward."""
+        self.views = self.requests = None
+
     def remember(self, query: torch.Tensor, used: torch.Tensor, seen: int) -> None:
         self.last_forward = (query, used, seen)
         if self.window_size:
