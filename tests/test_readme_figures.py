@@ -198,6 +198,18 @@ def test_equal_bytes_on_perplexity():
     check(behind_q4, 100 * (ratio(name, "q4+h2o", 1638, best) - 1), "q4+h2o at 1,638 against q8+h2o at 910")
 
 
+
+def test_four_bits_with_and_without_a_residual():
+    kept, reach, without = said(r"4 bits at group 64 cost (\d\.\d)% perplexity over 1,000 tokens \(95% interval up to "
+                                r"(\d\.\d)%\) against (\d+\.\d)% without")
+    name = "quant-gap-1k.jsonl"
+    residual = ppl(name, "q4:group=64,residual=128+full")
+    judged = judge_ppl(blocks(residual.curve, "ppl"), blocks(full(name).curve, "ppl"), Tolerance())
+    check(kept, 100 * (judged.estimate - 1), "q4 group 64 with a residual of 128 against the full cache")
+    check(reach, 100 * (judged.high - 1), "the top of its paired interval")
+    check(without, 100 * (ratio(name, "q4:group=64+full", None) - 1), "q4 group 64 without a residual")
+
+
 # --- tasks -----------------------------------------------------------------------------------------------------
 
 
