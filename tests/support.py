@@ -128,3 +128,16 @@ def reference_nll_with(reference, model, rule, cache_mode: bool, prefill: int | 
         return test_architectures.reference_nll(model, rule, cache_mode, prefill=prefill)
     finally:
         test_architectures.Reference = original
+
+
+def counting(path, ran: list[str]):
+    """A fast path's `run` (step or replay path) that notes its name in `ran` whenever it does not decline,
+    so a differential test can assert the path it compares actually ran."""
+
+    def run(*args):
+        done = path.run(*args)
+        if done is not None:
+            ran.append(path.name)
+        return done
+
+    return run

@@ -22,6 +22,8 @@ from kvevict.errors import KvevictError
 from kvevict.policies import AttentionRequest, Policy, SlotView
 from test_architectures import CACHE_KWARG
 
+from support import counting
+
 BUDGET = 8
 TOKENS = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(11))
 #: per fast path, policies it applies to (all static, or static and slot-local, scores)
@@ -32,7 +34,7 @@ CASES = [(arch, positions, path, spec) for arch in ARCHS for positions in arch.p
 
 def _stream(model, spec: str, positions: str, paths, ran: list[str]) -> tuple[torch.Tensor, EvictingCache]:
     """Logits of a 12-token prefill then chunks of 7 under `paths` (the ones the replay may take)."""
-    counted = tuple(dataclasses.replace(p, run=_counting(p, ran)) for p in paths)
+    counted = tuple(dataclasses.replace(p, run=counting(p, ran)) for p in paths)
     cache = EvictingCache(model, spec, budget=BUDGET, positions=positions, per_token=True)
     logits = []
     saved = replay_paths.PATHS
@@ -44,16 +46,6 @@ def _stream(model, spec: str, positions: str, paths, ran: list[str]) -> tuple[to
     finally:
         replay_paths.PATHS = saved
     return torch.cat(logits), cache
-
-
-def _counting(path, ran: list[str]):
-    def run(*args):
-        done = path.run(*args)
-        if done is not None:
-            ran.append(path.name)
-        return done
-
-    return run
 
 
 @pytest.mark.parametrize("arch,positions,path,spec", CASES,

@@ -333,7 +333,7 @@ def test_sink_loss_maps_follow_what_the_policy_declares(demo, monkeypatch):
 def test_sections_are_registered_in_report_and_render_task_records(tmp_path, demo):
     names = [s.__name__ for s in SECTIONS]
     assert names[:3] == ["decision", "perplexity", "sinks"]
-    assert names[-4:] == ["needle", "generation", "sink_map", "ruler"]
+    assert names[-5:] == ["needle", "generation", "sink_map", "ruler", "other_trials"]
     trials = [
         TaskRecord(f"needle|{p}|{b}|200|0.5|{t}", "needle", 0,
                    {"policy": p, "budget": b, "length": 200, "depth": 0.5, "trial": t, "hit": t == 0,

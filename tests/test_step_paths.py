@@ -33,6 +33,8 @@ from kvevict.policies import AttentionRequest, SlotView
 from kvevict.policies.window import Window
 from test_architectures import CACHE_KWARG
 
+from support import counting
+
 BUDGET = 8
 TOKENS = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(13))
 #: a prefill within the budget, one-token steps past it (token 0 leaves `window` at a step), a chunk, steps again
@@ -50,7 +52,7 @@ CASES = [(arch, path, specs) for arch in ARCHS for path in PATHS for specs in PO
 
 def _stream(model, specs: list[str], positions: str, paths, ran: list[str]) -> tuple[torch.Tensor, EvictingCache]:
     """Logits `[rows, T, vocab]` of `TOKENS` fed in `PIECES`, the layers binding `paths` before the reference."""
-    counted = tuple(dataclasses.replace(p, run=_counting(p, ran)) for p in paths)
+    counted = tuple(dataclasses.replace(p, run=counting(p, ran)) for p in paths)
     cache = EvictingCache(model, specs, budget=BUDGET, positions=positions)
     rows, logits, start = len(specs), [], 0
     saved = step_paths.PATHS
@@ -64,16 +66,6 @@ def _stream(model, specs: list[str], positions: str, paths, ran: list[str]) -> t
     finally:
         step_paths.PATHS = saved
     return torch.cat(logits, dim=1), cache
-
-
-def _counting(path, ran: list[str]):
-    def run(*args):
-        ordered = path.run(*args)
-        if ordered is not None:
-            ran.append(path.name)
-        return ordered
-
-    return run
 
 
 def _by_position(layer, x: torch.Tensor) -> torch.Tensor:

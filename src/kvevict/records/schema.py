@@ -24,6 +24,9 @@ PPL_KINDS = ("full", "oracle", "policy", "sinks")
 MIN_ORACLE_PREDICTIONS = 30
 #: kinds of per-trial records of the protocols beyond perplexity
 TASK_KINDS = ("needle", "generation")
+#: what a trial line of any other kind says it is (`"record": "trial"`): a sweep task of its own writes it, so
+#: its lines are read back as `TaskRecord`s with no kind listed here (`ab/sweep_tasks/`)
+TRIAL = "trial"
 #: what a line without a dtype was measured in: every run before the dtype was recorded loaded float32
 UNRECORDED_DTYPE = "float32"
 
@@ -172,7 +175,7 @@ class PplRecord:
 
 @dataclass
 class TaskRecord:
-    """One trial of a protocol beyond perplexity inside a sweep (kind `needle` or `generation`).
+    """One trial of a protocol beyond perplexity inside a sweep (kind `needle`, `generation`, or a task's own).
 
     `fields` is the trial's record as the protocol in `eval/` returned it (policy,
     budget, length, hit, output, ...); `key` names the trial, `seed` the sweep's seed.
@@ -185,13 +188,16 @@ class TaskRecord:
 
     @classmethod
     def from_dict(cls, data: dict) -> TaskRecord:
-        rest = {k: v for k, v in data.items() if k not in ("key", "kind", "seed")}
+        rest = {k: v for k, v in data.items() if k not in ("key", "kind", "seed", "record")}
         return cls(data["key"], data.get("kind", ""), data.get("seed"), rest)
 
     def to_dict(self) -> dict:
+        """The line; a kind not in `TASK_KINDS` says it is a trial (`TRIAL`), so it is read back without one."""
         data = {**self.fields, "key": self.key, "kind": self.kind}
         if self.seed is not None:
             data["seed"] = self.seed
+        if self.kind not in TASK_KINDS:
+            data["record"] = TRIAL
         return data
 
 
@@ -312,7 +318,7 @@ def from_dict(data: dict) -> Record:
         return RulerRecord.from_dict(data)
     if isinstance(kind, str) and kind.endswith("-done"):
         return DoneMarker.from_dict(data)
-    if kind in TASK_KINDS:
+    if kind in TASK_KINDS or (isinstance(kind, str) and data.get("record") == TRIAL):
         return TaskRecord.from_dict(data)
     raise KvevictError(
         f"results.jsonl holds a line of kind {kind!r} (key {data.get('key')!r}), which this kvevict does not know "

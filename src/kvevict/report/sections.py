@@ -3,7 +3,8 @@
 A section takes every record of the run and returns `(title, html body)`, or None
 when the run holds nothing for it (no sink sweep, no needle test, ...). Sections only
 render records; they never run anything, so a report is redrawn from `results.jsonl`
-alone. A new protocol adds its section function here and one entry to `SECTIONS`.
+alone. A new protocol adds its section function here and one entry to `SECTIONS`; a sweep task's trials
+of a kind with no section here are drawn by `trials.other_trials`, so a task needs none.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from .kv_bytes import EQUAL_BYTES, equal_bytes
 from .markup import image_html, table_html
 from .tables import generation_table, layer_budget_table, needle_table, sinks_table, summary_table
 from .task_bytes import task_equal_bytes
+from .trials import other_trials
 
 Section = Callable[[Sequence[Record]], tuple[str, str] | None]
 
@@ -181,4 +183,5 @@ SECTIONS: list[Section] = [
     generation,
     sink_map,
     ruler,
+    other_trials,
 ]

@@ -3,8 +3,9 @@
 A task (needle, generation, RULER, sink map) runs after the sweep's perplexity cells, in
 the same process, on the sweep's policies and budgets. Each declares its record `kind`
 (what `results.jsonl` lines it writes are), its `record` type (`records.schema`), the
-report `section` that draws them (a function of `report.sections`, in `SECTIONS`), and
-its `signature`: the key of the marker that closes it, which holds every setting its
+report `section` that draws them (a function of `report.sections`, in `SECTIONS`; a task
+of its own leaves it empty and its trials, which say they are trials, are drawn as a table
+by `report.trials`), and its `signature`: the key of the marker that closes it, which holds every setting its
 records depend on, so a rerun with other settings runs it again and a rerun with the
 same skips it.
 """
