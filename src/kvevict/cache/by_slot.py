@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from ..policies import SlotView
 from .rows import RowGroup
+from .slot_views import view_of
 from .statistics import measure
 from .stepping import Replayed, ReplayingLayer, remember_queries, static_scores, take_slots, window_mass
 
@@ -112,10 +113,9 @@ class _Chunk:
         pick = (lambda x: x) if alive is None else (lambda x: x.gather(-1, alive))
         keys = (lambda: group.take(self.sorted_keys())) if alive is None else (
             lambda: take_slots(group.take(self.sorted_keys()), alive))
-        return SlotView(
-            positions=pick(group.take(self.positions)), seen=seen, budget=layer.budget, layer=layer.index,
-            stats={name: pick(group.take(self.stats[name])) for name in group.policy.stats},
-            keys=keys, state=layer.state_of(group.policy),
+        return view_of(
+            layer, group, pick(group.take(self.positions)), seen, layer.budget,
+            stats={name: pick(group.take(self.stats[name])) for name in group.policy.stats}, keys=keys,
         )
 
     def new_mass(self, index: int, group: RowGroup, i: int) -> torch.Tensor:

@@ -39,6 +39,7 @@ from .replay_paths import replay_chunk
 from .rows import RowGroup
 from .sliding import band
 from .slot_layer import SlotLayer
+from .slot_views import view_of
 from .statistics import Statistics
 from .step_paths import StepPath
 from .storage import SlotStorage
@@ -274,15 +275,12 @@ class EvictingLayer(SlotLayer):
 
     def _view(self, group: RowGroup, total: int) -> SlotView:
         storage = self.storage
-        return SlotView(
-            positions=group.take(storage.pos[:, :, :total]),
-            seen=self.seen,
-            budget=self.budget if self.budget is not None else total,
-            layer=self.index,
+        return view_of(
+            self, group, group.take(storage.pos[:, :, :total]), self.seen,
+            self.budget if self.budget is not None else total,
             stats={name: group.take(stat[:, :, :total]) for name, stat in storage.stats.items()},
             keys=lambda: group.take(storage.keys[:, :, :total]),
             values=lambda: group.take(storage.values[:, :, :total]),
-            state=self.state_of(group.policy),
         )
 
     def report_evictions(self, seen: torch.Tensor, victims: torch.Tensor) -> None:

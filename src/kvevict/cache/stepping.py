@@ -21,6 +21,7 @@ from . import selection
 from .observers import Observer
 from .probabilities import attention_mass
 from .rows import RowGroup, RowLayout
+from .slot_views import view_of
 from .statistics import PositionView, Statistics, measure
 from .storage import SlotStorage
 
@@ -204,15 +205,11 @@ def step_view(
     else:
         def keys_now() -> torch.Tensor:
             return group.take(keys)
-    return SlotView(
-        positions=group.take(positions),
-        seen=seen,
-        budget=budget,
-        layer=layer.index,
+    return view_of(
+        layer, group, group.take(positions), seen, budget,
         stats={name: group.take(storage.stats[name]).gather(-1, group.take(slots)) for name in group.policy.stats},
         keys=keys_now,
         values=lambda: group.take(take_slots(storage.values, slots)),
-        state=layer.state_of(group.policy),
     )
 
 
@@ -254,10 +251,9 @@ def static_scores(
     parts = [
         None if static_only and not group.policy.static_scores
         else group.policy.scores(
-            SlotView(
-                positions=group.take(pos), seen=seen, budget=layer.budget, layer=layer.index,
+            view_of(
+                layer, group, group.take(pos), seen, layer.budget,
                 keys=lambda group=group: group.take(layer.storage.keys[:, :, :total]),  # `knorm`: fixed per key
-                state=layer.state_of(group.policy),
             )
         )
         for group in layout.groups

@@ -43,6 +43,7 @@ from ..policy_states import PolicyStates
 from ..probabilities import BLOCK_ELEMENTS, attention_mass
 from ..rows import RowGroup
 from ..selection import LATEST_LAST
+from ..slot_views import view_of
 from ..statistics import Statistics, measure
 from .allocation import allocate
 from .attention import ragged_attention
@@ -334,15 +335,10 @@ class RaggedLayer(CacheLayer):
             head_values = group.take(storage.values)[:, None].expand(-1, self.heads, -1, -1)
             return head_values.masked_fill(mask[..., None], 0.0)
 
-        return SlotView(
-            positions=group.take(positions),
-            seen=seen,
-            budget=budget,
-            layer=self.index,
+        return view_of(
+            self, group, group.take(positions), seen, budget,
             stats={name: storage.per_head(group.take(storage.stats[name]), mask, 0.0) for name in group.policy.stats},
-            keys=keys,
-            values=values,
-            state=self.state_of(group.policy),
+            keys=keys, values=values,
         )
 
     # --- inspection ------------------------------------------------------------------
