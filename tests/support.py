@@ -32,6 +32,12 @@ def logits_through(model, name: str, attention, chunks: list[torch.Tensor]) -> t
     return torch.cat(out)
 
 
+def logits_one_by_one(model, tokens: torch.Tensor, cache) -> torch.Tensor:
+    """Logits `[T, vocab]` of `tokens` `[T]` fed one per forward into `cache` (any transformers cache)."""
+    with torch.inference_mode():
+        return torch.cat([model(t[None, None], cache=cache, use_cache=True).logits[0] for t in tokens])
+
+
 def nll_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """NLL of tokens[1:] from logits[:-1] (one sequence)."""
     lp = torch.log_softmax(logits.float(), dim=-1)[:-1]

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from architectures import ARCHS
-from kvevict import EvictingCache, compare
-from test_architectures import BUDGET, TOKENS, Reference
-from test_quantized import GROUP, exact_build, image
+from kvevict import EvictingCache
+from test_architectures import TOKENS, Reference
+from test_quantized import GROUP, exact_build, image, matches_images
 
-from support import reference_nll_with
+from support import logits_one_by_one, reference_nll_with
 
 
 def channel_images(keys: torch.Tensor, bits: int, group: int) -> torch.Tensor:
@@ -68,12 +68,8 @@ def check(model, spec: str, rule, positions: str, bits: int, residual: int) -> N
     """Token by token from the first token, whatever chunk is asked for: a block is taken at the end of the
     forward that makes it old, so a longer forward would read a block its later tokens complete."""
     ref = channel_reference_nll(model, rule, positions == "cache", bits, residual)
-    plain = compare(model, TOKENS, [spec.split("+", 1)[1]], BUDGET, positions, reference=False, progress=False)[0][0]
-    for chunk in (1, 7):
-        row = compare(model, TOKENS, [spec], BUDGET, positions, reference=False, progress=False, chunk=chunk)[0][0]
-        err = ((row.nll - ref).abs() / ref.abs().clamp(min=1.0)).max()
-        assert err < 1e-4, f"{spec} {positions} chunk {chunk}: {err:.2e}"
-    assert (plain.nll - ref).abs().max() > 1e-3  # the images differ from the entries
+    plain = matches_images(model, spec, positions, ref)
+    assert (plain - ref).abs().max() > 1e-3  # the images differ from the entries
 
 
 @pytest.mark.parametrize("arch,positions", CASES, ids=[f"{a.name}-{p}" for a, p in CASES])
@@ -150,10 +146,7 @@ def test_per_token_keys_match_transformers_quantized_cache_with_quanto(tiny):
         theirs = QuantizedCache("quanto", model.config, nbits=bits, q_group_size=GROUP, residual_length=1)
         ours = EvictingCache(model, f"q{bits}:group={GROUP},residual=1+full", budget=None)
         plain = EvictingCache(model, "full", budget=None)
-        with torch.inference_mode():
-            a = torch.cat([model(t[None, None], cache=ours, use_cache=True).logits[0] for t in tokens])
-            b = torch.cat([model(t[None, None], cache=theirs, use_cache=True).logits[0] for t in tokens])
-            c = torch.cat([model(t[None, None], cache=plain, use_cache=True).logits[0] for t in tokens])
+        a, b, c = (logits_one_by_one(model, tokens, cache) for cache in (ours, theirs, plain))
         # quanto's images differ from the min/max affine ones by float32 rounding (<= 5e-7 per entry on
         # this float64 model, from a float32 step inside quanto), ~1e-5 on the logits; one code taken
         # differently would move them by a grid step, ~1e-2 here

@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from architectures import ARCHS
-from kvevict import EvictingCache, compare
+from kvevict import EvictingCache
 from kvevict.errors import KvevictError
 from kvevict.policies import parse_policy
-from test_architectures import BUDGET, TOKENS, Reference
-from test_quantized import exact_build
+from test_architectures import TOKENS, Reference
+from test_quantized import exact_build, matches_images
 
-from support import reference_nll_with
+from support import logits_one_by_one, reference_nll_with
 
 E4M3 = torch.float8_e4m3fn
 LIMIT = 448.0  # e4m3's largest finite value
@@ -77,15 +77,10 @@ CASES = [(a, p) for a in ARCHS for p in a.positions]
 TOLERANCE = {"original": 1e-4, "cache": 2e-3}
 
 
-def check(model, spec: str, rule, positions: str, per_head: bool, chunks=(1, 7)) -> None:
+def check(model, spec: str, rule, positions: str, per_head: bool) -> None:
     ref = fp8_reference_nll(model, rule, positions == "cache", per_head)
-    plain = compare(model, TOKENS, [spec.split("+", 1)[1]], BUDGET, positions, reference=False, progress=False)[0][0]
-    for chunk in chunks:
-        row = compare(model, TOKENS, [spec], BUDGET, positions, reference=False, progress=False, chunk=chunk)[0][0]
-        err = ((row.nll - ref).abs() / ref.abs().clamp(min=1.0)).max()
-        assert err < TOLERANCE[positions], f"{spec} {positions} chunk {chunk}: {err:.2e}"
-    # the images differ from the entries: the check above is not the unquantized cache passing again
-    gap = ((plain.nll - ref).abs() / ref.abs().clamp(min=1.0)).max()
+    plain = matches_images(model, spec, positions, ref, TOLERANCE[positions])
+    gap = ((plain - ref).abs() / ref.abs().clamp(min=1.0)).max()
     assert gap > 2 * TOLERANCE[positions], f"{spec} {positions}: fp8 moved the NLL by only {gap:.2e}"
 
 
@@ -123,10 +118,7 @@ def test_fp8_matches_transformers_quantized_cache_token_by_token(tiny):
     theirs.layers = [ImagesFromTheStart() for _ in theirs.layers]
     ours = EvictingCache(tiny, "fp8+full", budget=None)
     plain = EvictingCache(tiny, "full", budget=None)
-    with torch.inference_mode():
-        a = torch.cat([tiny(t[None, None], cache=ours, use_cache=True).logits[0] for t in tokens])
-        b = torch.cat([tiny(t[None, None], cache=theirs, use_cache=True).logits[0] for t in tokens])
-        c = torch.cat([tiny(t[None, None], cache=plain, use_cache=True).logits[0] for t in tokens])
+    a, b, c = (logits_one_by_one(tiny, tokens, cache) for cache in (ours, theirs, plain))
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert (a - c).abs().max() > 1e-3  # fp8 changed the logits: the match is not two full caches
 

@@ -20,7 +20,7 @@ from kvevict.errors import KvevictError
 from kvevict.policies import parse_policy
 from test_architectures import BUDGET, TOKENS, Reference
 
-from support import reference_nll_with
+from support import logits_one_by_one, reference_nll_with
 
 GROUP = 8  # the tiny models' head_dim is 16
 
@@ -74,15 +74,23 @@ RULES = {"sink4+window": ("band", 4), "h2o:recent=0.5": ("h2o", 0.5)}
 CASES = [(a, p) for a in ARCHS for p in a.positions]
 
 
-def check(model, spec: str, rule, positions: str, bits: int, residual: int, chunks=(1, 7)) -> None:
-    ref = quant_reference_nll(model, rule, positions == "cache", bits, residual)
-    plain = compare(model, TOKENS, [spec.split("+", 1)[1]], BUDGET, positions, reference=False, progress=False)[0][0]
-    for chunk in chunks:
+def matches_images(model, spec: str, positions: str, ref: torch.Tensor, tolerance: float = 1e-4) -> torch.Tensor:
+    """Every storage form's exactness check: `spec` streamed by `compare` in chunks of 1 and of 7 gives the
+    reference's NLL `ref` `[T-1]` within `tolerance` (relative). Returns the NLL of the same policy held
+    unquantized (the spec after its storage prefix), so the caller can assert that the images moved it:
+    the check is not the unquantized cache passing again."""
+    for chunk in (1, 7):
         row = compare(model, TOKENS, [spec], BUDGET, positions, reference=False, progress=False, chunk=chunk)[0][0]
         err = ((row.nll - ref).abs() / ref.abs().clamp(min=1.0)).max()
-        assert err < 1e-4, f"{spec} {positions} chunk {chunk}: {err:.2e}"
-    # the images differ from the entries: the check above is not the unquantized cache passing again
-    assert (plain.nll - ref).abs().max() > 1e-3
+        assert err < tolerance, f"{spec} {positions} chunk {chunk}: {err:.2e}"
+    policy = spec.split("+", 1)[1]
+    return compare(model, TOKENS, [policy], BUDGET, positions, reference=False, progress=False)[0][0].nll
+
+
+def check(model, spec: str, rule, positions: str, bits: int, residual: int) -> None:
+    ref = quant_reference_nll(model, rule, positions == "cache", bits, residual)
+    plain = matches_images(model, spec, positions, ref)
+    assert (plain - ref).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("arch,positions", CASES, ids=[f"{a.name}-{p}" for a, p in CASES])
@@ -234,12 +242,8 @@ def test_matches_transformers_quantized_cache_token_by_token(tiny):
         for layer in theirs.layers:
             layer.quantizer = PlainHQQ
         ours = EvictingCache(tiny, f"q{bits}:group={GROUP},residual=1+full", budget=None)
-        with torch.inference_mode():
-            a = torch.cat([tiny(t[None, None], cache=ours, use_cache=True).logits[0] for t in tokens])
-            b = torch.cat([tiny(t[None, None], cache=theirs, use_cache=True).logits[0] for t in tokens])
-        plain = EvictingCache(tiny, "full", budget=None)
-        with torch.inference_mode():
-            c = torch.cat([tiny(t[None, None], cache=plain, use_cache=True).logits[0] for t in tokens])
+        a, b = logits_one_by_one(tiny, tokens, ours), logits_one_by_one(tiny, tokens, theirs)
+        c = logits_one_by_one(tiny, tokens, EvictingCache(tiny, "full", budget=None))
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
         assert (a - c).abs().max() > 1e-2  # quantization changed the logits: the match is not two full caches
 
