@@ -242,6 +242,11 @@ class CacheLayer(CacheLayerMixin):
         return model_positions(kwargs, q, start, self.device, check_rows=check_rows)
 
     # --- observers, crop, memory ---------------------------------------------------------
+    @property
+    def wants_victims(self) -> bool:
+        """Whether an observer wants an eviction's victims (their positions cost a gather to find)."""
+        return any(observer.wants_victims for observer in self.settings.observers)
+
     def report_eviction(self, seen: int, kept: torch.Tensor | None, victims: torch.Tensor | None) -> None:
         """Tell the observers what this layer evicted when it had seen `seen` tokens (see `Eviction`)."""
         observers = self.settings.observers

@@ -70,6 +70,9 @@ class SteppingLayer(Protocol):
 
     def turn_ring(self, slot: int, keep_count: int) -> torch.Tensor: ...
 
+    @property
+    def wants_victims(self) -> bool: ...
+
     def report_eviction(self, seen: int, kept: torch.Tensor | None, victims: torch.Tensor | None) -> None: ...
 
 
@@ -117,8 +120,7 @@ def _in_place(layer: SteppingLayer, measured: Measured, total: int, keep: int) -
     scores = _scores(layer, measured(), total)
     pos = storage.pos[:, :, :total]
     victim = selection.victim(scores, pos, layer.ordered)  # [B, H_kv] a slot each
-    wanted = any(observer.wants_victims for observer in layer.settings.observers)
-    evicted = pos.gather(-1, victim[..., None])[..., 0] if wanted else None  # [B, H_kv] positions
+    evicted = pos.gather(-1, victim[..., None])[..., 0] if layer.wants_victims else None  # [B, H_kv] positions
     storage.fill_hole(victim, keep)
     layer.report_eviction(layer.seen, storage.pos[:, :, :keep], evicted)
     return False
@@ -131,8 +133,7 @@ def _ring(layer: SteppingLayer, measured: Measured, total: int, keep: int) -> bo
         return None
     gone = layer.turn_ring(slot, keep)  # [B, H_kv] the positions that left
     layer.statistics.skip()
-    wanted = any(observer.wants_victims for observer in layer.settings.observers)
-    layer.report_eviction(layer.seen, layer.storage.pos[:, :, :keep], gone if wanted else None)
+    layer.report_eviction(layer.seen, layer.storage.pos[:, :, :keep], gone if layer.wants_victims else None)
     return False
 
 
