@@ -6,6 +6,8 @@ the storage form's own work per step: dequantizing what is held into the forward
 (`QuantizedStorage.begin`) and quantizing the new entry (`written`), summed over the layers.
 
     .venv/bin/python benchmarks/quant_decode.py --budget 512 --steps 48 --rounds 2
+    .venv/bin/python benchmarks/quant_decode.py --budget 2048 --policies h2o \
+        --form q4:group=64,residual=128 --form q4:group=64,residual=128,keys=channel
 """
 
 from __future__ import annotations
@@ -55,9 +57,13 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m", help="an embedded model (smollm2-135m, gemma3-270m)")
     parser.add_argument("--policies", default="sink4+window,h2o", help="comma-separated policies P")
     parser.add_argument("--bits", default="4,8", help="comma-separated widths: arms qB+P beside P")
+    parser.add_argument("--form", action="append", default=[],
+                        help="a storage form's spec for arms FORM+P beside P, instead of --bits (repeatable), "
+                             "e.g. --form q4:group=64,residual=128 --form q4:group=64,residual=128,keys=channel")
     args = parser.parse_args()
     policies = args.policies.split(",")
-    arms = [arm for p in policies for arm in (p, *(f"q{b}+{p}" for b in args.bits.split(",")))]
+    forms = args.form or [f"q{b}" for b in args.bits.split(",")]
+    arms = [arm for p in policies for arm in (p, *(f"{form}+{p}" for form in forms))]
     model, tokenizer = load_model(args.model)
     tokens, _ = load_tokens("pg-essays", tokenizer, args.budget + args.steps + 1)
     times: dict[str, list[float]] = defaultdict(list)
@@ -73,7 +79,7 @@ def main() -> None:
                 for step in range(args.steps):
                     for k in range(len(arms)):
                         arm = arms[(step + k) % len(arms)]
-                        timer.on, timer.seconds = arm.startswith("q"), 0.0
+                        timer.on, timer.seconds = arm not in policies, 0.0
                         t0 = time.perf_counter()
                         body(model, tokens[None, args.budget + step : args.budget + step + 1], caches[arm])
                         times[arm].append(time.perf_counter() - t0)
@@ -86,13 +92,13 @@ def main() -> None:
         return sorted(times[arm])[len(times[arm]) // 2]
 
     print(f"decode step, {args.model}, budget {args.budget}, batch 1, median of {args.steps * args.rounds} steps")
-    print(f"{'cache':<22}{'ms/step':>9}{'vs P':>9}{'target':>9}{'dequant+quant ms':>18}{'KV MB held':>12}")
+    print(f"{'cache':<44}{'ms/step':>9}{'vs P':>9}{'target':>9}{'dequant+quant ms':>18}{'KV MB held':>12}")
     for p in policies:
-        for arm in (a for a in arms if a == p or a.endswith("+" + p) and a.startswith("q")):
+        for arm in (p, *(f"{form}+{p}" for form in forms)):
             ratio = median(arm) / median(p)
             own = storage_seconds[arm] / len(times[arm]) * 1000 if arm != p else 0.0
             target = f"<= {TARGET:.1f}x" if arm != p else ""
-            print(f"{arm:<22}{median(arm) * 1000:>9.1f}{ratio:>8.3f}x{target:>9}{own:>18.2f}{held[arm] / 1e6:>12.2f}")
+            print(f"{arm:<44}{median(arm) * 1000:>9.1f}{ratio:>8.3f}x{target:>9}{own:>18.2f}{held[arm] / 1e6:>12.2f}")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..policies import SlotView
+from ..policies import AttentionRequest, SlotView
+from . import step
 from .rows import RowGroup
 from .slot_views import view_of
 from .statistics import measure
@@ -136,41 +137,38 @@ class _Chunk:
         return self.first_seen + i + 1
 
     def absorb(self, i: int, seen: int, will_evict: bool) -> None:
-        """Each stepping row's request at step `i`: measured and absorbed into its statistics."""
-        layer = self.layer
-        for index, g in enumerate(self.stepping):
-            view = self.view(g, seen)
-            request = g.policy.request(view, will_evict)
-            if request is None:
-                continue
-            held = None
-            if request.kind == "window":  # measured and absorbed on the alive slots only
+        """Each stepping row's request at step `i`: measured and absorbed into its statistics (`step.absorb`)."""
+        layer, groups = self.layer, self.layer.settings.layout.groups
+        views = [None if g.policy.static_scores else self.view(g, seen) for g in groups]
+        requests = [None if view is None else g.policy.request(view, will_evict) for g, view in zip(groups, views)]
+        alive: dict[int, torch.Tensor] = {}  # group -> the alive slots a "window" request is measured on
+        for index, request in enumerate(requests):
+            if request is not None and request.kind == "window":
                 self.remembered = remember_queries(layer.statistics, self.query, self.used, self.remembered,
                                                    i + 1, self.first_seen)
-                held = g.take(self.vslot[:, :, : self.k + 1])
-                view = self.view(g, seen, held)
-            mass = measure(
-                request,
-                new=lambda index=index, g=g, i=i: self.new_mass(index, g, i),
-                window=lambda size, g=g, view=view, seen=seen, n=self.k + 1: window_mass(
-                    layer, g, view, size, seen, n, self.scaling
-                ),
-            )
-            updated = g.policy.absorb(view, request, mass)
-            stat = self.stats[request.stat]
-            if held is not None:
-                updated = g.take(stat).scatter(-1, held, updated.to(stat.dtype))
-            g.put(stat, updated.to(stat.dtype))
+                alive[index] = groups[index].take(self.vslot[:, :, : self.k + 1])
+                views[index] = self.view(groups[index], seen, alive[index])
+
+        def measured(index: int, request: AttentionRequest) -> torch.Tensor:
+            g, view = groups[index], views[index]
+            return measure(request, new=lambda: self.new_mass(index, g, i),
+                           window=lambda size: window_mass(layer, g, view, size, seen, self.k + 1, self.scaling))
+
+        def write(index: int, request: AttentionRequest, updated: torch.Tensor) -> torch.Tensor:
+            g, stat = groups[index], self.stats[request.stat]
+            updated = updated.to(stat.dtype)
+            g.put(stat, g.take(stat).scatter(-1, alive[index], updated) if index in alive else updated)
+            return updated
+
+        step.absorb(groups, views, requests, measured, write)
 
     def evict(self, i: int, seen: int) -> None:
         """Step `i` evicts one entry per row and head: the lowest score among the alive."""
         b, hkv, total = self.gone.shape
-        if self.fixed is None:
-            scores = torch.zeros(b, hkv, total, dtype=torch.float64, device=self.layer.device)
-        else:
-            scores = self.fixed.clone()
-        for g in self.stepping:
-            g.put(scores, g.policy.scores(self.view(g, seen)))
+        layout = self.layer.settings.layout
+        own = torch.zeros(b, hkv, total, dtype=torch.float64, device=self.layer.device)
+        views = [None if g.policy.static_scores else self.view(g, seen) for g in layout.groups]
+        scores = step.scores(layout, views, b, hkv, total, own if self.fixed is None else self.fixed.clone())
         victim = scores.masked_fill_(self.gone, float("inf")).argmin(dim=-1)  # [B, H] earliest of the lowest
         self.gone.scatter_(-1, victim[..., None], True)
         if self.layered:  # the newest entry (slot k) moves into the victim's slot

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from .residual_ring import read_ring
+
 
 class KeyBlocks:
     def __init__(self, form, batch: int, heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
@@ -40,12 +42,15 @@ class KeyBlocks:
     def of(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The `scale` and `zero` `[B, H, m, D]` of the blocks holding positions `pos` `[B, H, m]` (any value
         where a position's block is not taken yet: the caller reads those keys from the ring)."""
-        index = torch.searchsorted(self.ids, pos // self.size).clamp(max=max(self.ids.numel() - 1, 0))
-        index = index[..., None].expand(*pos.shape, self.scale.shape[-1])
-        if not self.ids.numel():
-            ones = torch.ones(index.shape, dtype=self.scale.dtype, device=pos.device)
+        b, h, blocks, d = self.scale.shape
+        if not blocks:
+            ones = torch.ones(*pos.shape, d, dtype=self.scale.dtype, device=pos.device)
             return ones, torch.zeros_like(ones)
-        return self.scale.gather(2, index), self.zero.gather(2, index)
+        index = torch.searchsorted(self.ids, pos // self.size).clamp(max=blocks - 1)  # [B, H, m]
+        # whole rows of D numbers by one index into the flattened table (a gather of every number is slower)
+        rows = (index + torch.arange(b * h, device=pos.device).view(b, h, 1) * blocks).flatten()
+        scale, zero = (t.reshape(-1, d).index_select(0, rows).view(*pos.shape, d) for t in (self.scale, self.zero))
+        return scale, zero
 
     def take(self, storage, n: int, end: int, keys: torch.Tensor, ring: torch.Tensor) -> None:
         """After a forward wrote slots `n..end-1` (their full-precision keys `keys` `[B, H, q, D]`, positions
@@ -79,7 +84,6 @@ class KeyBlocks:
         pos = storage.pos[:, :, :count]
         s, z = self.of(pos)
         keys = self.form.decode_keys(storage.held["kcodes"][:, :, :count], s, z, storage.dtype)
-        if ring is None or not count:
-            return keys
-        rows = (pos % ring.shape[2])[..., None].expand(*pos.shape, keys.shape[-1])
-        return torch.where((pos >= self.done)[..., None], ring.gather(2, rows), keys)
+        if ring is not None and count:
+            read_ring(keys, pos, ring, self.done)
+        return keys

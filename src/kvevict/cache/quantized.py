@@ -35,6 +35,7 @@ import torch
 from ..errors import KvevictError
 from ..storage_forms import StorageForm
 from .key_blocks import KeyBlocks
+from .residual_ring import read_ring
 from .storage import SlotStorage
 
 
@@ -203,10 +204,7 @@ class QuantizedStorage(SlotStorage):
         for i, x in pairs:
             x[:, :, :count] = images[i]
             if f.residual and count:
-                pos = self.pos[:, :, :count]
-                recent = (pos >= self.seen_end - f.residual)[..., None]  # [B, H, count, 1]
-                rows = (pos % self.ring_len)[..., None].expand(*pos.shape, self.head_dim)
-                x[:, :, :count] = torch.where(recent, self.ring[i].gather(2, rows), x[:, :, :count])
+                read_ring(x[:, :, :count], self.pos[:, :, :count], self.ring[i], self.seen_end - f.residual)
 
     def held_bytes(self, entries: int, full_bytes: int | None = None) -> int:
         """Bytes this storage holds for `entries` entries (summed over rows and heads): the form's parts

@@ -3,10 +3,11 @@ registered as its specialisations, each with the test that says where it applies
 
 The reference is stepping (`replay.replay_steps`, `stepping.Stepper`): each of the chunk's steps builds
 its policies' views of the slots a token-by-token run would hold (`stepping.step_view`), measures what they
-asked for (`statistics.measure`), lets them absorb it, scores and selects one victim, as a one-token
-forward's reference step does (`step_paths.REFERENCE`). Every other path computes the same kept sets and
-outputs with less work where its `applies` holds, and a differential test (tests/test_replay_paths.py) runs
-each against the reference on the architecture matrix:
+asked for and lets them absorb it (`step.absorb`), scores (`step.scores`) and selects one victim: the one
+eviction step (`step.py`) that a one-token forward's reference (`step_paths.REFERENCE`) runs over the held
+slots. Every other path computes the same kept sets and outputs with less work where its `applies` holds,
+and a differential test (tests/test_replay_paths.py) runs each against the reference on the architecture
+matrix:
 
 * **closed form** (`replay.replay_static`): every row's policy has static scores, so the kept set after any
   step is the top-budget of all tokens seen; one masked attention for the chunk. In position-shift mode the

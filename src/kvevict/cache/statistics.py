@@ -20,6 +20,7 @@ import torch
 
 from ..errors import KvevictError
 from ..policies import AttentionRequest, Policy, QueryBatch, SlotView
+from . import step
 from .probabilities import attention_mass, decode_probs
 from .query_window import QueryWindow
 from .rotary import Rotary
@@ -167,55 +168,59 @@ class Statistics:
         if probs is not None and len(requests) == 1:
             self._feed_decode(layout, storage, probs, views[0], requests[0])
             return views
-        # one query in flight: its attention is both "new" and "last", measured once
-        shared_kinds = ("new", "last") if new == 1 else ("new",)
-        asking = [i for i, r in enumerate(requests) if r is not None and r.kind in shared_kinds]
-        shared: dict[int, torch.Tensor] = {}
-        if asking:
-            subset, parts = layout.shared_rows(tuple(asking))
-            if probs is not None:
-                mass = subset.take(probs.sum(dim=2))
-            else:
-                keys = subset.take(storage.keys[:, :, :total])
-                if new == 1:  # the newest token sees every key: no mask, no blocks
-                    mass = decode_probs(subset.take(query), keys, scaling).sum(dim=2)
-                else:
-                    q_pos = torch.arange(seen - new, seen, device=query.device)
-                    key_pos = subset.take(storage.pos[:, :, :total])
-                    mass = attention_mass(subset.take(query), q_pos, keys, key_pos, scaling)
-            for i, part in zip(asking, parts):
-                shared[i] = part.take(mass)
-        for i, (group, view, request) in enumerate(zip(layout.groups, views, requests)):
-            if request is None:
-                continue
+        shared = self._shared_new(requests, layout, storage, query, scaling, seen, new, total, probs)
 
-            def keys(group=group) -> torch.Tensor:
+        def measured(i: int, request: AttentionRequest) -> torch.Tensor | QueryBatch:
+            group, view = layout.groups[i], views[i]
+
+            def keys() -> torch.Tensor:
                 return group.take(storage.keys[:, :, :total])
 
-            def last_of_many(group=group, view=view) -> torch.Tensor:  # the last query of a prefill, every key
+            def last_of_many() -> torch.Tensor:  # the last query of a prefill, every key
                 last = torch.tensor([seen - 1], device=query.device)
                 return attention_mass(group.take(query[:, :, -1:]), last, keys(), view.positions, scaling)
 
-            def window(size: int, group=group, view=view) -> torch.Tensor:
+            def window(size: int) -> torch.Tensor:
                 queries, q_pos = self.window_queries(mode, size, seen, total)
                 return attention_mass(group.take(queries), q_pos, keys(), view.positions, scaling)
 
-            def queries(size: int, group=group, view=view) -> QueryBatch:
+            def queries(size: int) -> QueryBatch:
                 return self.query_batch(mode, size, mode.seq_length(total, seen), group.take)
 
-            # "new" (and "last" when one query is in flight) was measured above for every row that asked
-            mass = measure(
-                request,
-                new=lambda i=i: shared[i],
-                last=(lambda i=i: shared[i]) if i in shared else last_of_many,
-                window=window,
-                queries=queries,
-            )
+            # "new" (and "last" when one query is in flight) was measured once for every row that asked
+            return measure(request, new=lambda: shared[i], last=(lambda: shared[i]) if i in shared else last_of_many,
+                           window=window, queries=queries)
+
+        def write(i: int, request: AttentionRequest, updated: torch.Tensor) -> torch.Tensor:
             stat = storage.stats[request.stat]
-            updated = group.policy.absorb(view, request, mass).to(stat.dtype)
-            group.put(stat[:, :, :total], updated)
-            view.stats[request.stat] = updated
+            updated = updated.to(stat.dtype)
+            layout.groups[i].put(stat[:, :, :total], updated)
+            return updated
+
+        step.absorb(layout.groups, views, requests, measured, write)
         return views
+
+    @staticmethod
+    def _shared_new(requests, layout, storage, query, scaling, seen, new, total, probs) -> dict[int, torch.Tensor]:
+        """The attention of this forward's queries `[b_g, H_kv, total]` for each group `i` whose request reads it
+        ("new"; "last" too when one query is in flight), measured once for all of them (from `probs` where
+        attention kept a decode query's)."""
+        shared_kinds = ("new", "last") if new == 1 else ("new",)
+        asking = [i for i, r in enumerate(requests) if r is not None and r.kind in shared_kinds]
+        if not asking:
+            return {}
+        subset, parts = layout.shared_rows(tuple(asking))
+        if probs is not None:
+            mass = subset.take(probs.sum(dim=2))
+        else:
+            keys = subset.take(storage.keys[:, :, :total])
+            if new == 1:  # the newest token sees every key: no mask, no blocks
+                mass = decode_probs(subset.take(query), keys, scaling).sum(dim=2)
+            else:
+                q_pos = torch.arange(seen - new, seen, device=query.device)
+                key_pos = subset.take(storage.pos[:, :, :total])
+                mass = attention_mass(subset.take(query), q_pos, keys, key_pos, scaling)
+        return {i: part.take(mass) for i, part in zip(asking, parts)}
 
     @staticmethod
     def _feed_decode(

@@ -1,11 +1,12 @@
 """How a uniform layer evicts after a forward that does not replay: one reference step, and the fast paths
 registered as its specialisations, each with the test that says where it applies.
 
-The reference (`REFERENCE`) is what any such eviction can do: the policies' views of the held slots, their
-requests measured and absorbed (`measured`, the layer's `Statistics.feed`), every row's scores merged, and
-the `keep` best slots kept, compacted to the front in positional order (`selection.keep_slots`,
-`PositionMode.compact`). The specialisations keep the same entries with less work where they apply, and a
-differential test (tests/test_step_paths.py) runs each against the reference on the architecture matrix:
+The reference (`REFERENCE`) is the one eviction step (`step.py`) over the held slots: the policies' views,
+their requests measured and absorbed (`measured`, the layer's `Statistics.feed`, through `step.absorb`),
+every row's scores merged (`step.scores`), and the `keep` best slots kept, compacted to the front in
+positional order (`selection.keep_slots`, `PositionMode.compact`). The specialisations keep the same entries
+with less work where they apply, and a differential test (tests/test_step_paths.py) runs each against the
+reference on the architecture matrix:
 
 * **ring** (`_ring`): every row's policy evicts first-in-first-out after its pinned tokens
   (`Policy.fifo_after`) and the position mode lets a ring of slots turn (`PositionMode.ring`: original
@@ -43,7 +44,7 @@ import torch
 
 from ..policies import SlotView
 from ..policies.capabilities import Capabilities
-from . import selection
+from . import selection, step
 from .layer_settings import LayerSettings
 from .statistics import Statistics
 from .storage import SlotStorage
@@ -95,17 +96,10 @@ class StepPath:
     fix: str = "run it in a layer kind that measures them"
 
 
-def _scores(layer: SteppingLayer, views: list[SlotView], total: int) -> torch.Tensor:
-    """`[B, H_kv, total]` every row's policy scores of the held slots (higher keeps)."""
-    layout = layer.settings.layout
-    parts = [group.policy.scores(view) for group, view in zip(layout.groups, views)]
-    return layout.merge(parts, layer.batch_size, layer.heads, total)
-
-
 def _reference(layer: SteppingLayer, measured: Measured, total: int, keep: int) -> bool:
     """Measure, score, keep the `keep` best slots compacted to the front in positional order; report what stayed."""
     storage = layer.storage
-    scores = _scores(layer, measured(), total)
+    scores = step.scores(layer.settings.layout, measured(), layer.batch_size, layer.heads, total)
     kept = selection.keep_slots(scores, storage.pos[:, :, :total], keep, layer.ordered)  # [B, H_kv, keep]
     layer.settings.mode.compact(storage, kept, keep)
     layer.report_eviction(layer.seen, storage.pos[:, :, :keep], None)
@@ -117,7 +111,7 @@ def _in_place(layer: SteppingLayer, measured: Measured, total: int, keep: int) -
     if total != keep + 1:
         return None
     storage = layer.storage
-    scores = _scores(layer, measured(), total)
+    scores = step.scores(layer.settings.layout, measured(), layer.batch_size, layer.heads, total)
     pos = storage.pos[:, :, :total]
     victim = selection.victim(scores, pos, layer.ordered)  # [B, H_kv] a slot each
     evicted = pos.gather(-1, victim[..., None])[..., 0] if layer.wants_victims else None  # [B, H_kv] positions

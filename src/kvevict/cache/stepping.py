@@ -16,8 +16,8 @@ from typing import Any, Protocol
 
 import torch
 
-from ..policies import SlotView
-from . import selection
+from ..policies import AttentionRequest, QueryBatch, SlotView
+from . import selection, step
 from .observers import Observer
 from .probabilities import attention_mass
 from .rows import RowGroup, RowLayout
@@ -147,36 +147,37 @@ class Stepper:
         layer.statistics.remember(query, query_positions, seen)
         target = layer.settings.layout.evict_to(budget, total)
         will_evict = target is not None
-        views = [step_view(layer, g, positions, slots, seen, budget, storage, keys) for g in self.stepping]
-        for g, view in zip(self.stepping, views):
-            request = g.policy.request(view, will_evict)
-            if request is None:
-                continue
-            mass = measure(
+        groups = layer.settings.layout.groups  # a static row's scores are `fixed`: no view, no request
+        views = [None if g.policy.static_scores else step_view(layer, g, positions, slots, seen, budget, storage, keys)
+                 for g in groups]
+        requests = [None if view is None else g.policy.request(view, will_evict) for g, view in zip(groups, views)]
+
+        def measured(i: int, request: AttentionRequest) -> torch.Tensor | QueryBatch:
+            g, view = groups[i], views[i]
+            return measure(
                 request,
-                new=lambda g=g: g.take(probs.sum(dim=2)),  # one query per step: its attention is "new" and "last"
-                window=lambda size, g=g, view=view: window_mass(layer, g, view, size, seen, total, self.scaling),
-                queries=lambda size, g=g: layer.statistics.query_batch(  # the step's query remembered above
+                new=lambda: g.take(probs.sum(dim=2)),  # one query per step: its attention is "new" and "last"
+                window=lambda size: window_mass(layer, g, view, size, seen, total, self.scaling),
+                queries=lambda size: layer.statistics.query_batch(  # the step's query remembered above
                     layer.settings.mode, size, layer.settings.mode.seq_length(total, seen), g.take
                 ),
             )
-            stat = storage.stats[request.stat]
-            updated = g.policy.absorb(view, request, mass).to(stat.dtype)
+
+        def write(i: int, request: AttentionRequest, updated: torch.Tensor) -> torch.Tensor:
+            g, stat = groups[i], storage.stats[request.stat]
+            updated = updated.to(stat.dtype)
             g.put(stat, g.take(stat).scatter(-1, g.take(slots), updated))
-            view.stats[request.stat] = updated
+            return updated
+
+        step.absorb(groups, views, requests, measured, write)
         layer.statistics.last_forward = None  # served: the step's query is not held past it
         if not will_evict:
             self.k += 1
             return None
         self.evicted = True
         b, hkv = slots.shape[:2]
-        if self.fixed is None:
-            parts = [g.policy.scores(v) for g, v in zip(self.stepping, views)]
-            scores = layer.settings.layout.merge(parts, b, hkv, total)
-        else:
-            scores = self.fixed.gather(-1, slots)
-            for g, v in zip(self.stepping, views):
-                g.put(scores, g.policy.scores(v))
+        scores = step.scores(layer.settings.layout, views, b, hkv, total,
+                             None if self.fixed is None else self.fixed.gather(-1, slots))
         self.k = target
         if target < total - 1:
             keep = selection.keep_slots(scores, positions, target, ordered=False)
@@ -247,15 +248,12 @@ def static_scores(
 
     `static_only`: score the static groups only; the other rows hold zeros.
     """
-    layout = layer.settings.layout
-    parts = [
+    views = [
         None if static_only and not group.policy.static_scores
-        else group.policy.scores(
-            view_of(
-                layer, group, group.take(pos), seen, layer.budget,
-                keys=lambda group=group: group.take(layer.storage.keys[:, :, :total]),  # `knorm`: fixed per key
-            )
+        else view_of(
+            layer, group, group.take(pos), seen, layer.budget,
+            keys=lambda group=group: group.take(layer.storage.keys[:, :, :total]),  # `knorm`: fixed per key
         )
-        for group in layout.groups
+        for group in layer.settings.layout.groups
     ]
-    return layout.merge(parts, layer.batch_size, layer.heads, total)
+    return step.scores(layer.settings.layout, views, layer.batch_size, layer.heads, total)

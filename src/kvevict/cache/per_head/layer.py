@@ -36,7 +36,8 @@ from __future__ import annotations
 import torch
 
 from ...errors import KvevictError
-from ...policies import Policy, QueryBatch, SlotView
+from ...policies import AttentionRequest, Policy, QueryBatch, SlotView
+from .. import step
 from ..layer_interface import CacheLayer
 from ..layer_settings import LayerSettings
 from ..policy_states import PolicyStates
@@ -191,35 +192,34 @@ class RaggedLayer(CacheLayer):
         `[B, H_kv, capacity]` the entries each head holds; `new_mass` / `last_mass` `[B, H_kv, capacity]`
         the attention of all `m` queries and of the last one, where attention measured it."""
         s, storage = self.settings, self.storage
-        first, width = seen - query.shape[2], storage.capacity
-        for g, view, request in zip(s.layout.groups, views, requests):
-            if request is None:
-                continue
+        first, width, groups = seen - query.shape[2], storage.capacity, s.layout.groups
 
-            def window(size: int) -> torch.Tensor:  # SnapKV's last queries, other heads' entries invisible
-                queries, q_pos = self.statistics.window_queries(s.mode, size, seen, width)
-                key_pos = storage.per_head(storage.pos, ~members, LATEST_LAST)
-                keys_now = storage.keys[:, None].expand(-1, self.heads, -1, -1)
-                return attention_mass(queries, q_pos, keys_now, key_pos, scaling).nan_to_num(0.0)
+        def window(size: int) -> torch.Tensor:  # SnapKV's last queries, other heads' entries invisible
+            queries, q_pos = self.statistics.window_queries(s.mode, size, seen, width)
+            key_pos = storage.per_head(storage.pos, ~members, LATEST_LAST)
+            keys_now = storage.keys[:, None].expand(-1, self.heads, -1, -1)
+            return attention_mass(queries, q_pos, keys_now, key_pos, scaling).nan_to_num(0.0)
 
-            def queries(size: int, g=g) -> QueryBatch:  # Expected Attention's pre-rotary queries
-                return self.statistics.query_batch(s.mode, size, seen, g.take)
+        def reconstruction(sinks: int) -> torch.Tensor | None:  # KVzip's window, in a repeat forward only
+            chunk = self.forward.reconstruct
+            if chunk is None:
+                return None
+            return window_mass(query, storage.keys, storage.pos, members, first, chunk, sinks, scaling)
 
-            def reconstruction(sinks: int) -> torch.Tensor | None:  # KVzip's window, in a repeat forward only
-                chunk = self.forward.reconstruct
-                if chunk is None:
-                    return None
-                return window_mass(query, storage.keys, storage.pos, members, first, chunk, sinks, scaling)
-
-            mass = measure(request, new=lambda: new_mass, last=lambda: last_mass, window=window, queries=queries,
+        def measured(i: int, request: AttentionRequest) -> torch.Tensor | QueryBatch | None:
+            g = groups[i]
+            mass = measure(request, new=lambda: new_mass, last=lambda: last_mass, window=window,
+                           queries=lambda size: self.statistics.query_batch(s.mode, size, seen, g.take),
                            reconstruction=reconstruction)
-            if mass is None:
-                continue
-            stat = storage.stats[request.stat]
-            mass = mass if isinstance(mass, QueryBatch) else g.take(mass)
-            updated = g.policy.absorb(view, request, mass).to(stat.dtype)
+            return mass if mass is None or isinstance(mass, QueryBatch) else g.take(mass)
+
+        def write(i: int, request: AttentionRequest, updated: torch.Tensor) -> torch.Tensor:
+            g, stat = groups[i], storage.stats[request.stat]
+            updated = updated.to(stat.dtype)
             g.put(stat, updated.gather(1, g.take(storage.owner)[:, None]).squeeze(1))  # its own head's value
-            view.stats[request.stat] = updated  # read only where the head holds an entry
+            return updated  # the view reads it only where the head holds an entry
+
+        step.absorb(groups, views, requests, measured, write)
 
     def _views(self, seen: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[SlotView]]:
         """What each row group's policy sees now (`_ragged_view`): the entries each head holds
@@ -247,7 +247,7 @@ class RaggedLayer(CacheLayer):
     def _scores(self, views: list[SlotView], members: torch.Tensor) -> torch.Tensor:
         """`[B, H, capacity]` every row's policy scores, -inf where a head holds nothing."""
         s = self.settings
-        scores = s.layout.merge([g.policy.scores(v) for g, v in zip(s.layout.groups, views)], *members.shape)
+        scores = step.scores(s.layout, views, *members.shape)
         return scores.masked_fill(~members, float("-inf"))
 
     def reconstruction_scores(self) -> dict[str, torch.Tensor]:
