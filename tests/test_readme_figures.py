@@ -9,6 +9,7 @@ from the answers; McNemar's exact p from scipy. No model runs.
 
 from __future__ import annotations
 
+import math
 import re
 from functools import cache
 from pathlib import Path
@@ -208,6 +209,18 @@ def test_four_bits_with_and_without_a_residual():
     check(kept, 100 * (judged.estimate - 1), "q4 group 64 with a residual of 128 against the full cache")
     check(reach, 100 * (judged.high - 1), "the top of its paired interval")
     check(without, 100 * (ratio(name, "q4:group=64+full", None) - 1), "q4 group 64 without a residual")
+
+
+def test_the_deployed_four_bit_step_against_the_sink_gap():
+    low, high, times = said(r"the step from 8 to 4 bits over 4,096 tokens is (\d\.\d\d\d)-(\d\.\d\d\d)×, at least (\d+) "
+                            r"times smaller in log terms than losing the sinks")
+    name, deployed = "quant-claim-4k.jsonl", "q4:group=64,residual=128+"
+    step = [ppl(name, deployed + row, budget).ppl / ppl(name, "q8+" + row, budget).ppl
+            for row, budget in (("sink4+window", 1024), ("full", None))]
+    check(low, min(step), "the smallest deployed 8 → 4 bit step at 4K")
+    check(high, max(step), "the largest deployed 8 → 4 bit step at 4K")
+    gap = ppl(name, "window", 1024).ppl / ppl(name, "sink4+window", 1024).ppl
+    assert math.log(gap) / math.log(max(step)) >= int(times), "the sink gap counted in the larger deployed step"
 
 
 # --- tasks -----------------------------------------------------------------------------------------------------
