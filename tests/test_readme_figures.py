@@ -197,6 +197,12 @@ def test_equal_bytes_on_perplexity():
     check(reach, 100 * (judged.high - 1), "the top of q8+h2o's paired interval")
     check(behind, 100 * (ratio(name, "h2o", 512, best) - 1), "h2o at 512 against q8+h2o at 910")
     check(behind_q4, 100 * (ratio(name, "q4+h2o", 1638, best) - 1), "q4+h2o at 1,638 against q8+h2o at 910")
+    (deployed,) = said(r"`q4:group=64,residual=128\+h2o` at 1,365 entries (\d\.\d)% above the full cache")
+    tied = ppl(name, "q4:group=64,residual=128+h2o", 1365)
+    judged = judge_ppl(blocks(tied.curve, "ppl"), blocks(full(name).curve, "ppl"), Tolerance())
+    check(deployed, 100 * (judged.estimate - 1), "the deployed q4+h2o at 1,365 against the full cache")
+    both = judge_ppl(blocks(tied.curve, "ppl"), blocks(best.curve, "ppl"), Tolerance())
+    assert both.low < 1 < both.high, "a tie: the paired interval against q8+h2o at 910 holds 1"
 
 
 
