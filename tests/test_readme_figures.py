@@ -218,8 +218,8 @@ def test_four_bits_with_and_without_a_residual():
 
 
 def test_the_deployed_four_bit_step_against_the_sink_gap():
-    low, high, times = said(r"the step from 8 to 4 bits over 4,096 tokens is (\d\.\d\d\d)-(\d\.\d\d\d)×, at least (\d+) "
-                            r"times smaller in log terms than losing the sinks")
+    low, high, times = said(r"the step from 8 to 4 bits over 4,096 tokens is (\d\.\d\d\d)-(\d\.\d\d\d)×, at least "
+                            r"(\d+) times smaller in log terms than losing the sinks")
     name, deployed = "quant-claim-4k.jsonl", "q4:group=64,residual=128+"
     step = [ppl(name, deployed + row, budget).ppl / ppl(name, "q8+" + row, budget).ppl
             for row, budget in (("sink4+window", 1024), ("full", None))]
