@@ -166,9 +166,11 @@ class _Chunk:
         """Step `i` evicts one entry per row and head: the lowest score among the alive."""
         b, hkv, total = self.gone.shape
         layout = self.layer.settings.layout
-        own = torch.zeros(b, hkv, total, dtype=torch.float64, device=self.layer.device)
+        # scores of its own to mask, never a policy's tensor: the static rows' copied, or zeros
+        own = (torch.zeros(b, hkv, total, dtype=torch.float64, device=self.layer.device) if self.fixed is None
+               else self.fixed.clone())
         views = [None if g.policy.static_scores else self.view(g, seen) for g in layout.groups]
-        scores = step.scores(layout, views, b, hkv, total, own if self.fixed is None else self.fixed.clone())
+        scores = step.scores(layout, views, b, hkv, total, own)
         victim = scores.masked_fill_(self.gone, float("inf")).argmin(dim=-1)  # [B, H] earliest of the lowest
         self.gone.scatter_(-1, victim[..., None], True)
         if self.layered:  # the newest entry (slot k) moves into the victim's slot
