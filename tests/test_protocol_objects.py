@@ -131,33 +131,18 @@ def test_a_sweep_task_added_by_one_registration_runs_closes_and_is_skipped_on_a_
     writes its records and its done marker, and a rerun with the same settings runs nothing."""
     from kvevict.ab import SweepConfig, run_sweep
     from kvevict.ab.sweep_tasks import registry as sweep_registry
-    from kvevict.ab.sweep_tasks.base import SweepTask
     from kvevict.records import schema as records
+    from test_sweep_task_kinds import Tally  # the toy task: one trial per policy with the stream's length
 
-    class Count(SweepTask):
-        kind = "count"
-
-        def wanted(self, config):
-            return True
-
-        def signature(self, config):
-            return f"count-done|{config.tokens}"
-
-        def run(self, job):
-            keep = self.keeper(job)
-            for policy in self.policies(job.config):
-                keep({"policy": policy, "budget": "-", "trial": 0, "tokens": int(job.tokens.numel())})
-            self.close(job)
-
-    monkeypatch.setattr(sweep_registry, "SWEEP_TASKS", (*sweep_registry.SWEEP_TASKS, Count()))
-    monkeypatch.setattr(records, "TASK_KINDS", (*records.TASK_KINDS, "count"))
+    monkeypatch.setattr(sweep_registry, "SWEEP_TASKS", (*sweep_registry.SWEEP_TASKS, Tally()))
+    monkeypatch.setattr(records, "TASK_KINDS", (*records.TASK_KINDS, "tally"))
     tokenizer = load_tokenizer("smollm2-135m")
     tiny.resize_token_embeddings(len(tokenizer))
     config = SweepConfig(tokens=120, budgets=[32], policies=["window"], oracle_stride=0, out=str(tmp_path), name="c")
     _, found = run_sweep(config, model=tiny, tokenizer=tokenizer, progress=False)
-    counted = [(r.fields["policy"], r.fields["tokens"]) for r in found if r.kind == "count"]
+    counted = [(r.fields["policy"], r.fields["tokens"]) for r in found if r.kind == "tally"]
     assert counted == [("full", 120), ("window", 120)]
     lines = (tmp_path / "c" / "results.jsonl").read_text()
-    assert '"kind": "count-done"' in lines and '"key": "count-done|120"' in lines
+    assert '"kind": "tally-done"' in lines and '"key": "tally-done|120"' in lines
     run_sweep(config, model=tiny, tokenizer=tokenizer, progress=False)
     assert (tmp_path / "c" / "results.jsonl").read_text() == lines
