@@ -1,4 +1,10 @@
-"""Where a deployment evicts along a generation: llama-server's context shift, from the declared context.
+"""Where a deployment evicts along a generation, by the rule its engine declares (`RULES`):
+
+* `context-shift`: llama-server's, from the context it declares (below);
+* `declared-context`: another engine whose KV limit the user declares (`--context`): the one event the audit
+  can place is where that context fills; what the engine does after it is its own;
+* `none`: an engine that declares no eviction (vLLM refuses a sequence past `max_model_len` rather than
+  evict): no event, and the whole stream is judged (`judge.py`).
 
 llama-server (`tools/server/server-context.cpp`, `pre_decode`) shifts a generating slot when the tokens it
 holds plus one reach `n_ctx`: it keeps `n_keep` (the whole prompt where `n_keep` is −1; one more where the
@@ -34,3 +40,18 @@ def shift_steps(prompt: int, n_predict: int, n_ctx: int, keep: int) -> list[int]
             out.append(j)
         held += 1
     return out
+
+
+def context_fills(prompt: int, n_predict: int, n_ctx: int, keep: int) -> list[int]:  # noqa: ARG001 (a rule's form)
+    """The one event of a declared KV limit: the generated index where `n_ctx` fills, as llama-server's first."""
+    first = n_ctx - prompt
+    return [first] if 0 < first < n_predict else []
+
+
+def no_events(prompt: int, n_predict: int, n_ctx: int, keep: int) -> list[int]:  # noqa: ARG001 (a rule's form)
+    """An engine that declares no eviction: none placed."""
+    return []
+
+
+#: eviction rule -> the generated indices of its events, from (prompt, n_predict, n_ctx, keep)
+RULES = {"context-shift": shift_steps, "declared-context": context_fills, "none": no_events}

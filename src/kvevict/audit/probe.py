@@ -2,6 +2,7 @@
 
 * its context (`n_ctx`: llama-server's `/props`; `max_model_len`: vLLM's `/v1/models`) and, for
   llama-server, the `n_keep` it keeps by default and whether it adds BOS (it keeps one more then);
+* its engine and identity (`identity.py`): what the audit keys its records by;
 * the model names it serves (`/v1/models`), against the name the user gave (a mismatch is refused);
 * whether its tokenizer is the audit's: token ids round-tripped through `/tokenize` and `/detokenize`
   (llama-server's and vLLM's), against the local tokenizer's (a disagreement is refused: the two sides
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 from ..errors import KvevictError
 from .client import Client, ServerError
+from .identity import ServerIdentity, engine_of, identify
 
 #: the text whose ids both tokenizers must agree on (words, punctuation, a non-ASCII letter)
 PROBE_TEXT = "The audit checks these tokens twice: once forward, once back (naïve tokenizers differ here)."
@@ -29,12 +31,22 @@ class Server:
     add_bos: bool | None
     models: tuple[str, ...]
     native: bool  # llama-server's native routes answer (/props)
+    identity: ServerIdentity = ServerIdentity("openai")
+
+    @property
+    def engine(self) -> str:
+        """How the audit names this server's engine in a sentence: llama-server, vLLM, an OpenAI-compatible server."""
+        return self.identity.engine
 
 
 def describe(client: Client) -> Server:
-    """Ask `/props` (llama-server) and `/v1/models` (every OpenAI-compatible server); either may be missing."""
+    """Ask `/props` (llama-server) and `/v1/models` (every OpenAI-compatible server), either of which may be
+    missing; where it is not llama-server, `/version`, and vLLM's `/metrics` (`identity.py`)."""
     props = _optional(client, "/props")
     listing = _optional(client, "/v1/models")
+    version = _optional(client, "/version") if props is None else None
+    kind = engine_of(props, listing, version)
+    metrics = _optional(client, "/metrics", text=True) if kind == "vllm" else None
     models = tuple(str(m.get("id")) for m in (listing or {}).get("data", []) if isinstance(m, dict))
     n_ctx = n_keep = add_bos = None
     if props:
@@ -48,15 +60,17 @@ def describe(client: Client) -> Server:
     if props is None and listing is None:
         raise KvevictError(f"{client.endpoint.base} answers neither /props nor /v1/models: is it llama-server or "
                            "an OpenAI-compatible server (vLLM, SGLang, trtllm-serve, Ollama)?")
-    return Server(client.endpoint.base, n_ctx, n_keep, add_bos, models, props is not None)
+    return Server(client.endpoint.base, n_ctx, n_keep, add_bos, models, props is not None,
+                  identify(kind, props, listing, version, metrics))
 
 
-def _optional(client: Client, path: str) -> dict | None:
-    """The route's answer; None where the server has no such route (404 or 405), any other error raised."""
+def _optional(client: Client, path: str, text: bool = False):
+    """The route's answer (JSON, or plain text where `text`); None where the server has no such route (404, 405,
+    501), any other error raised."""
     try:
-        return client.get(path)
+        return client.get_text(path) if text else client.get(path)
     except ServerError as exc:
-        if exc.status in (404, 405):
+        if exc.status in (404, 405, 501):
             return None
         raise
 

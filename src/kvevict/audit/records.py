@@ -1,8 +1,11 @@
 """The audit's records: one JSON line per request answered, keyed by the request, through `records/store.py`.
 
 A key is a hash of everything that decides the answer: the server's URL (no credentials ever reach it),
-the route, the model name and the request's fields. An audit killed at any moment (kill -9 included)
-and run again reads the keys it holds and sends only the requests it lacks.
+what the server says it is (`identity.py`: engine, model, context, KV type, build, and the keep the user
+declares where the server does not report it), the route, the model name and the request's fields. An
+audit killed at any moment (kill -9 included) and run again against the same server reads the keys it holds
+and sends only the requests it lacks; a server restarted at the same URL with another configuration keys
+its answers apart, so none of the old ones is replayed for it.
 """
 
 from __future__ import annotations
@@ -17,9 +20,11 @@ from ..records.store import ResultStore
 from .api import Ask, Generation, Step
 
 
-def request_key(url: str, route: str, model: str | None, ask: Ask) -> str:
-    """A stable key of one request (sha256 of its JSON, 24 hex digits)."""
-    found = json.dumps({"url": url, "route": route, "model": model, "ask": asdict(ask)}, sort_keys=True)
+def request_key(url: str, route: str, model: str | None, ask: Ask, server: dict) -> str:
+    """A stable key of one request to the server `server` describes (`ServerIdentity.as_dict`): sha256 of its
+    JSON, 24 hex digits."""
+    found = json.dumps({"url": url, "server": server, "route": route, "model": model, "ask": asdict(ask)},
+                       sort_keys=True)
     return hashlib.sha256(found.encode()).hexdigest()[:24]
 
 

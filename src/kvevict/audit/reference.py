@@ -14,10 +14,14 @@ Two ways to get it, each giving one `TopK` per generated token:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from .api import Ask, Step, generate
 from .client import Client
 from .fidelity import TopK
+
+if TYPE_CHECKING:
+    from .stream import Side
 
 #: generated positions whose full-vocabulary log-probabilities are held at once (`local_reference`)
 BLOCK = 64
@@ -45,26 +49,24 @@ def local_reference(model, prompt: Sequence[int], steps: Sequence[Step], k: int)
     return out
 
 
-def endpoint_reference(client: Client, route: str, model: str | None, prompt: Sequence[int],
-                       steps: Sequence[Step], k: int, cached: Callable[[str, Ask], Step | None] | None = None,
+def endpoint_reference(side: Side, prompt: Sequence[int], steps: Sequence[Step], k: int,
+                       cached: Callable[[str, Ask], Step | None] | None = None,
                        keep: Callable[[str, Ask, Step], None] | None = None) -> list[TopK]:
-    """`[G]` top-k distributions of the reference server at every generated position, one request each.
+    """`[G]` top-k distributions of the reference server (`side`) at every generated position, one request each.
     `cached(key, ask)` answers a request already in the records; `keep(key, ask, step)` records a new answer."""
-    from .records import request_key
-
     tokens = list(prompt) + [s.token for s in steps]
     asks = [Ask(n_predict=1, k=k, ids=tuple(tokens[: len(prompt) + j]), cache_prompt=True) for j in range(len(steps))]
 
     def one(ask: Ask) -> TopK:
-        key = request_key(client.endpoint.base, route, model, ask)
+        key = side.key(ask)
         found = cached(key, ask) if cached else None
         if found is None:
-            found = generate(client, route, ask, model).steps[0]
+            found = generate(side.client, side.route, ask, side.model).steps[0]
             if keep:
                 keep(key, ask, found)
         return TopK.of(found)
 
-    return client.map(one, asks)
+    return side.client.map(one, asks)
 
 
 def prompt_logprobs_reference(client: Client, model: str | None, prompt: Sequence[int], steps: Sequence[Step],

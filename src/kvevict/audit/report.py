@@ -7,6 +7,7 @@ import html
 from pathlib import Path
 
 from ..files import atomic_write
+from .judge import FROM_PREFIX
 from .text import lines, table
 
 #: tokens per point of the plotted running mean (a single token's KL is too noisy to read)
@@ -40,9 +41,9 @@ def write_report(result, path: Path, reproduction: list[dict] | None = None) -> 
     from ..report.html import STYLE
     from ..report.markup import image_html, table_html
 
-    streams = [r for r in (result.deployed, result.rerun) if r is not None]
+    streams = [r for r in (result.floor, result.deployed, result.rerun) if r is not None]
     parts = [f"<h1>kvevict audit: {html.escape(result.server.url)}</h1>",
-             f'<p class="meta">context {result.server.n_ctx}</p>',
+             f'<p class="meta">{html.escape(result.server.identity.describe())}</p>',
              "<h2>Verdict</h2>", *(f'<p class="verdict">{html.escape(x)}</p>' for x in lines(result))]
     if streams:
         tol = streams[0].verdict.tolerance
@@ -53,7 +54,7 @@ def write_report(result, path: Path, reproduction: list[dict] | None = None) -> 
         rows = "".join(f"<tr><td class='left'>{html.escape(r.label)}</td><td>{x['kl_audit']:.3f}</td>"
                        f"<td>{x['kl_kvevict']:.3f}</td><td>{x['disagree_audit']:.3f}</td>"
                        f"<td>{x['disagree_kvevict']:.3f}</td><td>{'yes' if x['agrees'] else 'NO'}</td></tr>"
-                       for r, x in zip(streams, reproduction, strict=False))
+                       for r, x in zip([r for r in streams if r is not result.floor], reproduction, strict=False))
         parts += ["<h2>Against the reproduction (kvevict's llamacpp preset, same tokens)</h2>",
                   '<table id="audit-reproduction" class="results"><thead><tr><th class="left">stream</th>'
                   "<th>KL audit</th><th>KL kvevict</th><th>top-1 miss audit</th><th>top-1 miss kvevict</th>"
@@ -85,13 +86,21 @@ def _task_table(rows) -> str:
 
 
 def _segments(streams) -> str:
-    """Per stream, KL and top-1 disagreement from each event to the next (the first row: the A/A floor)."""
+    """Per stream, KL and top-1 disagreement from each event to the next (the first row: the A/A floor where the
+    tokens before the first event are the floor)."""
     def cell(value, interval) -> str:
         return f"{value:.3f}" + (f" [{interval.low:.3f}, {interval.high:.3f}]" if interval else "")
 
+    def name(r, i: int) -> str:
+        if i > 0:
+            return f"after event {i}"
+        if not r.verdict.events:
+            return "whole stream"
+        return "A/A floor" if r.verdict.floor_source == FROM_PREFIX else "before event 1"
+
     body = "".join(
         f"<tr><td class='left'>{html.escape(r.label)}</td><td>{w.start}–{w.stop}</td>"
-        f"<td class='left'>{'A/A floor' if i == 0 and r.verdict.events else f'after event {i}'}</td>"
+        f"<td class='left'>{name(r, i)}</td>"
         f"<td>{cell(w.kl, w.kl_interval)}</td><td>{cell(w.disagree, w.disagree_interval)}</td></tr>"
         for r in streams for i, w in enumerate(r.verdict.segments))
     return ('<table id="audit-segments" class="results"><thead><tr><th class="left">stream</th><th>tokens</th>'

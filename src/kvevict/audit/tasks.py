@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from ..stats.tolerance import Judgement, Tolerance, judge_pair
 from .api import Ask, Generation, generate
 from .client import ServerError
-from .records import Records, request_key
+from .records import Records
 from .stream import Side
 
 #: tokens between a task prompt and the deployment's context: its answer starts this close to the shift
@@ -124,7 +124,7 @@ def _answer(side: Side, item: TaskItem, records: Records, label: str) -> Generat
     """The side's answer to `item` (from the records where it was sent), or "refused" where the server refused
     a prompt beyond its context."""
     ask = Ask(n_predict=item.max_new, ids=item.ids, messages=item.messages)
-    key = request_key(side.client.endpoint.base, side.route, side.model, ask)
+    key = side.key(ask)
     found = records.get(key)
     if found is not None:
         return "refused" if found.get("refused") else records.generation(key)

@@ -12,7 +12,10 @@ from pathlib import Path
 import typer
 
 from .common import (
+    DEVICE_HELP,
+    DTYPE_HELP,
     MODEL_HELP,
+    err,
     max_accuracy_drop_option,
     max_kl_option,
     max_ppl_ratio_option,
@@ -22,6 +25,12 @@ from .common import (
 
 API_HELP = ("how to speak to it: llama (llama-server's /completion: token ids, n_probs, n_keep), completions "
             "(/v1/completions), chat (/v1/chat/completions)")
+#: --fail-on -> the verdicts that make the command exit `FAIL_EXIT`
+FAIL_ON = {"never": (), "outside": ("outside",), "undecided": ("outside", "undecided")}
+#: the exit status of an audit whose verdict `--fail-on` names (2 is bad input, 1 a crash)
+FAIL_EXIT = 3
+KEY_HELP = "the environment variable holding {whose} API key (sent as a bearer token to that server alone, never " \
+           "written anywhere)"
 
 
 @one_line_errors
@@ -52,8 +61,22 @@ def audit(
     concurrency: int = typer.Option(4, help="requests in flight at most, per server"),
     timeout: float = typer.Option(120.0, help="seconds a request may take"),
     retries: int = typer.Option(4, help="retries on 429, 503 or a dropped connection, with exponential backoff"),
-    api_key_env: str | None = typer.Option(None, help="the environment variable holding the API key (sent as a "
-                                           "bearer token, never written anywhere)"),
+    api_key_env: str | None = typer.Option(None, help=KEY_HELP.format(whose="the deployment's")),
+    reference_api_key_env: str | None = typer.Option(None, help=KEY_HELP.format(whose="the reference server's")),
+    floor_url: str | None = typer.Option(None, help="a twin whose own stream gives the A/A floor: the same engine "
+                                         "with nothing lossy (its KV unquantized), or a second copy of the "
+                                         "reference; a context that never evicts"),
+    floor_api_key_env: str | None = typer.Option(None, help=KEY_HELP.format(whose="the twin's")),
+    allow_plain_http_key: bool = typer.Option(False, "--allow-plain-http-key", help="send a key over plain http:// "
+                                              "to a host beyond loopback (off: refused; use https://)"),
+    judge: str = typer.Option("auto", help="what the verdict covers: after-event (the tokens from the first "
+                              "eviction event on, those before it the A/A floor), whole (every token: a loss with "
+                              "no eviction point, e.g. a quantized KV cache), auto (whole where the server "
+                              "declares no eviction)"),
+    fail_on: str = typer.Option("never", help=f"exit {FAIL_EXIT} when the audit's verdict is outside (outside), or "
+                                "outside or undecided (undecided); never: exit 0 whatever the verdict"),
+    device: str = typer.Option("cpu", help=f"the local reference's device: {DEVICE_HELP}"),
+    dtype: str | None = typer.Option(None, help=f"the local reference's dtype: {DTYPE_HELP}"),
     out: str = typer.Option("runs/audit", help="folder for the records (results.jsonl), audit.json and report.html"),
     max_ppl_ratio: float | None = max_ppl_ratio_option(),
     max_kl: float | None = max_kl_option(),
@@ -74,41 +97,52 @@ def audit(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object as the last line"),
 ) -> None:
     """Audit a running server: its fidelity along a long generation against the reference, the eviction events,
-    the sink-loss signature, a rerun with the sinks kept; judged by the verdict's rule (docs/audit.md)."""
-    settings = {"api_key_env": api_key_env, "timeout": timeout, "retries": retries, "concurrency": concurrency}
-    spec = _spec(url, reference_url, settings, (max_ppl_ratio, max_accuracy_drop, max_kl), tasks, route=api,
-                 served_model=served_model, reference_route=reference_api, reference_mode=reference_mode, model=model,
-                 text=text, prompt_tokens=prompt_tokens, new_tokens=new_tokens, top_k=top_k, offset=offset,
-                 n_keep=n_keep, sinks=sinks, context=context, server_keep=server_keep, out=Path(out), qa=qa,
-                 samples=samples, generation_trials=generation_trials, task_length=task_length,
-                 conversations=conversations)
-    _run(spec, reproduce, as_json)
+    the sink-loss signature, a rerun with the sinks kept; judged by the verdict's rule (docs/audit.md). Exits 0
+    whatever the verdict unless --fail-on names it (then 3); bad input exits 2."""
+    settings = {"timeout": timeout, "retries": retries, "concurrency": concurrency,
+                "allow_plain_http_key": allow_plain_http_key}
+    keys = {"--api-key-env": api_key_env, "--reference-api-key-env": reference_api_key_env,
+            "--floor-api-key-env": floor_api_key_env}
+    spec = _spec((url, reference_url, floor_url), keys, settings, (max_ppl_ratio, max_accuracy_drop, max_kl), tasks,
+                 route=api, served_model=served_model, reference_route=reference_api, reference_mode=reference_mode,
+                 judge=judge, model=model, device=device, dtype=dtype, text=text, prompt_tokens=prompt_tokens,
+                 new_tokens=new_tokens, top_k=top_k, offset=offset, n_keep=n_keep, sinks=sinks, context=context,
+                 server_keep=server_keep, out=Path(out), qa=qa, samples=samples, generation_trials=generation_trials,
+                 task_length=task_length, conversations=conversations)
+    _check_fail_on(fail_on)
+    _run(spec, reproduce, as_json, fail_on)
 
 
-def _spec(url: str, reference_url: str | None, settings: dict, tolerance: tuple, tasks: str, *, route: str,
-          reference_route: str | None, reference_mode: str, prompt_tokens: int, new_tokens: int, top_k: int,
-          **fields):
+def _spec(urls: tuple[str, str | None, str | None], keys: dict, settings: dict, tolerance: tuple, tasks: str, *,
+          route: str, reference_route: str | None, reference_mode: str, judge: str, device: str, dtype: str | None,
+          prompt_tokens: int, new_tokens: int, top_k: int, **fields):
     """The `AuditSpec` the options describe, every one checked before the first request goes out (`_check`).
-    `settings`: how both endpoints are spoken to; `tolerance`: `tolerance_from`'s three limits; `fields`: the
-    spec's fields that the options give as they are."""
+    `urls`: the deployment's, the reference's and the twin's (None: not given); `keys`: each server's key option
+    and the variable it names; `settings`: how every endpoint is spoken to; `tolerance`: `tolerance_from`'s three
+    limits; `fields`: the spec's fields that the options give as they are."""
     from ..audit.client import Endpoint
     from ..audit.run import AuditSpec
     from ..eval.ruler.registry import parse_tasks
+    from .common import check_device, check_dtype
 
-    _check(route, reference_route, reference_mode, prompt_tokens, new_tokens, top_k)
+    _check(route, reference_route, reference_mode, judge, prompt_tokens, new_tokens, top_k)
+    deployment, reference, floor = (
+        Endpoint(url, api_key_env=keys[option], key_option=option, **settings) if url else None
+        for url, option in zip(urls, keys, strict=True))
     return AuditSpec(
-        deployment=Endpoint(url, **settings), route=route,
-        reference=Endpoint(reference_url, **settings) if reference_url else None, reference_route=reference_route,
-        reference_mode=reference_mode, prompt_tokens=prompt_tokens, new_tokens=new_tokens, top_k=top_k,
-        tolerance=tolerance_from(*tolerance), tasks=tuple(parse_tasks(tasks)) if tasks else (), **fields,
+        deployment=deployment, route=route, reference=reference, reference_route=reference_route,
+        reference_mode=reference_mode, floor=floor, judge=judge, device=check_device(device), dtype=check_dtype(dtype),
+        prompt_tokens=prompt_tokens, new_tokens=new_tokens, top_k=top_k, tolerance=tolerance_from(*tolerance),
+        tasks=tuple(parse_tasks(tasks)) if tasks else (), **fields,
     )
 
 
-def _check(route: str, reference_route: str | None, reference_mode: str, prompt_tokens: int, new_tokens: int,
-           top_k: int) -> None:
-    """Routes and a reference mode the client speaks, and lengths of at least 1: each refused in one line naming
-    its option before any request."""
+def _check(route: str, reference_route: str | None, reference_mode: str, judge: str, prompt_tokens: int,
+           new_tokens: int, top_k: int) -> None:
+    """Routes, a reference mode and a judge the audit knows, and lengths of at least 1: each refused in one line
+    naming its option before any request."""
     from ..audit.api import ROUTES
+    from ..audit.judge import JUDGES
     from ..errors import KvevictError
 
     for name, value in (("--api", route), ("--reference-api", reference_route or route)):
@@ -116,17 +150,27 @@ def _check(route: str, reference_route: str | None, reference_mode: str, prompt_
             raise KvevictError(f"{name} must be one of {', '.join(ROUTES)}, got '{value}'")
     if reference_mode not in ("positions", "prompt-logprobs"):
         raise KvevictError(f"--reference-mode must be positions or prompt-logprobs, got '{reference_mode}'")
+    if judge not in ("auto", *JUDGES):
+        raise KvevictError(f"--judge must be one of auto, {', '.join(JUDGES)}, got '{judge}'")
     for name, value in (("--prompt-tokens", prompt_tokens), ("--new-tokens", new_tokens), ("--top-k", top_k)):
         if value < 1:
             raise KvevictError(f"{name} must be at least 1, got {value}")
 
 
-def _run(spec, reproduce: bool, as_json: bool) -> None:
+def _check_fail_on(fail_on: str) -> None:
+    from ..errors import KvevictError
+
+    if fail_on not in FAIL_ON:
+        raise KvevictError(f"--fail-on must be one of {', '.join(FAIL_ON)}, got '{fail_on}': outside exits "
+                           f"{FAIL_EXIT} on an outside verdict, undecided on an outside or undecided one")
+
+
+def _run(spec, reproduce: bool, as_json: bool, fail_on: str) -> None:
     from ..audit.report import write_report
     from ..audit.run import LocalModel, run_audit
     from ..audit.text import lines
 
-    local = LocalModel(spec.model)
+    local = LocalModel(spec.model, spec.device, spec.dtype)
     result = run_audit(spec, local)
     found = result.summary()
     if reproduce:
@@ -140,3 +184,6 @@ def _run(spec, reproduce: bool, as_json: bool) -> None:
     print(f"report: {page}")
     if as_json:
         print(json.dumps(found))
+    if result.outcome in FAIL_ON[fail_on]:
+        err.print(f"verdict: {result.outcome}; --fail-on {fail_on}: exit {FAIL_EXIT}", markup=False, highlight=False)
+        raise typer.Exit(FAIL_EXIT)
