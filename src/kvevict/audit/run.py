@@ -4,8 +4,8 @@ showed a step, judge, write the record.
 
 Everything the user can get wrong is refused before the first workload request (`probe.py`, `StreamPlan.check`).
 Every answer is keyed by what its server says it is (`identity.py`): a server restarted at the same URL with
-another configuration is recorded apart, none of its old answers replayed, and `servers.json` in the folder says
-which configuration the folder last saw, so the verdict's notes can name what changed.
+another configuration is recorded apart, none of its old answers replayed, and the folder's last `audit.json`
+says which configuration it saw, so the verdict's notes can name what changed.
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ class AuditResult:
     requests: dict = field(default_factory=dict)  # requests sent per server (retries counted), this run alone
     floor: StreamResult | None = None  # the twin's own stream, whose whole is the A/A floor
     reference: dict = field(default_factory=dict)  # what the reference was (a server's identity, or the local model)
+    servers: dict = field(default_factory=dict)  # role -> URL and identity, as keyed (the next run's `_changed`)
 
     @property
     def outcome(self) -> str:
@@ -94,7 +95,7 @@ class AuditResult:
                 "reference": self.reference, "deployed": self.deployed and self.deployed.summary(),
                 "floor": self.floor and self.floor.summary(), "rerun": self.rerun and self.rerun.summary(),
                 "effect": self.effect, "notes": self.notes, "tasks": [t.as_dict() for t in self.tasks],
-                "requests": self.requests}
+                "requests": self.requests, "servers": self.servers}
 
 
 def prompt_ids(tokenizer, text: str, count: int, offset: int) -> tuple[int, ...]:
@@ -157,7 +158,7 @@ def _references(spec: AuditSpec, reference: Side | None, records: Records, local
 
 
 def run_audit(spec: AuditSpec, local: LocalModel | None = None) -> AuditResult:
-    """Run the audit `spec` describes; its records, `servers.json` and `audit.json` go to `spec.out`. On the chat
+    """Run the audit `spec` describes; its records and `audit.json` go to `spec.out`. On the chat
     route only the tasks run (chat answers carry no token ids to pair a stream by)."""
     from ..loading import load_tokenizer
 
@@ -194,7 +195,9 @@ def run_audit(spec: AuditSpec, local: LocalModel | None = None) -> AuditResult:
                                   audit_tolerance(spec.tolerance), n_ctx)
         result.reference = result.reference or local.describe()
         result.requests = {role: side.client.sent for role, side in sides.items()}
-        result.notes += _remember(spec.out, sides)
+        result.servers = {role: {"url": side.client.endpoint.base, **side.identity.as_dict()}
+                          for role, side in sides.items()}
+        result.notes += _changed(spec.out, result.servers)
     atomic_write(spec.out / "audit.json", json.dumps(result.summary(), indent=1))
     return result
 
@@ -265,22 +268,18 @@ def _fidelity(spec: AuditSpec, result: AuditResult, sides: dict[str, Side], reco
         result.effect = rerun_effect(deployed.verdict, result.rerun.verdict)
 
 
-def _remember(out: Path, sides: dict[str, Side]) -> list[str]:
-    """A note for each server this folder held answers of under another configuration at the same URL (they were
-    keyed apart, none replayed), and `servers.json` rewritten with this run's servers for the next."""
-    path = out / "servers.json"
+def _changed(out: Path, servers: dict[str, dict]) -> list[str]:
+    """A note for each server whose answers this folder held under another configuration at the same URL (they were
+    keyed apart, none replayed), from the servers the folder's last `audit.json` names."""
     try:
-        before = json.loads(path.read_text()) if path.exists() else {}
-    except json.JSONDecodeError:
+        before = json.loads((out / "audit.json").read_text()).get("servers") or {}
+    except (OSError, json.JSONDecodeError, AttributeError):
         before = {}
-    now = {role: {"url": side.client.endpoint.base, **side.identity.as_dict()} for role, side in sides.items()}
-    changed = {role: differences(before[role], found) for role, found in now.items()
+    changed = {role: differences(before[role], found) for role, found in servers.items()
                if isinstance(before.get(role), dict) and before[role].get("url") == found["url"]}
-    notes = [f"the {role} at {now[role]['url']} is not the server this folder's earlier answers came from "
-             f"({'; '.join(found)}): they stay in results.jsonl, keyed apart, and none was replayed"
-             for role, found in changed.items() if found]
-    atomic_write(path, json.dumps(now, indent=1))
-    return notes
+    return [f"the {role} at {servers[role]['url']} is not the server this folder's earlier answers came from "
+            f"({'; '.join(found)}): they stay in results.jsonl, keyed apart, and none was replayed"
+            for role, found in changed.items() if found]
 
 
 def _tasks(spec: AuditSpec, side: Side, reference: Side, tokenizer, records: Records, tol: Tolerance,
