@@ -64,12 +64,13 @@ class ServerIdentity:
 
     def describe(self) -> str:
         """`vLLM 0.32.0: model smollm2, context 1024, KV cache fp8` (what it reports of these)."""
-        parts = [f"model {m}" for m in (self.fact("model_path") or self.fact("model root") or self.fact("model id"),)
-                 if m]
-        parts += [f"context {c}" for c in (self.fact("n_ctx") or self.fact("model max_model_len"),) if c]
+        model = self.fact("model_path") or self.fact("model root") or self.fact("model id")
+        context = self.fact("n_ctx") or self.fact("model max_model_len")
         kv = self.fact("cache_dtype") or self.fact("cache_type_k")
-        parts.append(f"KV cache {kv}" if kv else "KV cache type not reported")
         version = self.fact("version") or self.fact("build_info")
+        parts = [f"model {model}"] if model else []
+        parts += [f"context {context}"] if context else []
+        parts.append(f"KV cache {kv}" if kv else "KV cache type not reported")
         return f"{self.engine}{f' {version}' if version else ''}: {', '.join(parts)}"
 
 

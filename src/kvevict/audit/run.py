@@ -158,8 +158,8 @@ def _references(spec: AuditSpec, reference: Side | None, records: Records, local
 
 
 def run_audit(spec: AuditSpec, local: LocalModel | None = None) -> AuditResult:
-    """Run the audit `spec` describes; its records and `audit.json` go to `spec.out`. On the chat
-    route only the tasks run (chat answers carry no token ids to pair a stream by)."""
+    """Run the audit `spec` describes; its records and `audit.json` go to `spec.out`. On the chat route only the
+    tasks run (chat answers carry no token ids to pair a stream by)."""
     from ..loading import load_tokenizer
 
     _check_workload(spec)
@@ -186,17 +186,15 @@ def run_audit(spec: AuditSpec, local: LocalModel | None = None) -> AuditResult:
                 sides[role] = _never_evicting(found, spec, tokenizer, route, need, role)
         records = Records(spec.out)
         result = AuditResult(server, None, notes=notes)
-        result.reference = ({"kind": "server", "url": sides["reference"].client.endpoint.base,
-                             **sides["reference"].identity.as_dict()} if "reference" in sides else {})
         if prompt:
             _fidelity(spec, result, sides, records, local, n_ctx, prompt, tokenizer)
         if _has_tasks(spec):
             result.tasks = _tasks(spec, sides["deployment"], sides.get("reference"), tokenizer, records,
                                   audit_tolerance(spec.tolerance), n_ctx)
-        result.reference = result.reference or local.describe()
         result.requests = {role: side.client.sent for role, side in sides.items()}
         result.servers = {role: {"url": side.client.endpoint.base, **side.identity.as_dict()}
                           for role, side in sides.items()}
+        result.reference = result.servers.get("reference") or local.describe()
         result.notes += _changed(spec.out, result.servers)
     atomic_write(spec.out / "audit.json", json.dumps(result.summary(), indent=1))
     return result

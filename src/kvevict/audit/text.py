@@ -35,7 +35,7 @@ def table(results: list[StreamResult]) -> Table:
 
 
 def stream_line(r: StreamResult) -> str:
-    """`as deployed: outside (KL 0.41 [0.35, 0.48] > 0.100; ...); sink-loss signature at token 224`."""
+    """`as deployed: outside (KL 0.41 [0.35, 0.48] > 0.049; ...); sink-loss signature at token 224`."""
     v = r.verdict
     judged = "; ".join(j.text() + ("" if label == "KL" else f" ({label})") for label, j in v.judgements)
     line = f"{r.label}: {v.outcome} ({judged})"
