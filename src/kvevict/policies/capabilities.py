@@ -5,7 +5,7 @@ A leaf policy declares what differs from the defaults as class attributes named 
 `Policy.capabilities` gathers them once per policy object. A wrapper never forwards a
 declaration by hand: its `capabilities` are its inner policy's, with what the wrapper changes
 (`Wrapper.wrap`), so a new field is one line here and, where wrappers must not inherit it, one
-line in `Wrapper.wrap`.
+line in `wrapper.RULE`.
 
 Two questions the harness asks in many places are answered here once: `is_full_cache` (the
 reference every policy is judged against: never evicts, entries held as they are; `q4+full`

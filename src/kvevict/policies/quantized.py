@@ -1,7 +1,8 @@
 """`qB+P`, `fp8+P`: policy P, its kept entries held in a storage form. A storage request, not a policy.
 
 Quantization changes how each kept entry is stored, never which entries are kept, so it is a
-wrapper that forwards every declaration to its inner policy unchanged and adds one: `kv_storage`,
+wrapper that is its inner policy in every declaration and every hook (by the wrapper's one rule,
+`wrapper.py`; nothing is forwarded here by hand) and adds one declaration: `kv_storage`,
 the `StorageForm` (`storage_forms/`) the cache reads to give its layers that storage
 (`cache/quantized.py`). Which tokens stay is the inner policy's decision, made on what attention
 actually reads (the dequantized keys).
@@ -40,14 +41,10 @@ class Quantized(Wrapper):
             )
 
     def wrap(self, inner: Capabilities) -> Capabilities:
-        """A storage form changes nothing about which entries stay: every declaration of the rule is the inner
-        policy's; it adds how entries are held (`kv_storage`)."""
-        return with_fields(super().wrap(inner), kv_storage=self.storage, pinned=inner.pinned,
-                           unbounded=inner.unbounded, slot_local=inner.slot_local, preset=inner.preset,
-                           bounds_every_layer=inner.bounds_every_layer, fifo_after=inner.fifo_after)
+        """A storage form changes nothing about which entries stay: every declaration is the inner policy's,
+        its own rule's (`wrapper.RULE`) included; it adds how entries are held (`kv_storage`). Every hook is the
+        inner policy's too (`Wrapper`): it defines none."""
+        return with_fields(inner, kv_storage=self.storage)
 
     def spec(self) -> str:
         return f"{self.storage.prefix()}+{self.inner.spec()}"
-
-    def check_budget(self, budget: int) -> None:
-        self.inner.check_budget(budget)

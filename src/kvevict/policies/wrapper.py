@@ -1,20 +1,27 @@
-"""`Wrapper`: the base of policies that wrap another (`sinkN+P`, `sinkauto+P`, `adakv:P`).
+"""`Wrapper`: the base of policies that wrap another (`sinkN+P`, `sinkauto+P`, `adakv:P`, `qB+P`, `P:page=N`).
 
-A wrapper changes how a budget is spent (it pins sinks, or shares it across heads), not
-what the inner policy needs from the cache. So its `capabilities` are the inner policy's,
-derived in one place (`wrap`), and a wrapper changes only the ones it changes (`sinkauto+`
-needs attention whatever its inner policy does). Not a dataclass itself: each wrapper owns
-its fields, `inner` among them.
+A wrapper holds its inner policy and changes one thing about it (it pins sinks, shares the budget across
+heads, evicts whole pages, or holds the kept entries as codes), so it is the inner policy for everything
+else, by two rules written once here and never by hand (kvpress's wrapper presses hold the inner press
+and delegate the same way):
+
+* its `capabilities` are the inner policy's (`wrap`), but for the fields of the inner policy's own rule
+  (`RULE`), which a wrapper that changes the rule declares itself;
+* every hook of `Policy` it does not define itself is the inner policy's (the loop at the end): a hook that
+  returns a policy (`with_seed`, `with_stream_start`) returns this wrapper around the inner policy's answer,
+  every other one returns the inner policy's answer. So a hook added to `Policy` reaches every inner policy
+  through every wrapper without a line here.
+
+Not a dataclass itself: each wrapper owns its fields, `inner` among them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 
-import torch
-
-from .base import AttentionRequest, Policy, SlotView
+from .base import Policy
 from .capabilities import FIELDS, Capabilities, read, with_fields
 
 #: what a wrapper does not take from its inner policy unless it says so (`Wrapper.wrap`): the defaults
@@ -22,10 +29,13 @@ RULE = {name: getattr(Capabilities(), name) for name in (
     "pinned", "unbounded", "slot_local", "preset", "bounds_every_layer", "fifo_after", "reconstructs", "ranks_layers"
 )}
 
+#: `Policy`'s methods a wrapper never takes from its inner policy: its spec names the wrapper too
+OWN = frozenset({"spec"})
+
 
 class Wrapper(Policy):
-    """Derives its capabilities from `self.inner`'s (`wrap`) and forwards the per-step hooks and the
-    per-layer state to it."""
+    """Derives its capabilities from `self.inner`'s (`wrap`) and answers every hook it does not define as
+    `self.inner` does (the module's rule), the per-layer state included."""
 
     @functools.cached_property
     def capabilities(self) -> Capabilities:
@@ -38,35 +48,27 @@ class Wrapper(Policy):
         subclass changes what it changes here, and nowhere else."""
         return with_fields(inner, **RULE)
 
-    def arrival(self, keys: torch.Tensor) -> torch.Tensor:
-        return self.inner.arrival(keys)
 
-    def evict_to(self, budget: int, held: int) -> int | None:
-        return self.inner.evict_to(budget, held)
-
-    def layer_budgets(self, budget: int, layers: int) -> list[int] | None:
-        return self.inner.layer_budgets(budget, layers)
-
-    def head_floor(self, budget: int) -> int:
-        return self.inner.head_floor(budget)
-
-    def with_seed(self, seed: int) -> Wrapper:
-        return dataclasses.replace(self, inner=self.inner.with_seed(seed))
-
-    def request(self, view: SlotView, will_evict: bool) -> AttentionRequest | None:
-        return self.inner.request(view, will_evict)
-
-    def absorb(self, view: SlotView, request: AttentionRequest, mass: torch.Tensor) -> torch.Tensor:
-        return self.inner.absorb(view, request, mass)
-
-    def scores(self, view: SlotView) -> torch.Tensor:
-        return self.inner.scores(view)
-
-    def new_state(self, layer: int) -> object | None:
-        return self.inner.new_state(layer)
+def _forwarded(name: str):
+    """`Policy.<name>` answered by `self.inner`: rewrapped when the hook returns a policy (`-> Policy`), the
+    wrapper itself when the inner policy returns itself unchanged (so a spec stays as written)."""
+    if inspect.signature(getattr(Policy, name)).return_annotation not in ("Policy", Policy):
+        def hook(self, *args, **kwargs):
+            return getattr(self.inner, name)(*args, **kwargs)
+    else:
+        def hook(self, *args, **kwargs):
+            inner = getattr(self.inner, name)(*args, **kwargs)
+            return self if inner is self.inner else dataclasses.replace(self, inner=inner)
+    hook.__name__ = hook.__qualname__ = name
+    hook.__doc__ = f"The inner policy's `{name}` (the wrapper's forwarding rule)."
+    return hook
 
 
-# every field reads as an attribute of a wrapper, from its capabilities: nothing is forwarded by hand
+# the one rule by which a wrapper forwards: every public hook of `Policy` but its spec is the inner policy's,
+# and every capability field reads as an attribute from the wrapper's capabilities; nothing is forwarded by hand
+for _name, _value in list(vars(Policy).items()):
+    if inspect.isfunction(_value) and not _name.startswith("_") and _name not in OWN:
+        setattr(Wrapper, _name, _forwarded(_name))
 for _name in FIELDS:
     setattr(Wrapper, _name, property(lambda self, name=_name: read(self.capabilities, name)))
-del _name
+del _name, _value
