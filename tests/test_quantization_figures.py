@@ -915,6 +915,22 @@ def test_what_gemma3_says_at_equal_bytes():
     assert all(r[1] > 1.05 for r in every), "no 4-bit row within 5% of the full cache"
 
 
+
+def test_what_is_held_and_what_a_residual_costs_in_time():
+    q4_, q8_, q2_ = said(text(), r"80 bytes per entry at bf16 against 256, i\.e\. (\d+)% of the bf16 cache; `q8`: "
+                                 r"(\d+)%; `q2`: (\d+)%")
+    name = "quant-claim-4k.jsonl"  # the whole cache at each width, over the same 4,096 tokens
+    for written, width in ((q4_, "q4"), (q8_, "q8"), (q2_, "q2")):
+        check(written, 100 * bytes_of(name, f"{width}+full") / bytes_of(name, "full"), f"{width}'s share")
+    per_token, per_100 = said(text(), r"\((\d+) ms a token on SmolLM2 on 2 CPU cores over 1,000 tokens, (\d+) s per 100 "
+                                      r"tokens, and three times that with `keys=channel`")
+    alone = {line.split()[0]: float(line.split()[3]) for line in
+             (RESULTS / "quant-gap-ppl-1000.txt").read_text().splitlines() if not line.startswith("#")}
+    ring = alone["q4:residual=128+full"] / 1000  # seconds a token, 1,000 tokens read one per forward
+    check(per_token, 1000 * ring, "a token through a residual")
+    check(per_100, 100 * ring, "100 tokens through a residual")
+    assert round(alone["q4:group=64,keys=channel+full"] / alone["q4:residual=128+full"]) == 3, "three times that"
+
 # --- the checks themselves ------------------------------------------------------------------------------------
 
 #: each check above, and a figure of the doc it reads, changed: the check must fail
@@ -952,6 +968,7 @@ CHANGED = [
     (test_every_cell_of_gemma3_at_equal_bytes, (), "| 1.106 [1.067, 1.154] |", "| 1.107 [1.067, 1.154] |"),
     (test_gemma3s_comparisons_at_equal_bytes, (), "q8+snapkv ×1.090 [1.057, 1.129]", "q8+snapkv ×1.091 [1.057, 1.129]"),
     (test_what_gemma3_says_at_equal_bytes, (), "(8% at 31%)", "(9% at 31%)"),
+    (test_what_is_held_and_what_a_residual_costs_in_time, (), "`q8`: 56%", "`q8`: 57%"),
 ]
 
 
