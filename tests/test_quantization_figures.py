@@ -922,8 +922,8 @@ def test_what_is_held_and_what_a_residual_costs_in_time():
     name = "quant-claim-4k.jsonl"  # the whole cache at each width, over the same 4,096 tokens
     for written, width in ((q4_, "q4"), (q8_, "q8"), (q2_, "q2")):
         check(written, 100 * bytes_of(name, f"{width}+full") / bytes_of(name, "full"), f"{width}'s share")
-    per_token, per_100 = said(text(), r"\((\d+) ms a token on SmolLM2 on 2 CPU cores over 1,000 tokens, (\d+) s per 100 "
-                                      r"tokens, and three times that with `keys=channel`")
+    per_token, per_100 = said(text(), r"\((\d+) ms a token on SmolLM2 on 2 CPU cores over 1,000 tokens, "
+                                      r"(\d+) s per 100 tokens, and three times that with `keys=channel`")
     alone = {line.split()[0]: float(line.split()[3]) for line in
              (RESULTS / "quant-gap-ppl-1000.txt").read_text().splitlines() if not line.startswith("#")}
     ring = alone["q4:residual=128+full"] / 1000  # seconds a token, 1,000 tokens read one per forward
