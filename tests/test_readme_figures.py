@@ -2,13 +2,16 @@
 from the records file the sentence links, so editing either side alone fails here.
 
 A figure is compared at the precision the README writes it (`21×` is 21.15 rounded to a whole number, `2.3%` a
-ratio of 1.0226). Intervals, envelope judgements and shares come from kvevict's own report functions
-(`report.tolerance`, `report.envelope`, `report.task_envelope`) applied to the stored records; counts are counted
-from the answers; McNemar's exact p from scipy. No model runs.
+ratio of 1.0226). Paired PPL intervals are recomputed from the raw records by `doc_records.py` (the block bootstrap
+written out with scipy, not the report code that printed them); envelope judgements and shares, whose rule is the
+envelope search's own (looks, Bonferroni), come from kvevict's report functions (`report.envelope`,
+`report.task_envelope`) applied to the stored records; counts are counted from the answers; McNemar's exact p from
+scipy; the audit's and the benchmarks' figures are read from the records they printed. No model runs.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from functools import cache
@@ -17,12 +20,13 @@ from pathlib import Path
 import pytest
 from scipy import stats
 
+import doc_records
+from doc_records import INTERVAL, check, check_interval, lines, matches, number, paired, row
 from kvevict.records.schema import load, ppl_records, ruler_records
 from kvevict.records.store import ResultStore
 from kvevict.report.envelope import envelope_rows
 from kvevict.report.task_envelope import cells_of, smallest
-from kvevict.stats.tolerance import Tolerance, judge_ppl
-from kvevict.stats.uncertainty import blocks
+from kvevict.stats.tolerance import Tolerance
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
@@ -35,30 +39,13 @@ def findings(text: str) -> str:
     return " ".join(text[start:end].split())
 
 
-@cache
 def readme() -> str:
-    return findings((ROOT / "README.md").read_text())
+    return findings(doc_records.read("README.md"))
 
 
 def said(pattern: str) -> tuple[str, ...]:
     """The numbers a README sentence states, as written: the groups of `pattern` (regex, spaces flexible)."""
-    found = re.search(pattern.replace(" ", r"\s+"), readme())
-    assert found, f"README.md no longer says /{pattern}/: update the sentence and this check together"
-    return found.groups()
-
-
-def number(text: str) -> float:
-    return float(text.replace(",", ""))
-
-
-def matches(written: str, value: float) -> bool:
-    """`value` rounded to the decimals `written` shows equals it ("4.2" against 4.15 holds, against 4.26 not)."""
-    decimals = len(written.split(".")[1]) if "." in written else 0
-    return round(value, decimals) == pytest.approx(number(written), abs=1e-9)
-
-
-def check(written: str, value: float, what: str) -> None:
-    assert matches(written, value), f"README says {written} for {what}; the records give {value:.4f}"
+    return doc_records.said(readme(), pattern)
 
 
 @cache
@@ -132,22 +119,26 @@ def test_streamingllm_at_20000_tokens():
 
 
 def test_tova_and_h2o_on_perplexity():
-    within, b1, b2, gap1, at1, gap2, at2 = said(
-        r"TOVA and H2O are within (\d)% on perplexity at (\d+) and (\d+) entries, though not below "
-        r"\((\d\.\d)% apart at (\d+), (\d+\.\d)% at (\d+), TOVA ahead\)")
+    b1, b2, r1, low1, high1, r2, low2, high2, about, gap1, at1, gap2, at2 = said(
+        r"TOVA and H2O are not told apart on perplexity at (\d+) and (\d+) entries \(TOVA over H2O " + INTERVAL
+        + " and " + INTERVAL + r", paired 95%: within about (\d)% either way\), though they are below "
+        r"\((\d\.\d)% apart at (\d+), (\d+\.\d)% at (\d+), TOVA ahead, each interval below 1\)")
 
-    def gap(budget: str) -> float:
-        tova = ppl("scorers-4000-results.jsonl", "tova", int(budget)).ppl
-        h2o = ppl("baselines-4000-results.jsonl", "h2o", int(budget)).ppl
-        return 100 * (1 - min(tova, h2o) / max(tova, h2o))
+    def tova_over_h2o(budget: str) -> tuple[float, float, float]:
+        return paired(("scorers-4000-results.jsonl", row("scorers-4000-results.jsonl", "tova", int(budget))),
+                      ("baselines-4000-results.jsonl", row("baselines-4000-results.jsonl", "h2o", int(budget))))
 
-    for budget in (b1, b2):
-        assert gap(budget) < number(within), f"TOVA and H2O differ by {gap(budget):.2f}% at {budget}"
+    reach = 0.0
+    for budget, written in ((b1, (r1, low1, high1)), (b2, (r2, low2, high2))):
+        found = tova_over_h2o(budget)
+        check_interval(written, found, f"TOVA over H2O at {budget}")
+        assert found[1] <= 1 <= found[2], f"not told apart at {budget}"
+        reach = max(reach, 1 - found[1], found[2] - 1)
+    check(about, 100 * reach, "how far the intervals reach")
     for written, budget in ((gap1, at1), (gap2, at2)):
-        assert gap(budget) > number(within)
-        check(written, gap(budget), f"TOVA against H2O at {budget}")
-        assert ppl("scorers-4000-results.jsonl", "tova", int(budget)).ppl < ppl(
-            "baselines-4000-results.jsonl", "h2o", int(budget)).ppl
+        found = tova_over_h2o(budget)
+        check(written, 100 * (1 - found[0]), f"TOVA ahead of H2O at {budget}")
+        assert found[2] < 1, f"TOVA ahead at {budget}, the interval below 1"
 
 
 def test_engine_defaults():
@@ -191,18 +182,18 @@ def test_equal_bytes_on_perplexity():
         r"`q8\+h2o` at 910 entries is (\d\.\d)% above the full cache \(its 95% interval reaches (\d\.\d)%\), 16-bit "
         r"`h2o` at 512 is (\d\.\d)% behind it and `q4\+h2o` at 1,638 (\d\.\d)%")
     name = "quant-bytes-4k.jsonl"
-    best = ppl(name, "q8+h2o", 910)
-    judged = judge_ppl(blocks(best.curve, "ppl"), blocks(full(name).curve, "ppl"), Tolerance())
-    check(above, 100 * (judged.estimate - 1), "q8+h2o at 910 against the full cache")
-    check(reach, 100 * (judged.high - 1), "the top of q8+h2o's paired interval")
-    check(behind, 100 * (ratio(name, "h2o", 512, best) - 1), "h2o at 512 against q8+h2o at 910")
-    check(behind_q4, 100 * (ratio(name, "q4+h2o", 1638, best) - 1), "q4+h2o at 1,638 against q8+h2o at 910")
+    reference = (name, doc_records.full(name))
+    best = (name, row(name, "q8+h2o", 910))
+    judged = paired(best, reference)
+    check(above, 100 * (judged[0] - 1), "q8+h2o at 910 against the full cache")
+    check(reach, 100 * (judged[2] - 1), "the top of q8+h2o's paired interval")
+    check(behind, 100 * (paired((name, row(name, "h2o", 512)), best)[0] - 1), "h2o at 512 against q8+h2o at 910")
+    check(behind_q4, 100 * (paired((name, row(name, "q4+h2o", 1638)), best)[0] - 1), "q4+h2o at 1,638 against it")
     (deployed,) = said(r"`q4:group=64,residual=128\+h2o` at 1,365 entries (\d\.\d)% above the full cache")
-    tied = ppl(name, "q4:group=64,residual=128+h2o", 1365)
-    judged = judge_ppl(blocks(tied.curve, "ppl"), blocks(full(name).curve, "ppl"), Tolerance())
-    check(deployed, 100 * (judged.estimate - 1), "the deployed q4+h2o at 1,365 against the full cache")
-    both = judge_ppl(blocks(tied.curve, "ppl"), blocks(best.curve, "ppl"), Tolerance())
-    assert both.low < 1 < both.high, "a tie: the paired interval against q8+h2o at 910 holds 1"
+    tied = (name, row(name, "q4:group=64,residual=128+h2o", 1365))
+    check(deployed, 100 * (paired(tied, reference)[0] - 1), "the deployed q4+h2o at 1,365 against the full cache")
+    both = paired(tied, best)
+    assert both[1] < 1 < both[2], "a tie: the paired interval against q8+h2o at 910 holds 1"
 
 
 
@@ -210,10 +201,9 @@ def test_four_bits_with_and_without_a_residual():
     kept, reach, without = said(r"4 bits at group 64 cost (\d\.\d)% perplexity over 1,000 tokens \(95% interval up to "
                                 r"(\d\.\d)%\) against (\d+\.\d)% without")
     name = "quant-gap-1k.jsonl"
-    residual = ppl(name, "q4:group=64,residual=128+full")
-    judged = judge_ppl(blocks(residual.curve, "ppl"), blocks(full(name).curve, "ppl"), Tolerance())
-    check(kept, 100 * (judged.estimate - 1), "q4 group 64 with a residual of 128 against the full cache")
-    check(reach, 100 * (judged.high - 1), "the top of its paired interval")
+    judged = paired((name, row(name, "q4:group=64,residual=128+full")), (name, doc_records.full(name)))
+    check(kept, 100 * (judged[0] - 1), "q4 group 64 with a residual of 128 against the full cache")
+    check(reach, 100 * (judged[2] - 1), "the top of its paired interval")
     check(without, 100 * (ratio(name, "q4:group=64+full", None) - 1), "q4 group 64 without a residual")
 
 
@@ -233,15 +223,25 @@ def test_the_deployed_four_bit_step_against_the_sink_gap():
 
 
 def test_ruler_single_needle_counts():
-    tova, n_tova, h2o, n_h2o, essays, n_essays = said(
-        r"half the context TOVA answers (\d+)/(\d+) and H2O (\d+)/(\d+); the SnapKV family answers none .*? with the "
-        r"needle in essays it finds (\d+)/(\d+)")
+    tova, n_tova, h2o, n_h2o, none_of, all_of = said(
+        r"half the context TOVA answers (\d+)/(\d+) and H2O (\d+)/(\d+); the SnapKV family answers none of (\d+) when "
+        r"the context is compressed before the question is read and all (\d+) when told the question first")
     name = "ruler-smollm2-2k.jsonl"
     for policy, count, n in (("tova", tova, n_tova), ("h2o", h2o, n_h2o)):
         cell = answers(name, policy, "50%", length=2000)
         assert (hits(cell), len(cell)) == (int(count), int(n)), policy
-    for policy in ("snapkv", "pyramidkv", "adakv:snapkv"):
-        assert hits(answers(name, policy, "50%", length=2000)) == 0, policy
+    family = ("snapkv", "pyramidkv", "adakv:snapkv")
+    for policy in family:
+        cell = answers(name, policy, "50%", length=2000)
+        assert (hits(cell), len(cell)) == (0, int(none_of)), policy
+        told = answers(name, policy, "50%", protocol="aware", length=2000)
+        assert hits(told) == len(told) == int(all_of), policy
+    streamed = said(r"read as a stream that evicts as it goes, SnapKV answers (\d+)/(\d+), PyramidKV (\d+)/(\d+) and "
+                    r"Ada-KV's SnapKV (\d+)/(\d+) \(TOVA (\d+)/(\d+)\)")
+    for policy, count, n in zip((*family, "tova"), streamed[::2], streamed[1::2], strict=True):
+        cell = answers(name, policy, "50%", protocol="stream", length=2000)
+        assert (hits(cell), len(cell)) == (int(count), int(n)), f"{policy} read as a stream"
+    (essays, n_essays) = said(r"with the needle in essays it finds (\d+)/(\d+)")
     cell = answers(name, "tova", "50%", task="niah_single_2", length=2000)
     assert (hits(cell), len(cell)) == (int(essays), int(n_essays))
 
@@ -426,6 +426,68 @@ def test_chunked_reading_speed_up():
     check(speed, float(found.group(1)), "the chunked StreamingLLM row's speed-up")
 
 
+def decode_runs(name: str) -> list[tuple[str, dict[str, tuple[float, float | None]]]]:
+    """The runs of a decode benchmark's record: (model, arm -> (its step over DynamicCache's, its target))."""
+    runs = []
+    for line in (RESULTS / name).read_text().splitlines():
+        head = re.match(r"decode step, (\S+), budget", line)
+        if head:
+            runs.append((head.group(1), {}))
+        arm = re.match(r"(\S+)\s+[\d.]+\s+([\d.]+)x(?:\s+<= ([\d.]+)x)?\s*$", line)
+        if arm and runs:
+            runs[-1][1][arm.group(1)] = (float(arm.group(2)), float(arm.group(3)) if arm.group(3) else None)
+    return runs
+
+
+def test_a_decode_step_against_dynamic_cache():
+    low, high, both, target, gemma = said(
+        r"a decode step of `window` at 512 entries took (\d\.\d+)–(\d\.\d+)× a `DynamicCache` step on SmolLM2 over the "
+        r"recorded runs \((\d\.\d+)× in the run that timed every arm on both models, over the (\d\.\d+)× target\) and "
+        r"(\d\.\d+)× on Gemma 3 270M \(records \[bench-decode-smollm2-512\.txt\]")
+    cited = decode_runs("bench-decode-smollm2-512.txt") + decode_runs("bench-decode-scoring-both-models.txt")
+    smollm2 = [arms["window"] for model, arms in cited if model == "smollm2-135m"]
+    check(low, min(r for r, _ in smollm2), "window's quickest recorded step on SmolLM2")
+    check(high, max(r for r, _ in smollm2), "window's slowest")
+    every = decode_runs("bench-decode-scoring-both-models.txt")
+    (mine,) = [arms for model, arms in every if model == "smollm2-135m"]
+    check(both, mine["window"][0], "window on SmolLM2 in the run of both models")
+    check(target, mine["window"][1], "window's target")
+    assert mine["window"][0] > mine["window"][1], "over the target"
+    (theirs,) = [arms for model, arms in every if model == "gemma3-270m"]
+    check(gemma, theirs["window"][0], "window on Gemma 3")
+
+
+def test_the_audit_of_llama_server():
+    kl, low, high, limit, inside = said(
+        r"is judged outside \(KL " + INTERVAL + r" nats per token after its first shift, against a limit of "
+        r"(\d\.\d+)\) with the sink-loss signature, and a rerun with `n_keep=4` takes the step away; `--keep 4` is "
+        r"inside \((\d\.\d+)\)")
+    rows = json.loads((RESULTS / "audit-smollm2.json").read_text())["rows"]
+    keep0, keep4 = rows["keep0"]["audit"], rows["keep4"]["audit"]
+    judged = next(j for j in keep0["deployed"]["judgements"] if j["label"] == "KL")
+    check_interval((kl, low, high), (judged["estimate"], judged["low"], judged["high"]), "keep 0's judged KL")
+    check(limit, judged["limit"], "the KL limit")
+    assert keep0["deployed"]["outcome"] == "outside" and keep0["deployed"]["signature"]
+    assert keep0["effect"] == "gone" and keep0["rerun"]["n_keep"] == 4
+    judged = next(j for j in keep4["deployed"]["judgements"] if j["label"] == "KL")
+    check(inside, judged["estimate"], "keep 4's judged KL")
+    assert keep4["deployed"]["outcome"] == "inside"
+
+
+def test_the_gpu_figures_are_marked_in_their_records():
+    """The records the README gives as measured on a GPU say so line by line (`device`), and the envelope among
+    several keys holds as many answers from each device as the README says."""
+    (device,) = said(r"KVzip's figures were measured on a GPU \(one (H200), float32")
+    for name in ("leading-kvzip-grid-4k-smollm2.jsonl", "leading-kvzip-aware-4k-smollm2.jsonl",
+                 "envelope-single-ratio-2k-kvzip-smollm2.jsonl"):
+        assert {r.get("device") for r in lines(name)} == {f"NVIDIA {device}"}, name
+    on_gpu, on_cpu = said(r"\(\[envelope-multikey-2k-kvzip-smollm2\.jsonl\]\(docs/results/"
+                          r"envelope-multikey-2k-kvzip-smollm2\.jsonl\): (\d+) answers on the GPU, (\d+) on the CPU\)")
+    devices = [r.get("device") for r in lines("envelope-multikey-2k-kvzip-smollm2.jsonl")]
+    assert (devices.count(f"NVIDIA {device}"), devices.count("cpu")) == (int(on_gpu), int(on_cpu))
+    assert len(devices) == int(on_gpu) + int(on_cpu)
+
+
 # --- the checks themselves -------------------------------------------------------------------------------------
 
 
@@ -434,10 +496,23 @@ def test_a_figure_is_compared_at_the_precision_written():
     assert not matches("4.2", 4.26) and not matches("30", 29.4)
 
 
-def test_a_changed_readme_figure_is_caught(monkeypatch):
+#: a check and a figure of the README it reads, changed: the check must fail (one for each check recomputed from
+#: its records by another route than the report that printed it, and the first such check)
+CHANGED = [
+    (test_ruler_single_needle_counts, "TOVA answers 29/30", "TOVA answers 28/30"),
+    (test_ruler_single_needle_counts, "SnapKV answers 2/7, PyramidKV 1/7", "SnapKV answers 2/7, PyramidKV 0/7"),
+    (test_tova_and_h2o_on_perplexity, "0.998 [0.978,\n  1.018]", "0.998 [0.977,\n  1.018]"),
+    (test_tova_and_h2o_on_perplexity, "within about 2% either way", "within about 1% either way"),
+    (test_equal_bytes_on_perplexity, "(its 95% interval reaches 4.2%)", "(its 95% interval reaches 4.3%)"),
+    (test_four_bits_with_and_without_a_residual, "(95%\n  interval up to 1.5%)", "(95%\n  interval up to 1.4%)"),
+    (test_a_decode_step_against_dynamic_cache, "took 1.010–1.026×", "took 1.010–1.020×"),
+    (test_the_audit_of_llama_server, "KL 0.465 [0.303, 0.646]", "KL 0.465 [0.303, 0.647]"),
+    (test_the_gpu_figures_are_marked_in_their_records, "248 answers on the GPU", "247 answers on the GPU"),
+]
+
+
+@pytest.mark.parametrize("check_,old,new", CHANGED, ids=[f"{c.__name__}-{i}" for i, (c, *_) in enumerate(CHANGED)])
+def test_a_changed_readme_figure_is_caught(check_, old, new):
     """The same check, on the README with one figure changed: it fails."""
-    changed = readme().replace("TOVA answers 29/30", "TOVA answers 28/30")
-    assert changed != readme()
-    monkeypatch.setitem(globals(), "readme", lambda: changed)
-    with pytest.raises(AssertionError):
-        test_ruler_single_needle_counts()
+    with doc_records.changed("README.md", old, new), pytest.raises(AssertionError):
+        check_()
