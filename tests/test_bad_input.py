@@ -531,3 +531,9 @@ def test_cli_text_that_is_not_text_is_refused(tiny_dir, tmp_path):
     controls.write_text("\x01\x02\x03 ok \x04\x05" * 100)  # valid UTF-8, but mostly control characters
     cli_error("ppl", "--model", str(tiny_dir), "--text", str(controls), "--tokens", "50",
               needles=("does not look like text", "give a text file"))
+
+
+@pytest.mark.parametrize("command", ["needle", "generation"])
+@pytest.mark.parametrize("value,needle", [("0", "got '0'"), ("-3", "got '-3'"), ("abc", "got 'abc'")])
+def test_cli_bad_prefill_chunk(command, value, needle):
+    cli_error(command, "--prefill-chunk", value, needles=("--prefill-chunk", ">= 1", needle))

@@ -5,7 +5,7 @@ forward (`EvictingLayer._view`), the virtual slots of a replayed step (`stepping
 `stepping.static_scores`), a chunk's slots scored at once (`by_slot`), a per-head layer's padded heads
 (`per_head.layer`). What differs between them is which slots the view shows, so the callers hand over the
 group's positions, statistics, keys and values; what a view carries beside them (the layer's index, the
-policy's state kept by the layer) is decided here once.
+policy's state kept by the layer, whether its eviction is held back) is decided here once.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ def view_of(
 ) -> SlotView:
     """`group`'s view in `layer` (any layer kind: it reads `index` and `state_of`): `positions` `[b, H_kv, n]`
     and `stats` `{name: [b, H_kv, n]}` already the group's rows, `keys` / `values` callables giving its
-    `[b, H_kv, n, D]` on demand (a policy that never reads them costs nothing)."""
+    `[b, H_kv, n, D]` on demand (a policy that never reads them costs nothing). `held_back`: the layer's
+    eviction waits for a context read in several forwards (`EvictingCache.defer`)."""
     return SlotView(
         positions=positions, seen=seen, budget=budget, layer=layer.index, stats={} if stats is None else stats,
-        keys=keys, values=values, state=layer.state_of(group.policy),
+        keys=keys, values=values, state=layer.state_of(group.policy), held_back=layer.deferred,
     )

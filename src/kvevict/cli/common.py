@@ -122,6 +122,27 @@ def parse_floats(text: str, option: str) -> list[float]:
 CHUNK_HELP = "tokens per forward after the prefill, evicting token by token inside it (1: one token per forward)"
 
 
+PREFILL_CHUNK_HELP = (
+    "read each prompt this many tokens per forward into the full cache, then compress it once: the same kept "
+    "entries, one chunk's activations at a time (default: the prompt in one forward)"
+)
+
+
+def parse_prefill_chunk(text: str | None) -> int | None:
+    """`--prefill-chunk` as a whole number >= 1, or None (one forward)."""
+    if text is None:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise KvevictError(
+            f"--prefill-chunk takes a whole number of tokens >= 1 (tokens per forward of a prompt), got '{text}'"
+        )
+    return value
+
+
 def parse_chunk(text: str) -> int:
     """`--chunk` as a whole number >= 1 (parsed here, not by typer, so a bad value is one line)."""
     from ..eval.chunks import check_chunk

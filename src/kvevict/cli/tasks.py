@@ -19,11 +19,13 @@ from .common import (
     DTYPE_HELP,
     MODEL_HELP,
     POSITIONS_HELP,
+    PREFILL_CHUNK_HELP,
     check_device,
     check_dtype,
     err,
     one_line_errors,
     parse_numbers,
+    parse_prefill_chunk,
     save_json,
     settle_specs,
     split_specs,
@@ -67,6 +69,7 @@ def needle(
     seed: int = typer.Option(0, help="seed of keys and haystack offsets"),
     positions: str | None = typer.Option(None, show_default=False, help=POSITIONS_HELP),
     question_after: bool = typer.Option(False, help="compress only the haystack; read the question after (kvpress)"),
+    prefill_chunk: str | None = typer.Option(None, show_default=False, help=PREFILL_CHUNK_HELP),
     save: str = typer.Option("", help="also write every trial's record to this JSON file"),
     as_json: bool = typer.Option(False, "--json", help="print {'cells': [...]} as the last line"),
     allow_download: bool = typer.Option(False, "--allow-download", help=DOWNLOAD_HELP),
@@ -84,12 +87,14 @@ def needle(
     length_list = _numbers(lengths, "--lengths", int)
     depth_list = _numbers(depths, "--depths", float)
     check_grid(length_list, depth_list, trials)
+    chunk = parse_prefill_chunk(prefill_chunk)
     _specs(policies, positions)
     budget_list = _budgets(budgets)
     lm, tokenizer = load_model(model, device=device, allow_download=allow_download, dtype=dtype)
     specs, positions = _specs(policies, positions, tokenizer)
     result = run_needle(
-        lm, tokenizer, length_list, depth_list, trials, specs, budget_list, seed, text, positions, question_after
+        lm, tokenizer, length_list, depth_list, trials, specs, budget_list, seed, text, positions, question_after,
+        prefill_chunk=chunk,
     )
     _note_plain_prompt(result.chat_template, model)
     save_json(save, result.to_dict())
@@ -112,6 +117,7 @@ def generation(
     seed: int = typer.Option(0),
     positions: str | None = typer.Option(None, show_default=False, help=POSITIONS_HELP),
     chat: bool = typer.Option(True, help="ask through the chat template, stop at the end of the turn"),
+    prefill_chunk: str | None = typer.Option(None, show_default=False, help=PREFILL_CHUNK_HELP),
     save: str = typer.Option("", help="also write every output's record to this JSON file"),
     as_json: bool = typer.Option(False, "--json", help="print {'rows': [...]} as the last line"),
     allow_download: bool = typer.Option(False, "--allow-download", help=DOWNLOAD_HELP),
@@ -128,12 +134,14 @@ def generation(
     check_dtype(dtype)
     if trials < 1:
         raise KvevictError(f"--trials must be at least 1, got {trials}")
+    chunk = parse_prefill_chunk(prefill_chunk)
     _specs(policies, positions)
     budget_list = _budgets(budgets)
     lm, tokenizer = load_model(model, device=device, allow_download=allow_download, dtype=dtype)
     specs, positions = _specs(policies, positions, tokenizer)
     result = run_generation(
-        lm, tokenizer, specs, budget_list, length, trials, max_new_tokens, seed, text, positions, chat
+        lm, tokenizer, specs, budget_list, length, trials, max_new_tokens, seed, text, positions, chat,
+        prefill_chunk=chunk,
     )
     if chat:
         _note_plain_prompt(result.chat, model)

@@ -1,9 +1,10 @@
 """Context compression (the SnapKV / kvpress protocol) as a library function.
 
-Prefill a context in one forward through an `EvictingCache`: every query of that forward
-sees the whole context, and the policy then keeps `budget` entries per layer and KV
-head. The cache is frozen afterwards, so whatever follows (a question, the answer being
-generated, a continuation being scored) is appended without further eviction. In
+Prefill a context through an `EvictingCache`, in one forward or in chunks (`chunk`: the same
+kept entries, one chunk's activations alive at a time): every query sees the whole context
+before it, and the policy then keeps `budget` entries per layer and KV head. The cache is
+frozen afterwards, so whatever follows (a question, the answer being generated, a
+continuation being scored) is appended without further eviction. In
 `original` position mode later tokens continue from the original context length, as
 kvpress and SnapKV do; in `cache` mode they continue from the number of entries kept.
 
@@ -32,6 +33,7 @@ from ..errors import KvevictError
 from ..policies import Policy
 from ..policies.budget import Budget, resolve_budget
 from ..position_modes import DEFAULT_POSITIONS
+from .chunks import check_chunk
 from .forward import body, log_probs, logits
 from .reconstruction import reconstruct, reconstructing_policy
 
@@ -105,17 +107,24 @@ def compress(
     budget: Budget,
     positions: str = DEFAULT_POSITIONS,
     tokenizer=None,
+    chunk: int | None = None,
 ) -> Compressed:
-    """Prefill `context` in one forward and compress it to `budget`.
+    """Prefill `context` and compress it to `budget`.
 
     `context` is `[T]` token ids read by every row, or `[B, T]`, one context per row (B
     requests of one length as one batch). `policies` is one spec or one per row. The
     full cache (`"full"`) must run in its own call. `tokenizer`: the model's, for a policy
     scored by reconstruction (`kvzip`), whose context is `[T]` (or `[1, T]`) starting with the chat
     template's opening as kvpress's pipeline frames it.
+
+    `chunk`: the context is read `chunk` tokens per forward into the full cache and compressed once
+    after the last (`prefill`): the same kept entries as one forward over it, with the activations of
+    one chunk alive at a time instead of the whole context's. None (the default): one forward.
     """
     if context.dim() not in (1, 2) or context.shape[-1] == 0:
         raise KvevictError("compress takes a non-empty context: token ids [T], or [B, T] for one per row")
+    if chunk is not None:
+        check_chunk(chunk)
     specs = list(policies) if isinstance(policies, (list, tuple)) else [policies]
     if context.dim() == 2 and len(specs) == 1:
         specs = specs * context.shape[0]
@@ -126,18 +135,49 @@ def compress(
         cache = EvictingCache(model, specs, budget=entries, positions=positions)
         ids = context.long().expand(len(specs), -1)
         scored = reconstructing_policy(cache) is not None
-        if scored:
-            if context.dim() != 1 and context.shape[0] != 1:
-                raise KvevictError("a policy scored by reconstruction (kvzip) compresses one context [T] at a time")
-            cache.defer()
-        hidden = body(model, ids[:1] if scored else ids, cache).expand(len(specs), -1, -1)
+        if scored and context.dim() != 1 and context.shape[0] != 1:
+            raise KvevictError("a policy scored by reconstruction (kvzip) compresses one context [T] at a time")
+        hidden = prefill(model, cache, ids[:1] if scored else ids, chunk).expand(len(specs), -1, -1)
         if scored:
             reconstruct(model, cache, context.reshape(-1), tokenizer)
+        if cache.deferred:
             cache.evict_deferred()
         bound = cache.budget  # None when every row is the full cache
         cache.freeze()
     names = [p.spec() for p in cache.policies]
     return Compressed(cache, hidden[:, -1], context.shape[-1], bound, names).measure()
+
+
+def prefill(model, cache: EvictingCache, ids: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+    """Read `ids` `[B, T]` into `cache` for one compression; the final hidden states of the last forward
+    `[B, q, H]`. The eviction is held back (`EvictingCache.defer`) where the cache must still score the
+    context after it is read (a policy scored by reconstruction) or where it is read in several forwards;
+    the caller then evicts (`evict_deferred`).
+
+    In `chunk`s (kvpress #178, vLLM's chunked prefill): the chunks before the last are read as the full
+    cache reads them (no budget, so nothing is planned to leave and what a policy measures only where it
+    evicts waits: SnapKV's window, TOVA's last query, Expected Attention's queries, which it gathers
+    meanwhile, `SlotView.held_back`); H2O's sums take every chunk's queries as one forward's would. The
+    last chunk is read at the budget, held back, so each policy measures what it measures over a whole
+    prompt. The first chunk is the remainder, so the last is a whole `chunk` (a window of recent queries
+    then lies in it wherever it fits). Peak memory: the full cache of `T` tokens plus one chunk's
+    activations, where one forward holds the whole prompt's (`[B, T, H]` per activation, `[B, H_q, T, D]`
+    queries).
+    """
+    length = ids.shape[-1]
+    if reconstructing_policy(cache) is not None or (chunk is not None and chunk < length):
+        cache.defer()
+    if chunk is None or chunk >= length:
+        return body(model, ids, cache)
+    budget = cache.budget
+    cache.budget = None
+    starts = range(length % chunk or chunk, length, chunk)
+    body(model, ids[:, : starts[0]], cache)
+    for start in starts:
+        if start + chunk >= length:
+            cache.budget = budget
+        hidden = body(model, ids[:, start : start + chunk], cache)
+    return hidden
 
 
 def compress_prompt(
@@ -148,6 +188,7 @@ def compress_prompt(
     positions: str = DEFAULT_POSITIONS,
     split: int | None = None,
     tokenizer=None,
+    chunk: int | None = None,
 ) -> Compressed:
     """Compress `prompt[:split]`, then read `prompt[split:]` through the compressed cache.
 
@@ -157,14 +198,14 @@ def compress_prompt(
     first answer token would escape the budget). A split at the end of a document
     compresses the document alone and reads the question afterwards (kvpress's
     question-agnostic protocol). `tokenizer`: the model's, for a policy scored by reconstruction
-    (`kvzip`, see `compress`).
+    (`kvzip`, see `compress`); `chunk`: tokens per forward of the compressed part (`compress`).
     """
     if prompt.dim() != 1 or prompt.numel() < 2:
         raise KvevictError("compress_prompt needs a 1-D prompt of at least 2 token ids")
     split = prompt.numel() - 1 if split is None else split
     if not 1 <= split < prompt.numel():
         raise KvevictError(f"split must leave at least one token on each side, got {split} of {prompt.numel()}")
-    state = compress(model, prompt[:split], policies, budget, positions, tokenizer)
+    state = compress(model, prompt[:split], policies, budget, positions, tokenizer, chunk)
     state.feed(model, prompt[split:])
     return state
 
@@ -177,9 +218,11 @@ def continuation_nll(
     budget: Budget,
     positions: str = DEFAULT_POSITIONS,
     tokenizer=None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """`[rows, len(continuation)]` NLL of each continuation token after compressing `context`
-    (`tokenizer`: the model's, for a policy scored by reconstruction, see `compress`).
+    (`tokenizer`: the model's, for a policy scored by reconstruction; `chunk`: tokens per forward of the
+    context; see `compress`).
 
     The first continuation token is predicted from the compression forward itself (as in
     SnapKV, whose last prompt token sees the whole prompt); every later one reads the
@@ -187,7 +230,7 @@ def continuation_nll(
     """
     if continuation.dim() != 1 or continuation.numel() == 0:
         raise KvevictError("continuation_nll needs a non-empty 1-D continuation of token ids")
-    state = compress(model, context, policies, budget, positions, tokenizer)
+    state = compress(model, context, policies, budget, positions, tokenizer, chunk)
     with torch.inference_mode():
         first = log_probs(model, state.hidden[:, None])
         rest = state.feed(model, continuation[:-1].long())

@@ -132,8 +132,10 @@ def run_generation(
     ngram: int = 4,
     progress: bool = True,
     on_record: Callable[[dict], None] | None = None,
+    prefill_chunk: int | None = None,
 ) -> GenerationResult:
-    """Greedy continuations of the same seeded long prompts under every policy and budget."""
+    """Greedy continuations of the same seeded long prompts under every policy and budget (`prefill_chunk`:
+    tokens per forward of each prompt's compressed part, `compress`'s `chunk`; None: one forward)."""
     _check_counts(trials, length, max_new_tokens)
     budgets = [parse_budget(b) for b in budgets]
     maker = GenPromptMaker(tokenizer, text, seed, chat)
@@ -149,7 +151,8 @@ def run_generation(
         for prompt in prompts:
             for specs, budget in plan:
                 started = time.perf_counter()
-                state = compress_prompt(model, prompt.ids, specs, budget, positions, tokenizer=tokenizer)
+                state = compress_prompt(model, prompt.ids, specs, budget, positions, tokenizer=tokenizer,
+                                        chunk=prefill_chunk)
                 outputs = greedy(model, state, max_new_tokens, stops)
                 seconds = time.perf_counter() - started
                 for spec, output in zip(specs, outputs, strict=True):

@@ -206,12 +206,14 @@ def run_needle(
     max_new_tokens: int = MAX_NEW_TOKENS,
     progress: bool = True,
     on_record: Callable[[dict], None] | None = None,
+    prefill_chunk: int | None = None,
 ) -> NeedleResult:
     """Run the pass-key grid: lengths x depths x trials, each policy at each budget.
 
     Bounded policies of one budget run as rows of one batch; the full cache runs once
     per prompt. `on_record` sees each trial's record as it is finished (for a results
-    store that survives interruption).
+    store that survives interruption). `prefill_chunk`: tokens per forward of each prompt's
+    compressed part (`compress`'s `chunk`; None: one forward).
     """
     check_grid(lengths, depths, trials)
     budgets = [parse_budget(b) for b in budgets]
@@ -238,7 +240,7 @@ def run_needle(
                     prompt = maker.make(length, depth, trial)
                     for specs, budget in plan:
                         for record in _run_batch(model, tokenizer, prompt, specs, budget, positions,
-                                                 question_after, max_new_tokens, stops):
+                                                 question_after, max_new_tokens, stops, prefill_chunk):
                             result.records.append(record)
                             if on_record is not None:
                                 on_record(record)
@@ -249,11 +251,11 @@ def run_needle(
 
 def _run_batch(
     model, tokenizer, prompt: NeedlePrompt, specs: list[str], budget: Budget, positions: str,
-    question_after: bool, max_new_tokens: int, stops: list[int],
+    question_after: bool, max_new_tokens: int, stops: list[int], prefill_chunk: int | None = None,
 ) -> list[dict]:
     t0 = time.perf_counter()
     state = compress_prompt(model, prompt.ids, specs, budget, positions, prompt.split if question_after else None,
-                            tokenizer)
+                            tokenizer, prefill_chunk)
     answers = greedy(model, state, max_new_tokens, stops)
     seconds = time.perf_counter() - t0
     records = []

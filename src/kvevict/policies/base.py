@@ -80,6 +80,9 @@ class SlotView:
     that policies that do not need keys never pay for slicing them out of the batch.
     `state` is what this policy carries from one step of this layer to the next
     (`Policy.new_state`), owned by the layer; None for a policy that carries nothing.
+    `held_back`: the forward in flight reads part of a context whose eviction waits until all of it
+    is read (`EvictingCache.defer`; a prompt read in chunks, `kvevict.compress(..., chunk=N)`), so a
+    policy that summarises the whole context (Expected Attention's queries) gathers from every forward.
     """
 
     positions: torch.Tensor
@@ -95,6 +98,7 @@ class SlotView:
     #: `[b, H_kv, n, D]` the slots' values, a callable like `keys` (LagKV and Expected Attention read them)
     values: Callable[[], torch.Tensor] | None = None
     state: object | None = None
+    held_back: bool = False
 
     def with_budget(self, budget: int) -> SlotView:
         return dataclasses.replace(self, budget=budget)

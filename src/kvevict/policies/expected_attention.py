@@ -73,18 +73,28 @@ class ExpectedAttention(Policy):
                 f"use n_sink in [0, {budget - 1}] or raise the budget"
             )
 
+    def new_state(self, layer: int) -> Gathered:
+        return Gathered()
+
     def request(self, view: SlotView, will_evict: bool) -> AttentionRequest | None:
-        if not will_evict:
-            return None
-        return AttentionRequest(kind="queries", stat=STAT, size=self.window, accumulate=False)
+        if will_evict:
+            return AttentionRequest(kind="queries", stat=STAT, size=self.window, accumulate=False)
+        if view.held_back:  # a chunk of a context evicted after its last: its queries are gathered (`absorb`)
+            return AttentionRequest(kind="queries", stat=STAT, size=self.window, accumulate=True)
+        return None
 
     def absorb(self, view: SlotView, request: AttentionRequest, mass: torch.Tensor | QueryBatch) -> torch.Tensor:
         """`[b, H_kv, n]` expected attention of each held entry, times its value's norm (sinks and pads 0)."""
         if not isinstance(mass, QueryBatch):
             raise KvevictError(f"expected-attention asked for the queries and got {request.kind!r} attention")
+        gathered = view.state
+        if request.accumulate:  # a chunk of a held-back context: nothing scored until its last chunk
+            gathered.add(mass, self.n_sink)
+            return view.stats[STAT]
+        mu, cov = self._moments(mass, gathered if view.held_back else None)  # [b, H_q, D], [b, H_q, D, D] or None
+        gathered.clear()
         keys = view.keys().float()  # [b, H_kv, n, D]
         b, h_kv, n, d = keys.shape
-        mu, cov = self._moments(mass)  # [b, H_q, D], [b, H_q, D, D] or None
         group = mu.shape[1] // h_kv
         judged = (view.positions >= self.n_sink)[:, :, None, :]  # [b, H_kv, 1, n]; pads sit at -1
         mu = mu.view(b, h_kv, group, d)
@@ -97,18 +107,25 @@ class ExpectedAttention(Policy):
             probs = (probs + self.epsilon) * torch.linalg.vector_norm(view.values().float(), dim=-1)
         return probs.masked_fill(~judged[:, :, 0], 0.0)
 
-    def _moments(self, batch: QueryBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _moments(self, batch: QueryBatch, gathered: Gathered | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Mean `[b, H_q, D]` and covariance `[b, H_q, D, D]` of the queries after the sinks, turned by the
-        rotation averaged over the next `n_future_positions` positions."""
-        raw = batch.raw[:, :, batch.stream >= self.n_sink]
-        if raw.shape[2] == 0:  # only sinks so far: every query counts
-            raw = batch.raw
-        mu = raw.mean(dim=2)
-        cov = None
-        if self.use_covariance:
-            centred = raw - mu[:, :, None]
-            cov = centred.transpose(-1, -2) @ centred / raw.shape[2]
-        turn = _mean_rotation(batch, self.n_future_positions, raw.shape[-1])  # [D, D] = mean R^T
+        rotation averaged over the next `n_future_positions` positions. The queries are `batch`'s, and where
+        earlier chunks of a held-back context were `gathered`, theirs with them (the moments merged, so the
+        result is that of the whole context's queries, as one forward over it gives)."""
+        if gathered is not None and gathered.count:
+            gathered.add(batch, self.n_sink)
+            mu, cov = gathered.mean.float(), gathered.scatter.float() / gathered.count
+            cov = cov if self.use_covariance else None
+        else:
+            raw = batch.raw[:, :, batch.stream >= self.n_sink]
+            if raw.shape[2] == 0:  # only sinks so far: every query counts
+                raw = batch.raw
+            mu = raw.mean(dim=2)
+            cov = None
+            if self.use_covariance:
+                centred = raw - mu[:, :, None]
+                cov = centred.transpose(-1, -2) @ centred / raw.shape[2]
+        turn = _mean_rotation(batch, self.n_future_positions, batch.raw.shape[-1])  # [D, D] = mean R^T
         mu = mu @ turn
         if cov is not None:
             cov = turn.transpose(-1, -2) @ cov @ turn
@@ -117,6 +134,48 @@ class ExpectedAttention(Policy):
     def scores(self, view: SlotView) -> torch.Tensor:
         """The stored expected attention; the first `n_sink` tokens always stay."""
         return view.stats[STAT].masked_fill((view.positions >= 0) & (view.positions < self.n_sink), float("inf"))
+
+
+@dataclass
+class Gathered:
+    """The queries of a held-back context's chunks so far, as moments: one layer's state (`new_state`).
+
+    A context read in several forwards and evicted after the last (`SlotView.held_back`) is scored on the
+    queries of all of them, as one forward over it would be; holding them would cost `[b, H_q, T, D]`, so
+    each chunk's are folded in as they come: their count, mean `[b, H_q, D]` and scatter (the sum of outer
+    products about the mean) `[b, H_q, D, D]`, merged pairwise (Chan, Golub and LeVeque's update) in float64.
+    `upto`: the stream position below which every query is in (a short chunk's batch repeats earlier ones).
+    """
+
+    count: int = 0
+    mean: torch.Tensor | None = None
+    scatter: torch.Tensor | None = None
+    upto: int = 0
+
+    def add(self, batch: QueryBatch, n_sink: int) -> None:
+        """Fold in `batch`'s queries at stream positions from `max(upto, n_sink)` on."""
+        fresh = batch.stream >= max(self.upto, n_sink)
+        if batch.stream.numel():
+            self.upto = max(self.upto, int(batch.stream.max()) + 1)
+        raw = batch.raw[:, :, fresh]
+        m = raw.shape[2]
+        if m == 0:
+            return
+        mean = raw.mean(dim=2)
+        centred = raw - mean[:, :, None]
+        scatter = (centred.transpose(-1, -2) @ centred).double()
+        mean = mean.double()
+        if not self.count:
+            self.count, self.mean, self.scatter = m, mean, scatter
+            return
+        total = self.count + m
+        delta = mean - self.mean  # [b, H_q, D]
+        self.scatter = self.scatter + scatter + delta[..., :, None] * delta[..., None, :] * (self.count * m / total)
+        self.mean = self.mean + delta * (m / total)
+        self.count = total
+
+    def clear(self) -> None:
+        self.count, self.mean, self.scatter, self.upto = 0, None, None, 0
 
 
 def _mean_rotation(batch: QueryBatch, count: int, d: int) -> torch.Tensor:
