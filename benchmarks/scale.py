@@ -101,7 +101,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, key, value)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     shortest = min(int(n) for n in args.lengths.split(","))
-    if min(shortest, args.tbt_max) <= args.budget:
+    if "stream" in args.parts.split(",") and min(shortest, args.tbt_max) <= args.budget:
         parser.error(f"every stream length and --tbt-max must exceed the budget ({args.budget}): a stream's cost is "
                      f"read after its prefill of the budget's tokens")
     return args
