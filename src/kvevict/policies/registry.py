@@ -9,7 +9,8 @@ the rest is the inner policy's spec. Options may also be separated by `;`
 `model_args`). Aliases: `streamingllm` = `sink4+window`,
 `local` / `fifo` = `window`. A storage prefix holds the kept entries in a registered storage form
 (`storage_forms.FORMS`): `qB+` (`q8+`, `q4+`, `q2+`) as B-bit codes (options `group`, `residual`,
-`keys`, e.g. `q4:group=64,residual=32+sink4+h2o`), `fp8+` as float8 (option `scale`).
+`keys`, e.g. `q4:group=64,residual=32+sink4+h2o`), `fp8+` as float8 (option `scale`), `q8_0+`, `q4_0+`,
+`f16+` as llama.cpp's KV types (option `rot`).
 A new policy registers its class here; its options are read off its constructor, so the parser
 and the error messages never go stale.
 """
@@ -72,7 +73,8 @@ ALIASES = {"streamingllm": "sink4+window", "local": "window", "fifo": "window"}
 _SINK = re.compile(r"^sink(\d+)\+(.+)$")
 _SINKAUTO = re.compile(r"^sinkauto(\d*)\+(.+)$")
 _ADAKV = "adakv"
-_STORED = re.compile(r"^([a-z]+)(\d+)(?::([^+]*))?\+(.+)$")  # a storage form's prefix: family, width, options
+# a storage form's prefix: family word, width, variant (ggml's `_0`, joined to the family: `q_0`), options
+_STORED = re.compile(r"^([a-z]+)(\d+)(_\d+)?(?::([^+]*))?\+(.+)$")
 # page-granular eviction, an option of the whole spec wherever it is written (`sink4+snapkv:page=32`)
 _PAGE_OPTION = re.compile(r"(?<=[:,;])(page|pagescore)=([^,;:+]*)")
 
@@ -84,7 +86,8 @@ def register(name: str, factory: Callable[..., Policy]) -> None:
 
 def known_specs() -> str:
     return ", ".join([*REGISTRY, *ALIASES, "sinkN+<policy>", "sinkauto+<policy>", "adakv:<policy>", "<policy>:page=N",
-                      "q8+<policy>", "q4+<policy>", "q2+<policy>", "fp8+<policy>"])
+                      "q8+<policy>", "q4+<policy>", "q2+<policy>", "fp8+<policy>", "q8_0+<policy>", "q4_0+<policy>",
+                      "f16+<policy>"])
 
 
 def parse_policy(spec: str | Policy) -> Policy:
@@ -99,10 +102,14 @@ def parse_policy(spec: str | Policy) -> Policy:
         return _parse_paged(spec, text, paging)
     text = ALIASES.get(text, text)
     stored = _STORED.match(text)
-    if stored and stored.group(1) in FORMS:
+    if stored and _family(stored) in FORMS:
         return _parse_stored(spec, stored)
-    if re.match(r"^q\d+(:|$)", text):
-        raise KvevictError(f"cannot parse '{spec}': quantized storage is written qB+<policy>, e.g. q4+sink4+h2o")
+    if stored and stored.group(3):
+        raise KvevictError(f"'{spec}': {stored.group(1)}{stored.group(2)}{stored.group(3)} is not a KV type kvevict "
+                           "holds: llama.cpp's are q8_0+<policy>, q4_0+<policy> and f16+<policy>")
+    if re.match(r"^q\d+(_\d+)?(:|$)", text):
+        raise KvevictError(f"cannot parse '{spec}': quantized storage is written qB+<policy>, e.g. q4+sink4+h2o "
+                           "or q8_0+full")
     auto = _SINKAUTO.match(text)
     if auto:
         return SinkAuto(int(auto.group(1) or 4), parse_policy(auto.group(2)))
@@ -135,15 +142,22 @@ def _parse_paged(spec: str, text: str, paging: dict[str, str]) -> Policy:
     return Paged(parse_policy(rest), page, paging.get("pagescore", "mean"))
 
 
+def _family(match: re.Match) -> str:
+    """The registered family of a storage prefix: its word, with a variant joined (`q8_0`: `q_0`)."""
+    return match.group(1) + (match.group(3) or "")
+
+
 def _parse_stored(spec: str, match: re.Match) -> Policy:
-    """`<family><width>[:options]+P`: P's entries held in the storage form registered for the family
-    (`q4:group=G,residual=R+P`: `KvQuant`; `fp8:scale=head+P`: `Fp8`); the width is the form's first field."""
-    family, width, options, inner = match.groups()
-    form = FORMS[family]
-    parsed = _parse_options(form, f"{family}{width}", options or "")
+    """`<family><width>[_variant][:options]+P`: P's entries held in the storage form registered for the family
+    (`q4:group=G,residual=R+P`: `KvQuant`; `fp8:scale=head+P`: `Fp8`; `q8_0:rot=none+P`: `GgmlBlocks`); the
+    width is the form's first field."""
+    word, width, variant, options, inner = match.groups()
+    form = FORMS[_family(match)]
+    written = f"{word}{width}{variant or ''}"
+    parsed = _parse_options(form, written, options or "")
     first = next(iter(inspect.signature(form).parameters))
     if first in parsed:
-        raise KvevictError(f"'{spec}' sets {first} twice: the width is the number after {family} ({family}{width})")
+        raise KvevictError(f"'{spec}' sets {first} twice: the width is the number after {word} ({written})")
     return Quantized(form(int(width), **parsed), parse_policy(inner))
 
 

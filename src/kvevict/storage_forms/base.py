@@ -27,7 +27,8 @@ import torch
 class StorageForm:
     """Base of the registered forms (`storage_forms.FORMS`); subclasses are frozen dataclasses."""
 
-    #: the spec's family word: `q` (`q8`, `q4`, `q2`), `fp` (`fp8`); the number after it is the width
+    #: the spec's family word: `q` (`q8`, `q4`, `q2`), `fp` (`fp8`); the number after it is the width. A word
+    #: with a variant (`q_0`) is written with the number before the variant (`q8_0`, `q4_0`)
     family: ClassVar[str] = ""
     #: the most recent tokens read at full precision (a form with a `residual` option overrides it)
     residual: int = 0
@@ -46,8 +47,10 @@ class StorageForm:
 
     @property
     def width(self) -> str:
-        """What a report tells storage widths apart by: the family and its number (`q4`, `fp8`)."""
-        return f"{self.family}{self.number()}"
+        """What a report tells storage widths apart by: the family and its number (`q4`, `fp8`), the number
+        written before a family's variant (family `q_0`: `q8_0`, as ggml names its types)."""
+        word, underscore, variant = self.family.partition("_")
+        return f"{word}{self.number()}{underscore}{variant}"
 
     def number(self) -> int:
         """The number written after the family (bits per code)."""
