@@ -30,6 +30,21 @@ def test_llama3_8b_by_hand():
     assert read_config(LLAMA3_8B, "float32").sequence_bytes(32768) == 8 * 2**30
 
 
+def test_llamacpp_block_types_are_ggml_row_sizes():
+    """llama.cpp's q8_0 / q4_0 KV: per layer a key row of 8 KV heads x 128 = 1024 values is 32 blocks of gguf's
+    block size (34 or 18 bytes), a value row the same; 32 layers x 32768 tokens."""
+    from gguf import GGMLQuantizationType
+    from gguf.constants import GGML_QUANT_SIZES
+
+    for name, kind in (("q8_0", GGMLQuantizationType.Q8_0), ("q4_0", GGMLQuantizationType.Q4_0)):
+        values, size = GGML_QUANT_SIZES[kind]
+        row = 8 * 128 // values * size
+        shape = read_config(LLAMA3_8B, name)
+        assert shape.token_layer_bytes == 2 * row
+        assert shape.sequence_bytes(32768) == 32 * 32768 * 2 * row
+    assert read_config(LLAMA3_8B, "q8_0").sequence_bytes(32768) == 2.125 * 2**30  # 34/32 of bf16's 4 GiB / 2
+
+
 def test_sliding_layers_are_bounded_by_their_window():
     """Gemma 3's pattern (5 sliding, 1 full), window 512: one KV head of 256 dims in bf16 is 1024 bytes a token;
     at 32768 tokens the full layer holds 32768, each sliding one 511 (window - 1): 35323 tokens x 1024 bytes."""

@@ -15,14 +15,16 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 
 from .cache.model_info import layer_kinds, text_config
 from .errors import KvevictError
 from .position_modes import DEFAULT_POSITIONS
 
-#: bytes per element of the dtypes a KV cache is stored in
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+#: bytes per element of the dtypes a KV cache is stored in; llama.cpp's quantized types (`--cache-type-k/-v`) hold
+#: blocks of 32 values, each its codes and an fp16 scale (ggml's block sizes: q8_0 34 bytes, q4_0 18)
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "q8_0": Fraction(34, 32), "q4_0": Fraction(18, 32)}
 #: size units: decimal (GB = 10^9 bytes, as accelerators are sold) and binary (GiB = 2^30)
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -37,12 +39,17 @@ class KvShape:
     kv_heads: int
     head_dim: int
     window: int | None
-    element_bytes: int
+    element_bytes: int | Fraction  # a Fraction for a block type (q8_0: 34/32)
 
     @property
     def token_layer_bytes(self) -> int:
-        """One token of one layer: keys and values of every KV head."""
-        return self.kv_heads * self.head_dim * 2 * self.element_bytes
+        """One token of one layer: keys and values of every KV head (a block type's row of `kv_heads x head_dim`
+        values as ggml sizes it, `ggml_row_size`: whole blocks)."""
+        per = self.kv_heads * self.head_dim * 2 * self.element_bytes
+        if per != int(per):
+            raise KvevictError(f"{self.kv_heads} KV heads x {self.head_dim} head_dim is not a whole number of "
+                               "32-value blocks: llama.cpp cannot hold it as q8_0 or q4_0; use float16")
+        return int(per)
 
     def sequence_bytes(self, context: int, budget: int | None = None) -> int:
         """KV bytes of one sequence of `context` tokens under a cache of `budget` entries per full-attention
@@ -53,7 +60,7 @@ class KvShape:
 
     def as_dict(self) -> dict:
         return dict(full_layers=self.full_layers, sliding_layers=self.sliding_layers, kv_heads=self.kv_heads,
-                    head_dim=self.head_dim, window=self.window, element_bytes=self.element_bytes)
+                    head_dim=self.head_dim, window=self.window, element_bytes=_number(self.element_bytes))
 
 
 def shape_of(config, element_bytes: int) -> KvShape:
@@ -68,8 +75,8 @@ def shape_of(config, element_bytes: int) -> KvShape:
                    getattr(text, "sliding_window", None) if sliding else None, element_bytes)
 
 
-def element_bytes_of(dtype: str) -> int:
-    """Bytes per element of a dtype name (`bfloat16`, `torch.float16`, ...)."""
+def element_bytes_of(dtype: str) -> int | Fraction:
+    """Bytes per element of a dtype name (`bfloat16`, `torch.float16`, llama.cpp's `q8_0`, ...)."""
     name = str(dtype).removeprefix("torch.")
     if name not in DTYPE_BYTES:
         raise KvevictError(f"--kv-dtype must be one of {', '.join(DTYPE_BYTES)}, got '{dtype}'")
@@ -148,6 +155,11 @@ def capacity_rows(shape: KvShape, configs: list[tuple[str, int | None]], context
     return out
 
 
+def _number(value: int | Fraction) -> int | float:
+    """Bytes per element as JSON and text take it: 2, or 1.0625 for q8_0."""
+    return value if isinstance(value, int) else float(value)
+
+
 def gib(value: int) -> str:
     return f"{value / 2**30:.3f} GiB" if value >= 2**30 else f"{value / 2**20:.1f} MiB"
 
@@ -156,7 +168,7 @@ def arithmetic(shape: KvShape, context: int) -> str:
     """The formula with the model's numbers, written out (what config-only mode prints first)."""
     per = shape.token_layer_bytes
     text = (f"one token of one layer: {shape.kv_heads} KV heads x {shape.head_dim} head_dim x 2 (K, V) x "
-            f"{shape.element_bytes} bytes = {per} bytes; full cache at {context} tokens: "
+            f"{_number(shape.element_bytes)} bytes = {per} bytes; full cache at {context} tokens: "
             f"{shape.full_layers} full-attention layers x {context}")
     if shape.sliding_layers:
         text += f" + {shape.sliding_layers} sliding layers x min({context}, {shape.window} - 1)"

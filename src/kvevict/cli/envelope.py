@@ -115,7 +115,8 @@ def envelope(
                                          "only, no model, no search"),
     configs: str = typer.Option("full", help="--config-only: configurations as POLICY@BUDGET, e.g. "
                                 "full,window@4096,h2o@25%"),
-    kv_dtype: str = typer.Option("", help="--config-only: the cache's dtype (default: the config's)"),
+    kv_dtype: str = typer.Option("", help="--config-only: the cache's dtype, or llama.cpp's q8_0 or q4_0 (default: "
+                                 "the config's)"),
     allow_download: bool = typer.Option(False, "--allow-download", help=DOWNLOAD_HELP),
     device: str = typer.Option("cpu", help=DEVICE_HELP),
     tasks: str = typer.Option("", help="RULER tasks, e.g. niah_single_1,niah_multikey_1: search task accuracy "
