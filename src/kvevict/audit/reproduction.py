@@ -92,3 +92,21 @@ def reproduce(model, result: StreamResult, chunk: int = 16) -> Reproduction:
         kl_audit=float(series["kl"][first:].mean()), kl_kvevict=float(np.mean(kl[first:])),
         floor_disagree=float(series["disagree"][:first].mean()),
     )
+
+
+def spec_fidelity(model, result: StreamResult, spec: str, chunk: int = 16) -> tuple[np.ndarray, np.ndarray]:
+    """`result`'s prompt and generation streamed through kvevict's `spec` (any spec: a storage form such as
+    `q8_0+full`, an engine preset) at the deployment's context on `model`, against kvevict's full cache: per
+    generated token the exact full-vocabulary KL(full ‖ spec) and the top-1 disagreement, `[G]` each, as
+    float64. What the audit read from outside, read inside on the same tokens."""
+    import torch
+
+    from ..eval.streaming import compare
+    from ..policies.engine_defaults import run_positions
+
+    prompt = len(result.plan.prompt)
+    tokens = torch.tensor(list(result.plan.prompt) + result.tokens, dtype=torch.long)
+    row = compare(model, tokens, [spec], result.plan.n_ctx, run_positions([spec], None), progress=False,
+                  chunk=chunk)[0][0]
+    generated = slice(prompt - 1, prompt - 1 + len(result.tokens))  # prediction i is of token i + 1
+    return row.kl[generated].double().numpy(), 1.0 - row.agree[generated].double().numpy()
