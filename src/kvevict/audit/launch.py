@@ -50,16 +50,17 @@ def _wait(url: str, process: subprocess.Popen, seconds: float = 120.0) -> None:
 @contextlib.contextmanager
 def llama_server(gguf: Path, ctx_size: int, keep: int = 0, log: Path | None = None, threads: int = 1,
                  cache_type_k: str = "f16", cache_type_v: str = "f16", flash_attn: str = "auto",
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, verbosity: int = 3):
     """A running llama-server (`--ctx-size`, `--keep`, `--context-shift`); yields its base URL.
 
     `cache_type_k` / `cache_type_v`: its KV types (`--cache-type-k/-v`: f16, its default, f32, q8_0, q4_0, ...);
     `flash_attn`: `-fa on|off|auto` (a quantized V needs it on: `auto` turns it on, `off` is refused,
-    src/llama-context.cpp); `env`: added to its environment (`LLAMA_ATTN_ROT_DISABLE=1`: no KV rotation)."""
+    src/llama-context.cpp); `env`: added to its environment (`LLAMA_ATTN_ROT_DISABLE=1`: no KV rotation);
+    `verbosity`: `-lv` (3, its default; 4 logs libllama's own lines too: the KV cache's size and rotation)."""
     port = free_port()
     args = [str(binary()), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--ctx-size", str(ctx_size),
             "--keep", str(keep), "--context-shift", "-np", "1", "-t", str(threads), "--no-warmup", "--cache-ram", "0",
-            "--cache-type-k", cache_type_k, "--cache-type-v", cache_type_v, "-fa", flash_attn]
+            "--cache-type-k", cache_type_k, "--cache-type-v", cache_type_v, "-fa", flash_attn, "-lv", str(verbosity)]
     out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115 (closed below)
     process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
