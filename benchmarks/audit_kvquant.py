@@ -131,8 +131,11 @@ def measure(deployment: Deployment, url: str, reference: str, log: Path, runs: i
     pooled_out, pooled_in = np.concatenate(outside_kl), np.concatenate(inside_kl)
     row["outside_kl"], row["outside_kl_interval"] = float(pooled_out.mean()), interval(pooled_out)
     row["inside_kl"], row["inside_kl_interval"] = float(pooled_in.mean()), interval(pooled_in)
-    row["capacity"] = capacity(log.read_text(errors="replace"), deployed.plan.n_ctx, local.get().config,
-                               deployment.kv_type)
+    text = log.read_text(errors="replace")
+    row["capacity"] = capacity(text, deployed.plan.n_ctx, local.get().config, deployment.kv_type)
+    # what the server says it did: flash attention, the rotation's blocks (n_rot_k, n_rot_v; 0: none)
+    row["logged"] = [line.split(" I ", 1)[-1].split(" W ", 1)[-1] for line in text.splitlines()
+                     if "n_rot_" in line or "flash_attn" in line or "rotation" in line]
     return row
 
 
