@@ -9,10 +9,10 @@ differs), at most two at once: an f16-KV reference for the whole run, and in tur
 
 For each deployment and prompt (text offsets 0, 700, ...: `--runs`):
 
-* outside: the audit's fidelity stream against the f16 reference. The context (1024, as `/props` declares it) is
-  past the stream (32 + 736 tokens), so there is no eviction event and every generated token is judged: mean
-  top-k KL(reference ‖ deployment) per token, its interval, top-1 disagreement and the verdict at the default
-  tolerance (0.049 nats);
+* outside: the audit against the f16 reference over the whole stream (`--judge whole`: the context, 1024, is past
+  the stream's 32 + 736 tokens, so nothing is evicted and every generated token carries the loss), the
+  reference its own twin for the A/A floor (`--floor-url`; an identical server): mean top-k KL(reference ‖
+  deployment) per token, its interval, top-1 disagreement and the verdict at the default tolerance (0.049 nats);
 * inside: the same tokens through kvevict's form of the same type (`f16+full`, `q8_0+full`,
   `q8_0:rot=none+full`, ...) on the GGUF's weights, against kvevict's full cache: mean full-vocabulary KL per
   token and its interval (`audit/reproduction.py` `spec_fidelity`), top-1 disagreement;
@@ -37,43 +37,17 @@ from pathlib import Path
 
 import numpy as np
 
-from kvevict.audit.client import Client, Endpoint
-from kvevict.audit.fidelity import end_ids
-from kvevict.audit.judge import audit_tolerance, blocks_of
+from kvevict.audit.client import Endpoint
+from kvevict.audit.judge import blocks_of
 from kvevict.audit.launch import llama_server
-from kvevict.audit.probe import describe
-from kvevict.audit.records import Records
-from kvevict.audit.reference import endpoint_reference
 from kvevict.audit.reproduction import spec_fidelity
-from kvevict.audit.run import LocalModel, prompt_ids
+from kvevict.audit.run import AuditSpec, LocalModel, run_audit
 from kvevict.audit.server_log import kv_cache_size
-from kvevict.audit.stream import Side, StreamPlan, StreamResult, run_stream
 from kvevict.capacity import concurrent, element_bytes_of, shape_of
-from kvevict.loading import load_tokenizer
 from kvevict.loading.gguf import embedded_gguf
-from kvevict.stats.tolerance import Tolerance
 from kvevict.stats.uncertainty import mean_interval
 
 CTX = 1024
-PROMPT, NEW, TOP_K = 32, 736, 20
-
-
-def whole_stream(url: str, reference: str, offset: int, out: Path) -> StreamResult:
-    """The audit's fidelity stream judged over every generated token: the deployment never evicts (its context is
-    past the stream), so the judge finds no event and judges the whole stream (`judge.judge_stream`). `run_audit`
-    refuses such a workload (it looks for an eviction), so the stream is run here from the audit's own parts."""
-    tokenizer = load_tokenizer("smollm2-135m")
-    deployment, ref = Client(Endpoint(url)), Client(Endpoint(reference))
-    records = Records(out)
-    plan = StreamPlan(prompt_ids(tokenizer, "pg-essays", PROMPT, offset), NEW, TOP_K, describe(deployment).n_ctx,
-                      ended=end_ids(tokenizer))
-    assert not plan.events(), "the deployment's context must be past the stream"
-
-    def references(prompt, generation):
-        return endpoint_reference(ref, "llama", None, prompt, generation.steps, TOP_K, records.step, records.keep_step)
-
-    return run_stream("whole stream", Side(deployment, "llama"), plan, references, records,
-                      audit_tolerance(Tolerance()))
 #: llama.cpp's KV type names -> capacity.py's dtype names
 CAPACITY_DTYPE = {"f16": "float16", "f32": "float32", "q8_0": "q8_0", "q4_0": "q4_0"}
 
@@ -116,8 +90,13 @@ def measure(deployment: Deployment, url: str, reference: str, log: Path, runs: i
     outside_kl, inside_kl = [], []
     for run in range(runs):
         start = time.perf_counter()
-        deployed = whole_stream(url, reference, run * 700, root / f"{deployment.name}-{run}")
+        # the reference is its own twin: an identical server, so the A/A floor is its generation against its own
+        # teacher-forced answers; the records of one prompt are shared by every deployment (keyed by server)
+        result = run_audit(AuditSpec(deployment=Endpoint(url), reference=Endpoint(reference),
+                                     floor=Endpoint(reference), judge="whole", offset=run * 700, sinks=0,
+                                     out=root / f"prompt-{run}"))
         seconds = time.perf_counter() - start
+        deployed = result.deployed
         kl, disagree = spec_fidelity(local.get(), deployed, deployment.spec)
         outside_kl.append(deployed.series["kl"])
         inside_kl.append(kl)
@@ -125,7 +104,7 @@ def measure(deployment: Deployment, url: str, reference: str, log: Path, runs: i
             "offset": run * 700, "audit_seconds": seconds, "events": list(deployed.verdict.events),
             "outside": {"kl": float(deployed.series["kl"].mean()), "kl_interval": interval(deployed.series["kl"]),
                         "disagree": float(deployed.series["disagree"].mean()), "outcome": deployed.verdict.outcome,
-                        "tail": float(deployed.series["tail"].mean())},
+                        "tail": float(deployed.series["tail"].mean()), "audit": result.summary()},
             "inside": {"kl": float(kl.mean()), "kl_interval": interval(kl), "disagree": float(disagree.mean())},
         })
     pooled_out, pooled_in = np.concatenate(outside_kl), np.concatenate(inside_kl)
