@@ -75,6 +75,12 @@ def interval(values: np.ndarray) -> list[float]:
     return [found.low, found.high]
 
 
+def kept(summary: dict) -> dict:
+    """What the record keeps of an audit's summary: its verdict, the deployment's and the twin's streams judged,
+    requests and notes (not the servers' URLs and identities, which name this machine's files and ports)."""
+    return {key: summary[key] for key in ("outcome", "deployed", "floor", "requests", "notes")}
+
+
 def capacity(log: str, n_ctx: int, model_config, kv_type: str) -> dict:
     logged = kv_cache_size(log)[0]
     shape = shape_of(model_config, element_bytes_of(CAPACITY_DTYPE[kv_type]))
@@ -104,7 +110,7 @@ def measure(deployment: Deployment, url: str, reference: str, log: Path, runs: i
             "offset": run * 700, "audit_seconds": seconds, "events": list(deployed.verdict.events),
             "outside": {"kl": float(deployed.series["kl"].mean()), "kl_interval": interval(deployed.series["kl"]),
                         "disagree": float(deployed.series["disagree"].mean()), "outcome": deployed.verdict.outcome,
-                        "tail": float(deployed.series["tail"].mean()), "audit": result.summary()},
+                        "tail": float(deployed.series["tail"].mean()), "audit": kept(result.summary())},
             "inside": {"kl": float(kl.mean()), "kl_interval": interval(kl), "disagree": float(disagree.mean())},
         })
     pooled_out, pooled_in = np.concatenate(outside_kl), np.concatenate(inside_kl)
