@@ -106,7 +106,7 @@ def test_the_rotation_spreads_an_outlier_channel():
     assert err["hadamard"] < 0.5 * err["none"]
 
 
-def test_float_types_round_to_nearest_even():
+def test_float_types_cast_to_nearest_even():
     x = entries(64).double() / 7
     for bits, dtype in ((16, np.float16), (32, np.float32)):
         form = GgmlFloat(bits)
@@ -119,7 +119,7 @@ def test_float_types_round_to_nearest_even():
 
 def wide_llama() -> tf.LlamaForCausalLM:
     """The matrix's tiny Llama with head_dim 128 (ggml's blocks of 32 and llama.cpp's rotation need a multiple of
-    64; keys rotate over 128, values over 64), in float64: the engine and the reference then round the same
+    64; keys rotate over 128, values over 64), in float64: the engine and the reference then quantize the same
     float32 numbers (the precision llama.cpp quantizes from) to codes."""
     torch.manual_seed(3)
     config = tf.LlamaConfig(**COMMON, num_hidden_layers=2, num_key_value_heads=2, head_dim=128,

