@@ -474,6 +474,27 @@ def test_the_audit_of_llama_server():
     assert keep4["deployed"]["outcome"] == "inside"
 
 
+def test_llamacpps_quantized_kv():
+    q8, gain8, q4, gain4, limit, more = said(
+        r"`--cache-type-k/-v q8_0` costs (\d\.\d+) nats per token for (\d\.\d+)× the sequences of f16, and `q4_0` "
+        r"(\d\.\d+) for (\d\.\d+)×, both inside the (\d\.\d+) limit; with its Walsh-Hadamard rotation off "
+        r"\(`LLAMA_ATTN_ROT_DISABLE=1`\) `q4_0` costs (\d+)× more, at the limit")
+    rows = json.loads((RESULTS / "audit-llamacpp-kvquant-smollm2.json").read_text())["rows"]
+    per_gib = {name: row["capacity"]["sequences_per_gib"] for name, row in rows.items()}
+    check(q8, rows["q8_0"]["outside_kl"], "q8_0's KL")
+    check(gain8, per_gib["q8_0"] / per_gib["f16"], "q8_0's sequences")
+    check(q4, rows["q4_0"]["outside_kl"], "q4_0's KL")
+    check(gain4, per_gib["q4_0"] / per_gib["f16"], "q4_0's sequences")
+    check(more, rows["q4_0 unrotated"]["outside_kl"] / rows["q4_0"]["outside_kl"], "the rotation's gain")
+    for name in ("q8_0", "q4_0"):
+        for prompt in rows[name]["prompts"]:
+            judged = prompt["outside"]["audit"]["deployed"]["judgements"][0]
+            check(limit, judged["limit"], "the KL limit")
+            assert judged["label"] == "KL" and judged["outcome"] == "inside" and judged["high"] < judged["limit"]
+    unrotated = rows["q4_0 unrotated"]["outside_kl_interval"]
+    assert unrotated[0] < math.log(1.05) < unrotated[1], "at the limit: its interval holds it"
+
+
 def test_the_gpu_figures_are_marked_in_their_records():
     """The records the README gives as measured on a GPU say so line by line (`device`), and the envelope among
     several keys holds as many answers from each device as the README says."""
@@ -507,6 +528,7 @@ CHANGED = [
     (test_four_bits_with_and_without_a_residual, "(95%\n  interval up to 1.5%)", "(95%\n  interval up to 1.4%)"),
     (test_a_decode_step_against_dynamic_cache, "took 1.010–1.026×", "took 1.010–1.020×"),
     (test_the_audit_of_llama_server, "KL 0.465 [0.303, 0.646]", "KL 0.465 [0.303, 0.647]"),
+    (test_llamacpps_quantized_kv, "and `q4_0` 0.0043 for 3.58×", "and `q4_0` 0.0044 for 3.58×"),
     (test_the_gpu_figures_are_marked_in_their_records, "248 answers on the GPU", "247 answers on the GPU"),
 ]
 
