@@ -210,6 +210,39 @@ def test_memory_counts_ggml_row_sizes():
         assert memory.kv_bytes_bf16 == memory.kv_bytes
 
 
+@pytest.mark.parametrize("wrapper", ["q8_0", "q4_0:rot=none", "f16"])
+def test_a_ggml_form_declares_and_answers_as_its_inner_policy(wrapper):
+    """The wrapper matrix's declaration checks (`tests/test_wrapper_matrix.py`) for the ggml forms: every registered
+    policy under them is its inner policy in every declaration and hook but `kv_storage`."""
+    from test_wrapper_matrix import INNER, check_declarations, check_rewrapping, refusal
+
+    for spec in INNER:
+        if refusal(wrapper, parse_policy(spec)) is None:
+            check_declarations(wrapper, spec)
+            check_rewrapping(wrapper, spec)
+
+
+@pytest.mark.parametrize("spec", ["q8_0+llamacpp:keep=4,bos=0", "q4_0+window", "f16+llamacpp:keep=0,bos=0"])
+def test_a_ggml_form_keeps_what_a_position_rule_keeps(spec):
+    """llama-server's rule with its KV type is one spec: under a form, a rule that scores by position alone keeps
+    exactly the positions it keeps bare, at every forward, context shifts included."""
+    from kvevict.policies.engine_defaults import run_positions
+
+    model, bare = wide_llama(), spec.split("+", 1)[1]
+    kept = {}
+    for one in (spec, bare):
+        cache = EvictingCache(model, one, budget=BUDGET, positions=run_positions([one], None), per_token=True)
+        kept[one], seen = [], 0
+        with torch.inference_mode():
+            for q in (BUDGET, 1, 9, 1, 20):
+                model(TOKENS[None, seen:seen + q], cache=cache, use_cache=True)
+                seen += q
+                kept[one].append([layer.kept_positions() for layer in cache.layers])
+    assert all(torch.equal(a, b) for x, y in zip(kept[spec], kept[bare], strict=True) for a, b in zip(x, y,
+                                                                                                        strict=True))
+    assert cache.layers[0].kept_positions().shape[-1] < seen  # it evicted
+
+
 # --- bad input ------------------------------------------------------------------------------------------------
 
 
