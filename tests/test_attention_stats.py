@@ -188,3 +188,22 @@ def test_no_block_exceeds_the_bound_on_a_context_it_could_not_hold():
     assert len(seen) > 64 and max(seen) <= bound
     torch.testing.assert_close(sums.sum(), torch.tensor(4.0 * n), rtol=1e-4, atol=0)  # every query's row sums to 1
     assert done.out.shape == query.shape
+
+
+def test_the_kernel_imports_torch_alone():
+    """The engine and the policies both stand on the kernel (docs/architecture.md), so it imports neither:
+    nothing of kvevict outside its own package, nothing beyond torch and the standard library."""
+    import ast
+    from pathlib import Path
+
+    import kvevict.attention_stats as package
+
+    allowed = {"__future__", "collections.abc", "dataclasses", "torch"}
+    for path in sorted(Path(package.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                assert node.module in allowed, f"{path.name} imports {node.module}"
+            elif isinstance(node, ast.ImportFrom):
+                assert node.level == 1, f"{path.name} imports from outside the package"
+            elif isinstance(node, ast.Import):
+                assert {alias.name for alias in node.names} <= allowed, f"{path.name} imports {node.names[0].name}"
