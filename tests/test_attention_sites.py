@@ -12,7 +12,7 @@ never see a block above it.
 What must hold, per site: the NLL within 1e-4 relative of the reference (float32 against the reference's
 own float32 arithmetic, as the matrix asks), the kept sets equal to the reference's, and, between the two
 bounds, the same kept sets and the NLL within 2e-5 (the blocks' sums reorder float32 additions, and the BLAS
-may round a smaller block's products otherwise; measured at most 1.2e-5 at head_dim 16).
+may give a smaller block's products other last bits; measured at most 1.2e-5 at head_dim 16).
 
 Three sites are not streams: KVzip's reconstruction window (`per_head/reconstruction.window_mass`) and
 Expected Attention's expected query (`ExpectedAttention.absorb`) are checked against their formulas
