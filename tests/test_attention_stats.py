@@ -4,9 +4,9 @@ entry promises. Every blocked entry runs at several bounds (one query per block,
 the observer the workspace carries must never see a block above the bound.
 
 Tolerances: the kernel computes in float32 and the reference in float64, so values agree to float32's
-rounding (1e-5 absolute on probabilities and their sums over tens of queries). Between bounds, the output,
-the last row and the maxima are the same numbers (each query's row is computed whole); the sums add the
-blocks' sums in another order (float32 additions reordered, ~1e-7 relative per block).
+rounding (1e-5 absolute on probabilities and their sums over tens of queries). Between bounds the results
+agree to float32's rounding, not bit for bit: the sums add the blocks' sums in another order (~1e-7 relative
+per block), and the BLAS may give a smaller block's products other last bits.
 """
 
 from __future__ import annotations
@@ -96,15 +96,14 @@ def test_attend_reduces_causal_masked_attention_as_eager(rows):
     assert len(seen) == -(-20 // rows) and max(seen) <= bound
 
 
-def test_attend_bounds_agree_output_last_and_maxima_exactly():
+def test_attend_in_blocks_agrees_with_one_block_to_float32s_rounding():
     query, keys, values, _ = draw(2)
     mask = Mask(key_pos=torch.arange(50).expand(2, 3, 50), query_pos=torch.arange(30, 50))
     whole = attend(query, keys, SCALE, Workspace(), mask, values=values, sums=True, last=True, maxima=True)
     blocked = attend(query, keys, SCALE, Workspace(4 * 2 * 6 * 50 * 4), mask, values=values, sums=True, last=True,
                      maxima=True)
-    assert torch.equal(whole.out, blocked.out)
-    assert torch.equal(whole.last, blocked.last) and torch.equal(whole.maxima, blocked.maxima)
-    torch.testing.assert_close(whole.sums, blocked.sums, atol=0, rtol=1e-6)
+    for name in ("out", "sums", "last", "maxima"):
+        torch.testing.assert_close(getattr(blocked, name), getattr(whole, name), atol=1e-6, rtol=1e-6)
 
 
 def test_a_whole_row_read_by_every_query_head_is_masked_per_kv_head():

@@ -115,9 +115,10 @@ def attend(
     `last`, `maxima` (`Attended`). `products` replaces the plain query-key product when the caller
     rotates its queries per block (their logits are then scaled and masked here as any other).
 
-    Exactness: one block gives the arithmetic of one softmax over all queries; more blocks add each
-    block's `sums` in order (float32 additions reordered by the blocking, ~1e-7 relative per block) and
-    give the output and the other reductions bit for bit.
+    Exactness: one block gives the arithmetic of one softmax over all queries. More blocks agree with it
+    to float32's rounding, not bit for bit: the sums add each block's in turn (additions reordered, ~1e-7
+    relative per block), and the BLAS picks its kernel by a product's shape, so a smaller block's logits
+    may take other last bits (measured at head_dim 64, not at 16).
     """
     b, hq, m, _ = query.shape
     heads = heads or keys.shape[1]
