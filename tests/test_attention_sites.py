@@ -190,10 +190,13 @@ def test_kvzip_window_mass_is_the_largest_windowed_probability():
 
 
 class _View:
-    """What `ExpectedAttention.absorb` reads of a `SlotView`: positions, keys, values."""
+    """What `ExpectedAttention.absorb` reads of a `SlotView`: positions, keys, values, the policy's state, and
+    that the forward is no chunk of a held-back context."""
 
-    def __init__(self, positions, keys, values) -> None:
-        self.positions, self._keys, self._values = positions, keys, values
+    held_back = False
+
+    def __init__(self, positions, keys, values, state) -> None:
+        self.positions, self._keys, self._values, self.state = positions, keys, values, state
 
     def keys(self):
         return self._keys
@@ -223,7 +226,8 @@ def test_expected_attention_is_the_expected_querys_softmax(head_dim):
     batch = QueryBatch(raw, stream, rotation, m)
     keys, values = torch.randn(b, hkv, n, d, generator=g), torch.randn(b, hkv, n, d, generator=g)
     positions = torch.randperm(n, generator=g).expand(b, hkv, n)
-    got = policy.absorb(_View(positions, keys, values), None, batch)
+    view = _View(positions, keys, values, policy.new_state(0))
+    got = policy.absorb(view, policy.request(view, will_evict=True), batch)
     kept = raw[:, :, 2:].double()  # after the sinks
     mu = kept.mean(dim=2)
     centred = kept - mu[:, :, None]
