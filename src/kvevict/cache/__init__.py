@@ -16,7 +16,7 @@
 | `storage.py` | slot buffers: in-place writes, gather, hole filling |
 | `positions.py` | the two position modes (original, shifted) as strategy objects |
 | `statistics.py` | what policies asked for, measured once, handed back |
-| `probabilities.py` | attention probabilities by hand (decode query, blockwise) |
+| `probabilities.py` | the attention-statistics kernel's default bound (`kvevict.attention_stats`); SDPA's call |
 | `query_window.py` | the last queries of a layer (SnapKV's observation window) |
 | `selection.py` | victim and kept slots from scores |
 | `rows.py` | which policy runs in which batch row |

@@ -17,8 +17,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..attention_stats import QueryRows, products, softmax
 from ..policies import AttentionRequest, SlotView
 from . import step
+from .probabilities import bound
 from .rows import RowGroup
 from .slot_views import view_of
 from .statistics import measure
@@ -68,7 +70,7 @@ class _Chunk:
         self.layer, self.query, self.used, self.scaling = layer, query, used, scaling
         n0, q = layer.n, layer.new
         self.n0, self.total, self.k = n0, n0 + q, n0
-        b, hq, _, d = query.shape
+        b = query.shape[0]
         hkv = layer.heads
         device = layer.device
         self.first_seen = layer.seen - q
@@ -84,8 +86,8 @@ class _Chunk:
             fixed = static_scores(layer, storage.pos[:, :, :self.total], self.first_seen + q, self.total,
                                   static_only=True)
             self.fixed = fixed.gather(-1, self.order)
-        self.grouped = query.reshape(b, hkv, hq // hkv, q, d)
-        self.logits: dict[int, torch.Tensor] = {}  # group -> [b_g, H, g, q, total] its rows' logits, on first use
+        # group -> its rows' logits `[b_g, H, g, total]` one query at a time, a block of queries at a time, on first use
+        self.logits: dict[int, QueryRows] = {}
         self.gone = torch.zeros(b, hkv, self.total, dtype=torch.bool, device=device)
         self.gone[:, :, n0:] = True
         self.remembered = 0
@@ -122,11 +124,13 @@ class _Chunk:
     def new_mass(self, index: int, group: RowGroup, i: int) -> torch.Tensor:
         """Query `i`'s attention `[b_g, H, total]` over the alive slots (summed over its group)."""
         if index not in self.logits:
-            self.logits[index] = torch.einsum(
-                "bhgqd,bhnd->bhgqn", group.take(self.grouped), group.take(self.sorted_keys())
-            ).float() * self.scaling
-        logit = self.logits[index][:, :, :, i].masked_fill(group.take(self.gone)[:, :, None], float("-inf"))
-        return torch.softmax(logit, dim=-1).sum(dim=2)  # one query: its attention is "new" and "last"
+            query, keys = group.take(self.query), group.take(self.sorted_keys())
+            self.logits[index] = QueryRows(
+                lambda start, stop: products(query[:, :, start:stop], keys), self.layer.new,
+                query.shape[0] * query.shape[1] * self.total, self.scaling, bound(self.layer.settings.workspace),
+            )
+        alive_probs = softmax(self.logits[index].row(i).clone(), group.take(self.gone)[:, :, None])
+        return alive_probs.sum(dim=2)  # one query: its attention is "new" and "last"
 
     def arrive(self, i: int) -> int:
         """Token `i` of the chunk arrives in slot `k`; returns the tokens seen after it."""

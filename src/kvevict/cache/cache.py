@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 from transformers.cache_utils import Cache
 
+from ..attention_stats import Workspace
 from ..errors import KvevictError
 from ..policies import Policy, check_policy
 from ..position_modes import DEFAULT_POSITIONS, check_positions
@@ -42,6 +43,10 @@ class EvictingCache(Reconstructing, Cache):
     `per_token=True` makes a forward of many tokens evict exactly as that many one-token
     forwards would (chunked streaming evaluation, `replay.py`); by default a forward
     attends to everything it holds and evicts once at its end (prompt compression).
+    `workspace` bounds the attention logits the statistics hold at once: bytes of float32 logits per
+    block of queries (`attention_stats.Workspace`, or one with an observer told each block's bytes);
+    None: 64 MiB (`probabilities.BLOCK_ELEMENTS` logits). A long prefill's statistics are measured a
+    block of queries at a time within it, so their memory never grows with the context.
     Constructing the cache attaches kvevict's attention function to `model`.
     """
 
@@ -54,8 +59,10 @@ class EvictingCache(Reconstructing, Cache):
         slack: int = 16,
         observers: Sequence[Observer] | None = None,
         per_token: bool = False,
+        workspace: int | Workspace | None = None,
     ) -> None:
         config = check_model(model)
+        workspace = _check_workspace(workspace)
         mode_name = check_positions(positions)
         specs = list(policy) if isinstance(policy, (list, tuple)) else [policy]
         if not specs:
@@ -80,7 +87,7 @@ class EvictingCache(Reconstructing, Cache):
         self._check_budget(budget, layers)  # before the model is touched
         classes = layer_classes(self.policies)
         check_measures(self.policies, [classes[kind] for kind in set(kinds)], per_token)
-        settings = layer_settings(model, text, kinds, modes, self.layout, self.observers, slack, per_token)
+        settings = layer_settings(model, text, kinds, modes, self.layout, self.observers, slack, per_token, workspace)
         attach(model)
         self.kinds = kinds
         super().__init__(layers=[classes[kind](i, settings[i]) for i, kind in enumerate(kinds)])
@@ -367,3 +374,22 @@ class EvictingCache(Reconstructing, Cache):
         """Whether a pinned sink was ever evicted (for `row`, or any row). True would be a bug."""
         wrong = held_pinned_lost(self.kept_positions(), [p.pinned for p in self.row_policies()])
         return bool(wrong.any() if row is None else wrong[row])
+
+
+def _check_workspace(workspace: int | Workspace | None) -> Workspace | None:
+    """The cache's bound on the attention logits a block of queries holds (`EvictingCache`'s `workspace`):
+    bytes as given, a `Workspace` as it is, None for the default; anything else refused in one line."""
+    if workspace is None:
+        return None
+    if isinstance(workspace, bool) or not isinstance(workspace, (int, Workspace)):
+        raise KvevictError(
+            f"workspace={workspace!r} is not a size: pass bytes of attention logits per block (an int such as "
+            f"64 << 20), a kvevict.attention_stats.Workspace, or None for the default 64 MiB"
+        )
+    size = workspace if isinstance(workspace, int) else workspace.bytes
+    if size < 1:
+        raise KvevictError(
+            f"workspace={size} bytes bounds nothing: pass a positive number of bytes (the default is 64 MiB, "
+            "64 << 20; a block is never less than one query, whatever the bound)"
+        )
+    return Workspace(workspace) if isinstance(workspace, int) else workspace

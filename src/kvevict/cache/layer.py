@@ -55,7 +55,7 @@ class EvictingLayer(SlotLayer):
 
     def __init__(self, index: int, settings: LayerSettings) -> None:
         super().__init__(index, settings)
-        self.statistics = Statistics(settings.query_window)
+        self.statistics = Statistics(settings.query_window, settings.workspace)
         self.states = PolicyStates(index)
         # the row groups whose policy keeps a per-key number (`Policy.arrival_stat`), found at the first
         # `finish`; and whether every held slot's number is stored (see `_arrive`)

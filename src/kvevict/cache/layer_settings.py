@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..attention_stats import Workspace
 from .observers import Observer
 from .rows import RowLayout
 from .storage import SlotStorage
@@ -52,6 +53,10 @@ class LayerSettings:
     # builds the layer's slot storage: `SlotStorage` (entries at the model's dtype) or another storage form
     # with its settings bound (`quantized.QuantizedStorage`, chosen by the cache from `Policy.kv_storage`)
     storage_form: Callable[..., SlotStorage] = SlotStorage
+    # the bound on the attention logits one block of queries holds while statistics are measured
+    # (`attention_stats.Workspace`, `EvictingCache(..., workspace=...)`); None: the default,
+    # `probabilities.BLOCK_ELEMENTS` float32 logits (64 MiB), read where it is used (`probabilities.bound`)
+    workspace: Workspace | None = None
 
 
 @dataclass(frozen=True, eq=False)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..attention_stats import Workspace
 from ..errors import KvevictError
 from ..policies import Policy
 from ..position_modes import DEFAULT_POSITIONS, ModeName
@@ -101,6 +102,7 @@ def layer_settings(
     observers: Sequence[Observer],
     slack: int,
     per_token: bool,
+    workspace: Workspace | None = None,
 ) -> list[LayerSettings]:
     """Every layer's settings (`kinds[i]`: layer `i`'s kind). Marks the model's attention modules with their
     hand-off slots (`attention.handoffs`)."""
@@ -125,6 +127,7 @@ def layer_settings(
             window=int(window) if kind == "sliding_attention" else None,
             fifo_after=fifo_after,
             storage_form=storage_form,
+            workspace=workspace,
         )
         for index, kind in enumerate(kinds)
     ]

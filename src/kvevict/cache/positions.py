@@ -25,8 +25,10 @@ from collections.abc import Callable
 
 import torch
 
+from ..attention_stats import Mask, attend, products, query_attention
 from ..position_modes import ORIGINAL, SHIFTED, ModeName
 from . import replay, selection
+from .probabilities import bound
 from .replay import StaticPlan
 from .rotary import Rotary
 from .stepping import Replayed, ReplayingLayer, Stepper, take_slots
@@ -187,30 +189,28 @@ class ShiftedPositions(PositionMode):
     def static_attention(self, layer, query, used, scaling, plan):
         """A chunk whose every step evicts the oldest unpinned entry (see `_shift_terms`): two
         rotations of the queries (for the sinks, and for the rest) and one of the keys give every
-        logit exactly. None when the chunk does not have that shape (then it is stepped)."""
+        logit exactly; the kernel attends a block of queries at a time (`attention_stats.attend`, its
+        logits from both rotations). None when the chunk does not have that shape (then it is stepped)."""
         if plan.shift is None:
             plan.shift = self._shift_terms(layer, plan)
         if not plan.shift:
             return None
         pinned, width, seen_before, query_at, slot_rank = plan.shift
         storage, rotary = layer.storage, self.rotary
-        n0, q = layer.n, layer.new
-        b, hq, _, d = query.shape
-        hkv = layer.heads
-        group = hq // hkv
+        total = layer.n + layer.new
         raw_query = rotary.unrotate(query, *rotary.at(used))
-        keys = rotary.rotate(storage.raw[:, :, : n0 + q], *rotary.at(slot_rank))
-        grouped = raw_query.reshape(b, hkv, group, q, d)
-        logits = torch.einsum("bhgqd,bhnd->bhgqn", rotary.rotate(grouped, *rotary.at(query_at)), keys)
-        if width:
-            at_pinned = torch.einsum(
-                "bhgqd,bhnd->bhgqn", rotary.rotate(grouped, *rotary.at(seen_before)), keys[:, :, :width]
-            )
-            logits[..., :width] = torch.where(pinned[:, :, None, None, :width], at_pinned, logits[..., :width])
-        logits = logits.float() * scaling
-        logits.masked_fill_(~plan.alive[:, :, None], float("-inf"))
-        probs = torch.softmax(logits, dim=-1).to(storage.values.dtype)
-        return torch.einsum("bhgqn,bhnd->bhgqd", probs, storage.values[:, :, : n0 + q]).reshape(b, hq, q, d)
+        keys = rotary.rotate(storage.raw[:, :, :total], *rotary.at(slot_rank))
+
+        def products_at(start: int, stop: int) -> torch.Tensor:  # [B, H_kv, g, block, total], two rotations
+            raw = raw_query[:, :, start:stop]
+            logits = products(rotary.rotate(raw, *rotary.at(query_at[start:stop])), keys)
+            if width:
+                at_pinned = products(rotary.rotate(raw, *rotary.at(seen_before[start:stop])), keys[:, :, :width])
+                logits[..., :width] = torch.where(pinned[:, :, None, None, :width], at_pinned, logits[..., :width])
+            return logits
+
+        return attend(raw_query, keys, scaling, bound(layer.settings.workspace), Mask(alive=plan.alive),
+                      values=storage.values[:, :, :total], products=products_at).out
 
     @staticmethod
     def _shift_terms(layer: ReplayingLayer, plan: StaticPlan) -> tuple:
@@ -244,12 +244,11 @@ class ShiftedPositions(PositionMode):
 
     def replay_steps(self, layer, query, used, scaling):
         """The kept entries are renumbered `0..k-1` at every step, so each step rotates the
-        un-rotated keys to their slots and its query to `k`, and attends on its own. A step
-        that evicts compacts the virtual slots (positional order is kept)."""
+        un-rotated keys to their slots and its query to `k`, and attends on its own (the kernel's
+        one-query path, `attention_stats.query_attention`). A step that evicts compacts the virtual
+        slots (positional order is kept)."""
         storage, rotary = layer.storage, self.rotary
-        b, hq, q, d = query.shape
-        hkv = layer.heads
-        group = hq // hkv
+        q = query.shape[2]
         step = Stepper(layer, scaling)
         raw_query = rotary.unrotate(query, *rotary.at(used))
         window = layer.window_size()  # a sliding layer that runs an engine's schedule masks its band
@@ -260,13 +259,11 @@ class ShiftedPositions(PositionMode):
             cos, sin = rotary.table(total)
             keys = rotary.rotate(take_slots(storage.raw, slots), cos, sin)
             q_i = rotary.rotate(raw_query[:, :, i : i + 1], cos[k : k + 1], sin[k : k + 1])
-            logit = torch.bmm(q_i.reshape(b * hkv, group, d), keys.reshape(b * hkv, total, d).transpose(1, 2))
-            if window is not None and total > window:  # a sliding layer under an engine's schedule: its band
-                logit[..., : total - window] = float("-inf")
-            probs = torch.softmax(logit.float().mul_(scaling), dim=-1).view(b, hkv, group, total)
-            values = take_slots(storage.values, slots)
-            out = torch.bmm(probs.to(values.dtype).view(b * hkv, group, total), values.reshape(b * hkv, total, d))
-            outs.append(out.view(b, hq, 1, d))
+            band = None  # a sliding layer under an engine's schedule: its band, the oldest slots hidden
+            if window is not None and total > window:
+                band = torch.arange(total, device=layer.device) < total - window
+            out, probs = query_attention(q_i, keys, take_slots(storage.values, slots), scaling, band)
+            outs.append(out)
             victim = step.end(slots, positions, seen, keys, probs, q_i, torch.tensor([k], device=layer.device))
             if victim is not None:  # compaction keeps positional order
                 keep = torch.arange(step.k, device=layer.device)

@@ -18,9 +18,9 @@ Two ways to know the alive sets:
   decode step does to the cache: the query's attention over its alive set, the
   policies' statistics, the victim, the hole it leaves. Rows and heads are vectorised.
   The algorithms share the bookkeeping (`stepping.Stepper`): with fixed keys (original
-  positions, here) the logits are computed once per chunk and each step reads its alive
-  slots; with renumbered keys (position shift, `positions.py`) each step rotates its keys
-  and attends.
+  positions, here) the logits are computed once per block of queries (within the layer's
+  workspace) and each step reads its alive slots; with renumbered keys (position shift,
+  `positions.py`) each step rotates its keys and attends.
 
 Both keep a *virtual* slot layout, `vslot` `[B, H, budget + 1]` (storage slot of each
 slot a token-by-token run would use), so policies see the same views, random draws
@@ -35,7 +35,9 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from ..attention_stats import QueryRows, products, softmax
 from . import selection
+from .probabilities import bound
 from .stepping import Replayed, ReplayingLayer, Stepper, static_scores
 
 
@@ -153,10 +155,11 @@ def replay_steps(layer: ReplayingLayer, query: torch.Tensor, used: torch.Tensor,
 
 
 def steps_fixed_keys(layer: ReplayingLayer, query: torch.Tensor, used: torch.Tensor, scaling: float) -> Replayed:
-    """Original positions: a stored key never changes, so every query's logits over every slot
-    it could see are computed once for the chunk, each step reads its alive slots from them,
-    and the output is one masked softmax at the end. A step that evicts moves the newest
-    slot into the victim's place (as a decode step does)."""
+    """Original positions: a stored key never changes, so a block of queries' logits over every slot
+    they could see are computed once (`attention_stats.QueryRows`, a block within the layer's workspace),
+    each step reads its alive slots from them, and the block's output is one masked softmax once its
+    steps are done. A step that evicts moves the newest slot into the victim's place (as a decode step
+    does)."""
     storage = layer.storage
     n0, q = layer.n, layer.new
     b, hq, _, d = query.shape
@@ -164,23 +167,26 @@ def steps_fixed_keys(layer: ReplayingLayer, query: torch.Tensor, used: torch.Ten
     group = hq // hkv
     step = Stepper(layer, scaling)
     total_all = n0 + q
-    logits = torch.einsum(
-        "bhgqd,bhnd->bhgqn", query.reshape(b, hkv, group, q, d), storage.keys[:, :, :total_all]
-    ).float() * scaling  # [B, H_kv, g, q, n0 + q]
-    alive = torch.zeros(b, hkv, q, total_all, dtype=torch.bool, device=layer.device)
+    keys, values = storage.keys[:, :, :total_all], storage.values[:, :, :total_all]
+    rows = QueryRows(lambda start, stop: products(query[:, :, start:stop], keys), q, b * hq * total_all, scaling,
+                     bound(layer.settings.workspace))
+    outs, alive = [], None
     for i in range(q):
         slots, positions, seen = step.begin(i)
-        alive[:, :, i].scatter_(-1, slots, True)
+        logits = rows.row(i)  # [B, H_kv, g, n0 + q]
+        if i == rows.start:  # [B, H_kv, block, n0 + q] what each query of the block sees
+            alive = torch.zeros(b, hkv, rows.stop - rows.start, total_all, dtype=torch.bool, device=layer.device)
+        alive[:, :, i - rows.start].scatter_(-1, slots, True)
         probs = None
         if step.wants_probs:
-            logit = logits[:, :, :, i].gather(-1, slots[:, :, None, :].expand(-1, -1, group, -1))
-            probs = torch.softmax(logit, dim=-1)  # [B, H_kv, g, total]
+            logit = logits.gather(-1, slots[:, :, None, :].expand(-1, -1, group, -1))
+            probs = softmax(logit, None)  # [B, H_kv, g, total]
         victim = step.end(slots, positions, seen, None, probs, query[:, :, i : i + 1], used[i : i + 1])
         if victim is not None:  # the newest slot (now just past the kept ones) fills the victim's place
             # the source copied: a slice of the tensor being written (refused by torch where it sees it)
             step.vslot.scatter_(-1, victim[..., None], step.vslot[:, :, step.k : step.k + 1].clone())
-    logits.masked_fill_(~alive[:, :, None], float("-inf"))
-    probs = torch.softmax(logits, dim=-1).to(storage.values.dtype)  # [B, H_kv, g, q, n0 + q]
-    result = torch.einsum("bhgqn,bhnd->bhgqd", probs, storage.values[:, :, :total_all]).reshape(b, hq, q, d)
+        if rows.ends_block(i):
+            outs.append(rows.attend_block(alive, values))
+    result = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     layer.settings.mode.compact(storage, step.vslot[:, :, : step.k], step.k)
     return Replayed(result, step.k, layer.ordered and not step.evicted)

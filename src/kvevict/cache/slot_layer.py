@@ -24,9 +24,10 @@ from abc import abstractmethod
 
 import torch
 
+from ..attention_stats import query_attention
 from .layer_interface import CacheLayer
 from .layer_settings import LayerSettings
-from .probabilities import causal, decode_attention, sdpa
+from .probabilities import causal, sdpa
 from .storage import SlotStorage
 
 
@@ -99,7 +100,7 @@ class SlotLayer(CacheLayer):
             mask, is_causal = causal(q_len, key.shape[2], query.device)
         probs = None
         if self.plan() and q_len == 1:
-            out, probs = decode_attention(query, key, value, scaling)
+            out, probs = query_attention(query, key, value, scaling)  # the kernel's single-block path
         else:
             out = sdpa(query, key, value, mask, is_causal, scaling)
         self.finish(query, query_positions, scaling, probs)

@@ -18,10 +18,11 @@ from typing import Protocol
 
 import torch
 
+from ..attention_stats import Workspace, query_probs
 from ..errors import KvevictError
 from ..policies import AttentionRequest, Policy, QueryBatch, SlotView
 from . import step
-from .probabilities import attention_mass, decode_probs
+from .probabilities import attention_mass
 from .query_window import QueryWindow
 from .rotary import Rotary
 from .rows import RowLayout
@@ -85,10 +86,12 @@ def measure(
 
 
 class Statistics:
-    """One layer's pending requests and its window of recent queries."""
+    """One layer's pending requests and its window of recent queries, measured within the layer's
+    `workspace` (`LayerSettings.workspace`; None: the default bound)."""
 
-    def __init__(self, query_window: int) -> None:
+    def __init__(self, query_window: int, workspace: Workspace | None = None) -> None:
         self.window_size = query_window
+        self.workspace = workspace
         self.recent = QueryWindow(query_window)
         self.views: list[SlotView] | None = None
         self.requests: list[AttentionRequest | None] | None = None
@@ -178,11 +181,12 @@ class Statistics:
 
             def last_of_many() -> torch.Tensor:  # the last query of a prefill, every key
                 last = torch.tensor([seen - 1], device=query.device)
-                return attention_mass(group.take(query[:, :, -1:]), last, keys(), view.positions, scaling)
+                return attention_mass(group.take(query[:, :, -1:]), last, keys(), view.positions, scaling,
+                                      self.workspace)
 
             def window(size: int) -> torch.Tensor:
                 queries, q_pos = self.window_queries(mode, size, seen, total)
-                return attention_mass(group.take(queries), q_pos, keys(), view.positions, scaling)
+                return attention_mass(group.take(queries), q_pos, keys(), view.positions, scaling, self.workspace)
 
             def queries(size: int) -> QueryBatch:
                 return self.query_batch(mode, size, mode.seq_length(total, seen), group.take)
@@ -200,8 +204,8 @@ class Statistics:
         step.absorb(layout.groups, views, requests, measured, write)
         return views
 
-    @staticmethod
-    def _shared_new(requests, layout, storage, query, scaling, seen, new, total, probs) -> dict[int, torch.Tensor]:
+    def _shared_new(self, requests, layout, storage, query, scaling, seen, new, total,
+                    probs) -> dict[int, torch.Tensor]:
         """The attention of this forward's queries `[b_g, H_kv, total]` for each group `i` whose request reads it
         ("new"; "last" too when one query is in flight), measured once for all of them (from `probs` where
         attention kept a decode query's)."""
@@ -215,11 +219,11 @@ class Statistics:
         else:
             keys = subset.take(storage.keys[:, :, :total])
             if new == 1:  # the newest token sees every key: no mask, no blocks
-                mass = decode_probs(subset.take(query), keys, scaling).sum(dim=2)
+                mass = query_probs(subset.take(query), keys, scaling).sum(dim=2)
             else:
                 q_pos = torch.arange(seen - new, seen, device=query.device)
                 key_pos = subset.take(storage.pos[:, :, :total])
-                mass = attention_mass(subset.take(query), q_pos, keys, key_pos, scaling)
+                mass = attention_mass(subset.take(query), q_pos, keys, key_pos, scaling, self.workspace)
         return {i: part.take(mass) for i, part in zip(asking, parts)}
 
     @staticmethod

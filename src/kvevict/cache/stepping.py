@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ..attention_stats import Workspace
 from ..policies import AttentionRequest, QueryBatch, SlotView
 from . import selection, step
 from .observers import Observer
@@ -61,6 +62,9 @@ class ReplaySettings(Protocol):
 
     @property
     def observers(self) -> tuple[Observer, ...]: ...
+
+    @property
+    def workspace(self) -> Workspace | None: ...
 
 
 class ReplayForward(Protocol):
@@ -225,7 +229,7 @@ def window_mass(
     """The last `size` queries, rotated to where their tokens sit now (`window_queries`: in original positions
     where they were rotated), over `view`'s keys. Both stepping algorithms and `by_slot.steps_by_slot` measure here."""
     queries, q_pos = layer.statistics.window_queries(layer.settings.mode, size, seen, total)
-    return attention_mass(group.take(queries), q_pos, view.keys(), view.positions, scaling)
+    return attention_mass(group.take(queries), q_pos, view.keys(), view.positions, scaling, layer.settings.workspace)
 
 
 def remember_queries(statistics: Statistics, query: torch.Tensor, used: torch.Tensor, start: int, stop: int,

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..attention_stats import query_probs
 from ..errors import KvevictError
 from .base import AttentionRequest, Policy, QueryBatch, SlotView
 
@@ -97,12 +98,14 @@ class ExpectedAttention(Policy):
         b, h_kv, n, d = keys.shape
         group = mu.shape[1] // h_kv
         judged = (view.positions >= self.n_sink)[:, :, None, :]  # [b, H_kv, 1, n]; pads sit at -1
-        mu = mu.view(b, h_kv, group, d)
-        logits = (mu @ keys.transpose(-1, -2)) / d**0.5  # [b, H_kv, g, n]
+        # the covariance's term of each expected logit, `k^T S' k / (2D)`: a bias on the attention logits
+        bias = None
         if cov is not None:
-            cov = cov.view(b, h_kv, group, d, d)
-            logits = logits + torch.einsum("bhnd,bhgde,bhne->bhgn", keys, cov, keys) / d / 2
-        probs = logits.masked_fill(~judged, float("-inf")).softmax(dim=-1).nan_to_num(0.0).mean(dim=2)
+            bias = torch.einsum("bhnd,bhgde,bhne->bhgn", keys, cov.view(b, h_kv, group, d, d), keys) / d / 2
+        # the expected query's attention over the judged entries (the kernel's one-query path), kvpress's
+        # `/ sqrt(D)` as a scale
+        probs = query_probs(mu[:, :, None], keys, d**-0.5, ~judged, bias)  # [b, H_kv, g, n]
+        probs = probs.nan_to_num(0.0).mean(dim=2)
         if self.use_vnorm:
             probs = (probs + self.epsilon) * torch.linalg.vector_norm(view.values().float(), dim=-1)
         return probs.masked_fill(~judged[:, :, 0], 0.0)

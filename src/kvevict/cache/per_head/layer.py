@@ -35,13 +35,14 @@ from __future__ import annotations
 
 import torch
 
+from ...attention_stats import Workspace
 from ...errors import KvevictError
 from ...policies import AttentionRequest, Policy, QueryBatch, SlotView
 from .. import step
 from ..layer_interface import CacheLayer
 from ..layer_settings import LayerSettings
 from ..policy_states import PolicyStates
-from ..probabilities import BLOCK_ELEMENTS, attention_mass
+from ..probabilities import BLOCK_ELEMENTS, attention_mass, bound
 from ..rows import RowGroup
 from ..selection import LATEST_LAST
 from ..slot_views import view_of
@@ -61,7 +62,7 @@ class RaggedLayer(CacheLayer):
     def __init__(self, index: int, settings: LayerSettings) -> None:
         super().__init__(index, settings)
         self.storage: RaggedStorage | None = None
-        self.statistics = Statistics(settings.query_window)
+        self.statistics = Statistics(settings.query_window, settings.workspace)
         self.states = PolicyStates(index)
         self._incoming: tuple[torch.Tensor, torch.Tensor] | None = None  # the forward's keys and values
         self._floor_cache: tuple[int | None, torch.Tensor] | None = None  # (budget, floors) of the bound rows
@@ -138,6 +139,10 @@ class RaggedLayer(CacheLayer):
         out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
         return out[:rows]
 
+    def _workspace(self) -> Workspace:
+        """The bound on the logits a block of queries holds: the cache's, else `BLOCK_ELEMENTS` as read here."""
+        return bound(self.settings.workspace, BLOCK_ELEMENTS)
+
     def _overflows(self, q: int) -> bool:
         """Whether `q` more tokens per head would take some row past its allowance `H x budget`."""
         budget = self.budget
@@ -163,7 +168,7 @@ class RaggedLayer(CacheLayer):
         storage.append(keys, values, seen - m)
         if self.sealed:  # no eviction will ever read a statistic: attention alone
             out, _, _ = ragged_attention(storage, query, scaling, ~storage.members(), seen - m, False, False,
-                                         BLOCK_ELEMENTS)
+                                         self._workspace())
             self.n = int(storage.held.max())
             return out
         self.statistics.remember(query, used, seen)
@@ -174,7 +179,7 @@ class RaggedLayer(CacheLayer):
         requests = [g.policy.request(v, will_evict) for g, v in zip(s.layout.groups, views)]
         kinds = {r.kind for r in requests if r is not None}
         out, new_mass, last_mass = ragged_attention(storage, query, scaling, hidden, seen - m, "new" in kinds,
-                                                     "last" in kinds, BLOCK_ELEMENTS)
+                                                     "last" in kinds, self._workspace())
         self._absorb(query, views, requests, members, seen, scaling, new_mass, last_mass)
         self.statistics.last_forward = None  # served: the queries are not held past their forward
         if will_evict and not deferring:
@@ -198,13 +203,14 @@ class RaggedLayer(CacheLayer):
             queries, q_pos = self.statistics.window_queries(s.mode, size, seen, width)
             key_pos = storage.per_head(storage.pos, ~members, LATEST_LAST)
             keys_now = storage.keys[:, None].expand(-1, self.heads, -1, -1)
-            return attention_mass(queries, q_pos, keys_now, key_pos, scaling).nan_to_num(0.0)
+            return attention_mass(queries, q_pos, keys_now, key_pos, scaling, self._workspace()).nan_to_num(0.0)
 
         def reconstruction(sinks: int) -> torch.Tensor | None:  # KVzip's window, in a repeat forward only
             chunk = self.forward.reconstruct
             if chunk is None:
                 return None
-            return window_mass(query, storage.keys, storage.pos, members, first, chunk, sinks, scaling)
+            return window_mass(query, storage.keys, storage.pos, members, first, chunk, sinks, scaling,
+                               self._workspace())
 
         def measured(i: int, request: AttentionRequest) -> torch.Tensor | QueryBatch | None:
             g = groups[i]

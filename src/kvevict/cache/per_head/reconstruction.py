@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..probabilities import BLOCK_ELEMENTS
+from ...attention_stats import Mask, Workspace, attend
 from .allocation import order_keys
 from .storage import RaggedStorage
 
@@ -27,18 +27,18 @@ _LOWEST = torch.iinfo(torch.long).min
 
 
 def window_mass(query: torch.Tensor, keys: torch.Tensor, key_pos: torch.Tensor, members: torch.Tensor,
-                first: int, chunk: tuple[int, int], sinks: int, scaling: float) -> torch.Tensor:
+                first: int, chunk: tuple[int, int], sinks: int, scaling: float, workspace: Workspace) -> torch.Tensor:
     """`[B, H_kv, capacity]` float32: each chunk entry's largest window probability, NaN elsewhere.
 
     query `[B, H_q, m, D]` rotated at positions `first .. first + m - 1`; keys `[B, capacity, D]` the
     row buffers; key_pos `[B, capacity]` their positions (-1: a hole); members `[B, H_kv, capacity]`
     the entries each head holds. Each head's window is gathered out of the row buffer first
     (`[B, H_kv, W, D]`, padded to the widest head's), so a query group reads its own head's window
-    only; queries go in blocks of at most `BLOCK_ELEMENTS` logits.
+    only; the kernel takes the largest probability over the queries and the group
+    (`attention_stats.attend(maxima=True)`), a block of queries within the `workspace` at a time.
     """
-    b, hq, m, d = query.shape
+    b, _, m, d = query.shape
     heads = members.shape[1]
-    group = hq // heads
     start, end = chunk
     pos = key_pos[:, None, :]
     window = members & ((pos < min(sinks, start)) | ((pos >= start) & (pos < end)) | (pos >= first))
@@ -48,20 +48,10 @@ def window_mass(query: torch.Tensor, keys: torch.Tensor, key_pos: torch.Tensor, 
     valid = torch.arange(width, device=query.device) < counts[..., None]
     flat = cols.reshape(b, heads * width)
     win_keys = keys.gather(1, flat[..., None].expand(-1, -1, d)).view(b, heads, width, d)
-    win_pos = key_pos.gather(1, flat).view(b, heads, 1, 1, width)
-    hidden = ~valid[:, :, None, None, :]
-    best = torch.zeros(b, heads, width, device=query.device)
-    block = max(1, BLOCK_ELEMENTS // max(1, b * hq * width))
-    for a in range(0, m, block):
-        q_blk = query[:, :, a : a + block]
-        mb = q_blk.shape[2]
-        q_heads = q_blk.reshape(b, heads, group * mb, d)
-        logits = torch.matmul(q_heads, win_keys.transpose(-1, -2)).float().mul_(scaling)
-        logits = logits.view(b, heads, group, mb, width)
-        at = torch.arange(first + a, first + a + mb, device=query.device)
-        logits.masked_fill_(hidden | (win_pos > at[:, None]), float("-inf"))
-        best = torch.maximum(best, torch.softmax(logits, dim=-1).amax(dim=(2, 3)))
-    in_chunk = valid & (win_pos[:, :, 0, 0] >= start) & (win_pos[:, :, 0, 0] < end)
+    win_pos = key_pos.gather(1, flat).view(b, heads, width)
+    at = torch.arange(first, first + m, device=query.device)
+    best = attend(query, win_keys, scaling, workspace, Mask(~valid, win_pos, at), maxima=True).maxima
+    in_chunk = valid & (win_pos >= start) & (win_pos < end)
     out = torch.full(members.shape, float("nan"), device=query.device)
     return out.scatter_(-1, cols, best.masked_fill(~in_chunk, float("nan")))
 
