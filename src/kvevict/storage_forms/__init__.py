@@ -1,10 +1,10 @@
 """KV storage forms: how a cache holds each kept entry, one file each, registered here by spec family.
 
 A spec's storage prefix is `<family><number>[:options]+<policy>`: `q4+h2o` (`integer.KvQuant`, 4-bit
-codes), `fp8:scale=head+window` (`fp8.Fp8`). The family names the class; the number is its first field
-(the width); the options are its other fields, read off its constructor like a policy's. A new form
-is one file holding a `StorageForm` subclass and one line in `FORMS`; the cache's storage
-(`cache/quantized.py`) drives every form through `StorageForm`'s codec.
+codes), `fp8:scale=head+window` (`fp8.Fp8`), `vllmfp8+full` (`vllm_fp8.VllmFp8`, vLLM's own fp8 rule). The
+family names the class; the number is its first field (the width); the options are its other fields,
+read off its constructor like a policy's. A new form is one file holding a `StorageForm` subclass and one
+line in `FORMS`; the cache's storage (`cache/quantized.py`) drives every form through `StorageForm`'s codec.
 """
 
 from __future__ import annotations
@@ -12,11 +12,13 @@ from __future__ import annotations
 from .base import StorageForm
 from .fp8 import Fp8
 from .integer import KvQuant
+from .vllm_fp8 import VllmFp8
 
 #: spec family -> form class (the number after the family is the class's first field)
 FORMS: dict[str, type[StorageForm]] = {
     "q": KvQuant,
     "fp": Fp8,
+    "vllmfp": VllmFp8,
 }
 
-__all__ = ["FORMS", "Fp8", "KvQuant", "StorageForm"]
+__all__ = ["FORMS", "Fp8", "KvQuant", "StorageForm", "VllmFp8"]
