@@ -55,3 +55,19 @@ def test_a_spec_that_cannot_run_is_refused_before_any_request():
     cli_error("audit", "http://127.0.0.1:9", "--reproduce", "lru+full", needles=("unknown policy 'lru+full'",))
     with pytest.raises(KvevictError, match="format=e4m3"):
         reproduce(make_tiny(seed=5), stream(n_ctx=512), "vllmfp8:format=e3m4+full")
+
+
+def test_a_rule_that_loses_less_than_the_deployment_is_told_apart():
+    """The audit's top-k KL bounds the full KL from below, so a reproduction whose full KL lies well under the
+    audit's is not the deployment's rule: vLLM's fp8 KV read 0.0020 nats a token from outside on SmolLM2, its own
+    rule 0.0026 inside, kvevict's calibrated e4m3 0.0008. Where the stream has an A/A floor, the floor's KL is
+    the arithmetic the two sides may differ by beyond that."""
+    from kvevict.audit.reproduction import Reproduction
+
+    def seen(kl_kvevict: float, floor_kl: float = 0.0) -> Reproduction:
+        return Reproduction("spec", (), (), 0.0, 0.0, 0.0020, kl_kvevict, 0.0, floor_kl)
+
+    assert seen(0.0026).agrees()
+    assert not seen(0.0008).agrees()
+    assert seen(0.0008, floor_kl=0.002).agrees()
+    assert not seen(0.0070).agrees()  # below a third of it: the coarse-graining cannot lose that much

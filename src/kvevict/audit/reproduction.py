@@ -25,8 +25,9 @@ from .stream import StreamResult
 
 #: top-1 disagreement after the first event may differ by this much, absolute (`agrees`)
 DISAGREE_SLACK = 0.05
-#: the audit's top-k KL is a lower bound of the full KL: it may exceed the reproduction's by the arithmetic slack
-KL_OVER = (1.25, 0.005)
+#: the audit's top-k KL is a lower bound of the full KL: it may exceed the reproduction's by 25% and this many nats
+#: beyond the audit's own A/A floor (`agrees`)
+KL_OVER = (1.25, 1e-4)
 #: ... and must hold at least this share of it (the bound's looseness, measured on llama-server: docs/audit.md)
 KL_LOWEST_SHARE = 1 / 3
 #: the spec whose options the deployment's own plan fills in (`spec_for`)
@@ -45,21 +46,25 @@ class Reproduction:
     kl_audit: float
     kl_kvevict: float
     floor_disagree: float  # the audit's top-1 disagreement before the first event (0 without one)
+    floor_kl: float = 0.0  # the audit's top-k KL before the first event (0 without one)
 
     def agrees(self) -> bool:
         """The same eviction points, exactly; top-1 disagreement within `DISAGREE_SLACK` plus the A/A floor's own
         (top-1 is exact on both sides; a server's quantized arithmetic may flip a near-tie the local float32 does
         not, which the floor measures); and the audit's top-k KL a lower bound of the reproduction's full KL: not
-        above it beyond the arithmetic (`KL_OVER`: 25% and 0.005 nats; llama-server's weights are the GGUF's
-        quantization of kvevict's), and holding at least `KL_LOWEST_SHARE` of it. Coarse-graining to the top-k
-        loses most where the deployment's distribution spreads widest: it held 49% of the full KL after
-        llama-server --keep 0 lost its sink, 90% at --keep 4."""
+        above it beyond the arithmetic (`KL_OVER`: 25% and 1e-4 nats, plus the audit's A/A floor where the stream
+        has one: llama-server's Q4_1 arithmetic against kvevict's float32 leaves ~7e-4 nats a token there, vLLM's
+        float32 ~1e-11), and holding at least `KL_LOWEST_SHARE` of it. Coarse-graining to the top-k loses most
+        where the deployment's distribution spreads widest: it held 49% of the full KL after llama-server --keep 0
+        lost its sink, 90% at --keep 4, 78% of vLLM's fp8 KV loss. A rule that loses less than the deployment
+        does is told apart by the bound: kvevict's calibrated `fp8+full` loses 0.0008 nats a token on SmolLM2
+        where vLLM's fp8 KV shows 0.0020 from outside (docs/audit.md)."""
         if self.shifts_audit != self.shifts_kvevict:
             return False
         if abs(self.disagree_audit - self.disagree_kvevict) > DISAGREE_SLACK + self.floor_disagree:
             return False
         factor, slack = KL_OVER
-        return KL_LOWEST_SHARE * self.kl_kvevict <= self.kl_audit <= factor * self.kl_kvevict + slack
+        return KL_LOWEST_SHARE * self.kl_kvevict <= self.kl_audit <= factor * self.kl_kvevict + slack + self.floor_kl
 
     def line(self) -> str:
         """`reproduced inside by vllmfp8+full: KL 0.0021 beside the audit's 0.0019, top-1 miss 0.010 beside 0.012;
@@ -74,7 +79,7 @@ class Reproduction:
         return {"spec": self.spec, "shifts_audit": list(self.shifts_audit),
                 "shifts_kvevict": list(self.shifts_kvevict), "disagree_audit": self.disagree_audit,
                 "disagree_kvevict": self.disagree_kvevict, "kl_audit": self.kl_audit, "kl_kvevict": self.kl_kvevict,
-                "floor_disagree": self.floor_disagree, "agrees": self.agrees()}
+                "floor_disagree": self.floor_disagree, "floor_kl": self.floor_kl, "agrees": self.agrees()}
 
 
 def spec_for(spec: str, result: StreamResult) -> str:
@@ -127,4 +132,5 @@ def reproduce(model, result: StreamResult, spec: str = PRESET, chunk: int = 16) 
         disagree_audit=float(series["disagree"][first:].mean()), disagree_kvevict=float(np.mean(disagree[first:])),
         kl_audit=float(series["kl"][first:].mean()), kl_kvevict=float(np.mean(kl[first:])),
         floor_disagree=float(series["disagree"][:first].mean()) if first else 0.0,
+        floor_kl=float(series["kl"][:first].mean()) if first else 0.0,
     )
