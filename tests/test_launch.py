@@ -8,7 +8,9 @@ relay; run in a network namespace of its own, through the relay too.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 import time
 import urllib.request
@@ -24,7 +26,7 @@ ENGINE = r"""
 import http.server, os, socketserver, subprocess, sys, time
 time.sleep(0.5)  # not ready at once: /health must be waited for
 worker = subprocess.Popen(["sleep", "600"])
-open(sys.argv[2], "w").write(str(worker.pid))
+open(sys.argv[2], "w").write(f"{worker.pid} {os.getpid()}")
 
 class Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
@@ -77,7 +79,7 @@ def test_a_port_server_is_waited_for_reached_and_stopped_with_its_workers(tmp_pa
     port, pidfile = free_port(), tmp_path / "worker.pid"
     with serve([sys.executable, "-c", ENGINE, str(port), str(pidfile)], "stand-in", port=port, seconds=30) as url:
         assert url == f"http://127.0.0.1:{port}" and read(url + "/health") == "ok"
-        worker = int(pidfile.read_text())
+        worker = int(pidfile.read_text().split()[0])
         assert alive(worker)
     assert gone(worker)  # the whole process group was stopped, not only the server
 
@@ -87,7 +89,7 @@ def test_a_unix_socket_server_is_reached_through_the_relay(tmp_path):
     with serve([sys.executable, "-c", ENGINE, str(path), str(pidfile)], "stand-in", socket_path=path,
                seconds=30) as url:
         assert read(url + "/health") == "ok"
-        worker = int(pidfile.read_text())
+        worker = int(pidfile.read_text().split()[0])
     assert gone(worker)
 
 
@@ -98,9 +100,36 @@ def test_an_isolated_server_runs_in_a_namespace_of_its_own(tmp_path):
     with serve([sys.executable, "-c", ENGINE, str(path), str(pidfile)], "stand-in", socket_path=path, seconds=30,
                isolate=netns.command) as url:
         theirs = read(url + "/where").removeprefix("namespace:")
-        worker = int(pidfile.read_text())
+        worker = int(pidfile.read_text().split()[0])
     assert theirs != os.readlink("/proc/self/ns/net")
     assert gone(worker)
+
+
+OWNER = r"""
+import os, signal, sys
+from kvevict.audit.launch import free_port, serve
+port = free_port()
+with serve([sys.executable, "-c", sys.argv[1], str(port), sys.argv[2]], "stand-in", port=port, seconds=30):
+    os.kill(os.getpid(), signal.SIGKILL)  # its owner dies with no chance to stop it
+"""
+
+
+def test_a_server_whose_owner_is_killed_stops_too(tmp_path):
+    """The process that started the server is SIGKILLed inside the block: the server is told to stop all the same
+    (Linux's parent-death signal), instead of lingering with its memory."""
+    import subprocess
+
+    pidfile = tmp_path / "pids"
+    done = subprocess.run([sys.executable, "-c", OWNER, ENGINE, str(pidfile)], timeout=60,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    worker, server = map(int, pidfile.read_text().split())
+    try:
+        assert done.returncode == -9
+        assert gone(server, seconds=10)
+    finally:  # the stand-in does not stop its worker when told to stop (vLLM's server stops its own)
+        for pid in (worker, server):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_a_server_that_exits_is_reported_in_one_line(tmp_path):

@@ -5,7 +5,8 @@ Each engine's module builds its command line and environment (`llama_launch.py`:
 `vllm_launch.py`: vLLM's OpenAI-compatible server); `serve` runs it in a session of its own, so the engine and
 every worker process it forks are one process group, waits until its `/health` answers 200, yields the base
 URL, and at the end stops the whole group (SIGTERM, then SIGKILL after `STOP_SECONDS`): no engine process
-outlives the `with` block, whatever it forked.
+outlives the `with` block, whatever it forked. On Linux the server is also told to stop when this process dies
+without a chance to (killed, or out of memory: `PR_SET_PDEATHSIG`), so it never lingers holding its memory.
 
 A server may listen on a Unix socket instead of a port (`socket_path`): then it can run in a network namespace
 of its own that holds only loopback (`isolate`: a function of the command line, as the tests' `netns.command`),
@@ -15,10 +16,12 @@ so nothing it sends can leave the machine, and `relay.unix_relay` reaches it fro
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -30,6 +33,8 @@ from .relay import unix_relay
 
 #: seconds a stopped server's process group gets to exit before it is killed
 STOP_SECONDS = 20.0
+#: prctl's option: the signal a process gets when the thread that forked it exits (linux/prctl.h)
+PR_SET_PDEATHSIG = 1
 
 
 def free_port() -> int:
@@ -49,6 +54,16 @@ def _wait(url: str, process: subprocess.Popen, name: str, seconds: float) -> Non
                     return
         time.sleep(0.2)
     raise KvevictError(f"{name} did not answer /health within {seconds:.0f} s")
+
+
+def _dies_with_parent() -> Callable[[], None] | None:
+    """The child's hook before it runs the server: SIGTERM it when the thread that started it ends (Linux; None
+    elsewhere), so `serve` belongs in a thread that lives as long as the server should. The function is looked up
+    here, in the parent: the child only calls it (nothing imported between fork and exec)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    return lambda: prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _stop(process: subprocess.Popen) -> None:
@@ -79,7 +94,7 @@ def serve(argv: Sequence[str], name: str, port: int | None = None, socket_path: 
     command = isolate(list(argv)) if isolate else list(argv)
     out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115 (closed below)
     process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                               env={**os.environ, **(env or {})})
+                               env={**os.environ, **(env or {})}, preexec_fn=_dies_with_parent())
     try:
         with contextlib.ExitStack() as stack:
             if socket_path is not None:
