@@ -101,9 +101,11 @@ $(VLLM_STAMP):
 
 vllm: $(VLLM_STAMP)
 
-# `kvevict audit` against real llama-servers on loopback serving the embedded SmolLM2 GGUF
-test-audit: $(LLAMA_SERVER)
+# `kvevict audit` against real servers: llama.cpp's llama-server on loopback serving the embedded SmolLM2 GGUF,
+# then vLLM's CPU build serving its converted float32 folder, each vLLM in a network namespace of its own
+test-audit: $(LLAMA_SERVER) $(VLLM_STAMP)
 	KVEVICT_LLAMA_SERVER=$(LLAMA_SERVER) $(PY) -m pytest -q -m llama_server tests/test_audit_server.py
+	KVEVICT_VLLM_PYTHON=$(VLLM)/bin/python $(PY) -m pytest -q -m vllm_server tests/test_audit_vllm.py
 
 # the report test renders the HTML in a real browser: Debian's chromium
 .chromium-checked:
@@ -116,7 +118,7 @@ demo: $(STAMP)
 # one pytest-xdist worker per core, a test file to a worker (its module fixtures built once); each worker's
 # torch gets its share of the cores (tests/conftest.py), so the workers never oversubscribe them
 test: $(EXTRAS) .chromium-checked
-	$(PY) -m pytest -q -n auto --dist loadfile -m "not llamacpp and not readme_gemma and not ray_cluster and not llama_server"
+	$(PY) -m pytest -q -n auto --dist loadfile -m "not llamacpp and not readme_gemma and not ray_cluster and not llama_server and not vllm_server"
 
 # the README's commands on the second embedded model (Gemma 3; ~2 min): run by CI beside make test
 test-readme-gemma: $(EXTRAS)
@@ -128,7 +130,7 @@ test-ray: $(EXTRAS)
 	$(PY) -m pytest -q -m ray_cluster tests/test_ray.py tests/test_ray_tasks.py
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not model and not browser and not llama_server"
+	$(PY) -m pytest -q -m "not model and not browser and not llama_server and not vllm_server"
 
 # each release in its own scratch environment, then the fast subset: the architecture matrix and the engine
 test-compat:
