@@ -81,6 +81,13 @@ def test_fp8_buys_four_times_the_sequences_by_both_counts(metrics_server):
                         "against 23,296; kvevict's arithmetic: 93,184 and 23,296)")
 
 
+def test_an_unquantized_deployment_is_its_own_baseline(metrics_server):
+    buys = what_it_buys(client(metrics_server(METRICS)), [], "smollm2-135m")
+    assert buys.source == "the deployment" and buys.deployment == buys.baseline
+    line = buys_line(buys, 5e-12, "inside")
+    assert line.startswith("float32 KV: KL 5e-12, inside; 1.00x the sequences of float32 KV")
+
+
 def test_a_server_that_declares_otherwise_is_told_apart(metrics_server):
     """A cache declared as fp8 that holds what 2 bytes an element would (46,592 tokens): the line says the counts
     differ; a server with no /metrics declares nothing and the audit says nothing of capacity."""

@@ -6,8 +6,10 @@ the cache's dtype (`cache_dtype`: `auto` is the model's own), its page (`block_s
 holds (`num_gpu_blocks`, its CPU build's too), the memory it was given (`kv_cache_memory_bytes`) and the
 tokens they make (`kv_cache_size_tokens`). kvevict's arithmetic (`capacity.kv_tokens`) counts the same memory
 in whole pages of the same size at the declared dtype's bytes per element (`fp8`, `fp8_e4m3`, `fp8_e5m2`: 1;
-`auto`: the audited model's own dtype). The audit states both: where they differ, the server holds its
-entries otherwise than its dtype says (scales, padding, or another dtype than the model's).
+`auto`: the audited model's own dtype). The audit states both: where they differ, the server counts or holds its
+cache otherwise than its dtype says (scales, padding, another dtype than the model's, or a hybrid model's pages:
+vLLM gives each group of layers of one kind its own pages and counts Gemma 3's sliding layers as needing more
+pages than its full ones at a context of 1,024, docs/audit.md).
 
 A setting's gain is its capacity over the unquantized cache's in the same memory: the one the twin or the
 reference server declares where either does (`--floor-url`, `--reference-url`: the same engine unquantized),
@@ -92,7 +94,8 @@ def buys_line(buys: Buys, kl: float, outcome: str) -> str:
             f"{baseline.dtype} KV ({a.tokens:,} KV tokens in {a.memory / 2**30:.3f} GiB against {b.tokens:,}; "
             f"kvevict's arithmetic: {deployment.arithmetic:,} and {baseline.arithmetic:,})")
     if not (deployment.agrees and baseline.agrees):
-        line += "; the server and kvevict's arithmetic differ: it holds its entries otherwise than their dtype says"
+        line += ("; the server and kvevict's arithmetic differ: it counts or holds its cache otherwise (another dtype, "
+                 "scales, or a hybrid model's pages per group of layers)")
     return line
 
 
@@ -103,7 +106,7 @@ class Buys:
 
     deployment: Capacity
     baseline: Capacity
-    source: str  # the URL of the server that declared the unquantized cache, or "kvevict's arithmetic"
+    source: str  # who declared the unquantized cache: a server's URL, "the deployment", or "kvevict's arithmetic"
 
     def as_dict(self) -> dict:
         return {"deployment": self.deployment.as_dict(), "baseline": self.baseline.as_dict(), "source": self.source,
@@ -121,9 +124,9 @@ def _declared_by(client) -> Declared | None:
 
 def what_it_buys(client, others, model: str) -> Buys | None:
     """What the deployment's KV setting buys, where it declares its cache (`/metrics`; None where it does not):
-    its capacity beside the unquantized cache's, the first of `others` (clients of the twin, the reference) that
-    declares one in the same memory and pages, else kvevict's arithmetic at `model`'s own dtype (its config, no
-    weights loaded)."""
+    its capacity beside the unquantized cache's: its own where it is unquantized, else the first of `others` (clients
+    of the twin, the reference) that declares one in the same memory and pages, else kvevict's arithmetic at
+    `model`'s own dtype (its config, no weights loaded)."""
     from ..capacity import element_bytes_of, shape_of
     from ..loading import load_config
 
@@ -134,6 +137,9 @@ def what_it_buys(client, others, model: str) -> Buys | None:
     dtype = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
     dtype = dtype.removeprefix("torch.")
     shape = shape_of(config, element_bytes_of(dtype))
+    if found.kv_dtype == "auto":  # unquantized itself: its own capacity is the baseline
+        own = capacity(found, shape, dtype)
+        return Buys(own, own, "the deployment")
     for other in others:
         base = _declared_by(other)
         if base is not None and base.kv_dtype == "auto" and (base.memory, base.block_size) == (found.memory,
