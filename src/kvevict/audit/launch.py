@@ -2,11 +2,12 @@
 them is started, waited for and stopped.
 
 Each engine's module builds its command line and environment (`llama_launch.py`: llama.cpp's llama-server;
-`vllm_launch.py`: vLLM's OpenAI-compatible server); `serve` runs it in a session of its own, so the engine and
-every worker process it forks are one process group, waits until its `/health` answers 200, yields the base
-URL, and at the end stops the whole group (SIGTERM, then SIGKILL after `STOP_SECONDS`): no engine process
-outlives the `with` block, whatever it forked. On Linux the server is also told to stop when this process dies
-without a chance to (killed, or out of memory: `PR_SET_PDEATHSIG`), so it never lingers holding its memory.
+`vllm_launch.py`: vLLM's OpenAI-compatible server); `serve` runs it as the leader of a process group of its
+own, so the engine and every worker process it forks are one group, waits until its `/health` answers 200,
+yields the base URL, and at the end stops the whole group (SIGTERM, then SIGKILL after `STOP_SECONDS`): no
+engine process outlives the `with` block, whatever it forked. On Linux the server is also told to stop when this
+process dies without a chance to (killed, or out of memory: `PR_SET_PDEATHSIG`), so it never lingers holding its
+memory.
 
 A server may listen on a Unix socket instead of a port (`socket_path`): then it can run in a network namespace
 of its own that holds only loopback (`isolate`: a function of the command line, as the tests' `netns.command`),
