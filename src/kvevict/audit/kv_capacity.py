@@ -20,11 +20,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..capacity import KvShape, kv_tokens
+from ..capacity import DTYPE_BYTES, KvShape, kv_tokens
 from .identity import cache_labels
 
-#: bytes per element of vLLM's `--kv-cache-dtype` names that are not the model's own dtype
-KV_DTYPE_BYTES = {"fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "float16": 2, "bfloat16": 2, "float32": 4}
+#: bytes per element of vLLM's `--kv-cache-dtype` names (`auto`, the model's own dtype, aside)
+KV_DTYPE_BYTES = {**DTYPE_BYTES, "fp8_e4m3": 1, "fp8_e5m2": 1}
 
 
 @dataclass(frozen=True)
