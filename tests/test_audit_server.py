@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 
 from kvevict.audit.client import Endpoint
-from kvevict.audit.launch import binary, llama_server
+from kvevict.audit.llama_launch import binary, llama_server
 from kvevict.audit.reproduction import reproduce
 from kvevict.audit.run import AuditSpec, LocalModel, run_audit
 from kvevict.loading.gguf import embedded_gguf

@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoConfig
 
 from kvevict import KvevictError
-from kvevict.capacity import capacity_rows, concurrent, parse_size, read_config, shape_of
+from kvevict.capacity import capacity_rows, concurrent, kv_tokens, parse_size, read_config, shape_of
 
 from support import cli, cli_error
 
@@ -76,6 +76,39 @@ def test_a_quantized_configuration_provisions_the_bytes_it_held():
     assert {r.name: r.sequence_bytes for r in short}["q4+h2o"] == measured // 2
 
 
+def smollm2_config():
+    """SmolLM2-135M's shape: 30 layers, 9 heads of 64 dims, 3 KV heads."""
+    return AutoConfig.for_model("llama", num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                                hidden_size=576)
+
+
+def smollm2_shape(element_bytes: int):
+    return shape_of(smollm2_config(), element_bytes)
+
+
+def test_kv_tokens_in_pages_by_hand():
+    """vLLM's count, worked by hand: a SmolLM2 token is 30 x 3 x 64 x 2 x 4 = 46,080 bytes in float32, so a page
+    of 128 is 5,898,240 and 1 GiB holds 182 whole pages (182.04): 23,296 tokens, 22.75 sequences of 1,024
+    (what vLLM's CPU build logs at VLLM_CPU_KVCACHE_SPACE=1); at 1 byte (fp8) 728 pages: 93,184. Unpaged,
+    1 GiB / 46,080 = 23,301 tokens."""
+    assert kv_tokens(smollm2_shape(4), 2**30, 128) == 23_296
+    assert kv_tokens(smollm2_shape(1), 2**30, 128) == 93_184
+    assert kv_tokens(smollm2_shape(4), 2**30) == 23_301
+    with pytest.raises(KvevictError, match="at least one token"):
+        kv_tokens(smollm2_shape(4), 2**30, 0)
+
+
+def test_config_only_states_the_tokens_that_fit(tmp_path):
+    """The same count from the command line, for the dtype and page a vLLM deployment runs."""
+    config = tmp_path / "config.json"
+    config.write_text(smollm2_config().to_json_string())
+    for dtype, tokens, sequences in (("float32", "23,296", "22.75"), ("fp8", "93,184", "91.00")):
+        result = cli("envelope", "--config-only", str(config), "--deploy-context", "1024", "--accelerator-memory",
+                     "1GiB", "--kv-dtype", dtype, "--kv-page", "128")
+        assert result.exit_code == 0, result.stderr
+        assert f"{tokens} KV tokens fit in whole pages of 128: {sequences} sequences of 1,024 tokens" in result.stdout
+
+
 def test_sizes():
     assert parse_size("80GB", "--x") == 80 * 10**9
     assert parse_size("1.5GiB", "--x") == 3 * 2**29
@@ -114,6 +147,8 @@ def test_config_only_prints_the_arithmetic():
     (["--config-only", "missing.json", "--deploy-context", "8", "--accelerator-memory", "1GB"], ["cannot read"]),
     (["--config-only", LLAMA3_8B, "--deploy-context", "8", "--accelerator-memory", "1GB", "--kv-dtype", "int3"],
      ["--kv-dtype must be one of"]),
+    (["--config-only", LLAMA3_8B, "--deploy-context", "8", "--accelerator-memory", "1GB", "--kv-page", "0"],
+     ["--kv-page must be at least 1"]),
 ])
 def test_bad_input_is_one_line(args, needles):
     cli_error("envelope", *args, needles=tuple(needles))

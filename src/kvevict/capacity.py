@@ -23,8 +23,9 @@ from .errors import KvevictError
 from .position_modes import DEFAULT_POSITIONS
 
 #: bytes per element of the dtypes a KV cache is stored in; llama.cpp's quantized types (`--cache-type-k/-v`) hold
-#: blocks of 32 values, each its codes and an fp16 scale (ggml's block sizes: q8_0 34 bytes, q4_0 18)
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "q8_0": Fraction(34, 32), "q4_0": Fraction(18, 32)}
+#: blocks of 32 values, each its codes and an fp16 scale (ggml's block sizes: q8_0 34 bytes, q4_0 18); `fp8`: vLLM's
+#: --kv-cache-dtype fp8, e4m3 or e5m2, whose per-tensor scales are a few bytes per layer
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "q8_0": Fraction(34, 32), "q4_0": Fraction(18, 32)}
 #: size units: decimal (GB = 10^9 bytes, as accelerators are sold) and binary (GiB = 2^30)
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -117,6 +118,16 @@ def concurrent(memory: int, weights: int, per_sequence: int) -> int:
     if per_sequence <= 0:
         raise KvevictError("a sequence holds no KV bytes: nothing to provision")
     return max(0, (memory - weights) // per_sequence)
+
+
+def kv_tokens(shape: KvShape, memory: int, block: int = 1) -> int:
+    """KV tokens `memory` holds in whole pages of `block` tokens, a page holding its tokens' keys and values in
+    every layer: vLLM's paged count ("KV cache size: N tokens", `block_size` 16 on GPUs, 128 on its CPU build).
+    The pool is shared by all layers, so a sliding layer's page counts as a full one's here."""
+    if block < 1:
+        raise KvevictError(f"a KV page holds at least one token, got {block}")
+    per_page = shape.token_layer_bytes * (shape.full_layers + shape.sliding_layers) * block
+    return memory // per_page * block
 
 
 @dataclass(frozen=True)

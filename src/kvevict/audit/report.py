@@ -55,7 +55,7 @@ def write_report(result, path: Path, reproduction: list[dict] | None = None) -> 
                        f"<td>{x['kl_kvevict']:.3f}</td><td>{x['disagree_audit']:.3f}</td>"
                        f"<td>{x['disagree_kvevict']:.3f}</td><td>{'yes' if x['agrees'] else 'NO'}</td></tr>"
                        for r, x in zip([r for r in streams if r is not result.floor], reproduction, strict=False))
-        parts += ["<h2>Against the reproduction (kvevict's llamacpp preset, same tokens)</h2>",
+        parts += [f"<h2>Against the reproduction ({html.escape(reproduction[0]['spec'])}, same tokens)</h2>",
                   '<table id="audit-reproduction" class="results"><thead><tr><th class="left">stream</th>'
                   "<th>KL audit</th><th>KL kvevict</th><th>top-1 miss audit</th><th>top-1 miss kvevict</th>"
                   f"<th>agree</th></tr></thead><tbody>{rows}</tbody></table>"]

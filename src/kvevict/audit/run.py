@@ -22,6 +22,7 @@ from .client import Client, Endpoint
 from .fidelity import end_ids
 from .identity import ENGINE_CONTEXT, differences
 from .judge import audit_tolerance, rerun_effect, window
+from .kv_capacity import Buys, what_it_buys
 from .probe import Server, check_model, check_tokenizer, describe
 from .records import Records
 from .reference import endpoint_reference, local_reference, prompt_logprobs_reference
@@ -76,6 +77,7 @@ class AuditResult:
     floor: StreamResult | None = None  # the twin's own stream, whose whole is the A/A floor
     reference: dict = field(default_factory=dict)  # what the reference was (a server's identity, or the local model)
     servers: dict = field(default_factory=dict)  # role -> URL and identity, as keyed (the next run's `_changed`)
+    buys: Buys | None = None  # the KV capacity the deployment declares beside the unquantized cache's
 
     @property
     def outcome(self) -> str:
@@ -95,7 +97,7 @@ class AuditResult:
                 "reference": self.reference, "deployed": self.deployed and self.deployed.summary(),
                 "floor": self.floor and self.floor.summary(), "rerun": self.rerun and self.rerun.summary(),
                 "effect": self.effect, "notes": self.notes, "tasks": [t.as_dict() for t in self.tasks],
-                "requests": self.requests, "servers": self.servers}
+                "requests": self.requests, "servers": self.servers, "buys": self.buys and self.buys.as_dict()}
 
 
 def prompt_ids(tokenizer, text: str, count: int, offset: int) -> tuple[int, ...]:
@@ -191,6 +193,9 @@ def run_audit(spec: AuditSpec, local: LocalModel | None = None) -> AuditResult:
         if _has_tasks(spec):
             result.tasks = _tasks(spec, sides["deployment"], sides.get("reference"), tokenizer, records,
                                   audit_tolerance(spec.tolerance), n_ctx)
+        if server.identity.kind == "vllm":  # the engine that declares its KV cache (`kv_capacity.py`)
+            result.buys = what_it_buys(client, [sides[r].client for r in ("twin", "reference") if r in sides],
+                                       spec.model)
         result.requests = {role: side.client.sent for role, side in sides.items()}
         result.servers = {role: {"url": side.client.endpoint.base, **side.identity.as_dict()}
                           for role, side in sides.items()}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..report.columns import Column, Table
 from .judge import Window
+from .kv_capacity import buys_line
 from .stream import StreamResult
 
 
@@ -89,6 +90,10 @@ def lines(result) -> list[str]:
     out = [f"server: {result.server.identity.describe()} at {result.server.url}"]
     out += [floor_line(r) for r in (result.floor,) if r is not None]
     out += [] if result.deployed is None else [stream_line(result.deployed)]
+    if result.deployed is not None and result.buys is not None:
+        judged = dict(result.deployed.verdict.judgements).get("KL")
+        kl = judged.estimate if judged is not None else float(result.deployed.series["kl"].mean())
+        out.append(buys_line(result.buys, kl, result.deployed.verdict.outcome))
     if result.rerun is not None:
         out.append(stream_line(result.rerun))
     if result.effect is not None:

@@ -92,8 +92,10 @@ def audit(
     task_length: int | None = typer.Option(None, help="task prompt + answer tokens (default: the deployment's "
                                            "context filled, so the answer crosses its eviction point)"),
     max_accuracy_drop: float | None = max_accuracy_drop_option(),
-    reproduce: bool = typer.Option(False, "--reproduce", help="also stream the deployment's tokens through kvevict's "
-                                   "llamacpp preset and set its fidelity beside the audit's"),
+    reproduce: str | None = typer.Option(None, "--reproduce", metavar="SPEC", help="also stream the deployment's "
+                                         "tokens through a kvevict spec and set its fidelity beside the audit's: "
+                                         "llamacpp (llama-server's shift, its keep and BOS the deployment's), "
+                                         "vllmfp8+full (vLLM's fp8 KV), fp8+full, any spec"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object as the last line"),
 ) -> None:
     """Audit a running server: its fidelity along a long generation against the reference, the eviction events,
@@ -165,21 +167,25 @@ def _check_fail_on(fail_on: str) -> None:
                            f"{FAIL_EXIT} on an outside verdict, undecided on an outside or undecided one")
 
 
-def _run(spec, reproduce: bool, as_json: bool, fail_on: str) -> None:
+def _run(spec, reproduce: str | None, as_json: bool, fail_on: str) -> None:
     from ..audit.report import write_report
     from ..audit.run import LocalModel, run_audit
     from ..audit.text import lines
 
     local = LocalModel(spec.model, spec.device, spec.dtype)
+    if reproduce is not None:  # a spec that cannot run is refused before any request
+        from ..audit.reproduction import check_spec
+
+        check_spec(reproduce, spec.context)
     result = run_audit(spec, local)
     found = result.summary()
     if reproduce:
         from ..audit.reproduction import reproduce as run_reproduction
 
-        found["reproduction"] = [run_reproduction(local.get(), r).as_dict()
-                                 for r in (result.deployed, result.rerun) if r is not None] or None
+        reproduced = [run_reproduction(local.get(), r, reproduce) for r in (result.deployed, result.rerun) if r]
+        found["reproduction"] = [r.as_dict() for r in reproduced] or None
     page = write_report(result, spec.out / "report.html", found.get("reproduction"))
-    for line in lines(result):
+    for line in lines(result) + [r.line() for r in (reproduced if reproduce else [])]:
         print(line)
     print(f"report: {page}")
     if as_json:

@@ -61,18 +61,22 @@ def _deployment(deploy_context: int, memory: str, weights: str) -> tuple[int, in
     return deploy_context, parse_size(memory, "--accelerator-memory"), parse_size(weights or "0", "--weight-bytes")
 
 
-def _capacity(shape, configs, deployment, weights_given: bool, held: dict | None = None):
-    from ..capacity import arithmetic, capacity_rows, gib
+def _capacity(shape, configs, deployment, weights_given: bool, held: dict | None = None, page: int = 1):
+    from ..capacity import arithmetic, capacity_rows, gib, kv_tokens
 
     context, memory, weights = deployment
     rows = capacity_rows(shape, configs, context, memory, weights, held)
     note = arithmetic(shape, context) + f"; {memory / 1e9:g} GB ({gib(memory)}) of accelerator memory"
     note += (f" less {weights / 1e9:g} GB of weights" if weights_given
              else " (weights not subtracted: pass --weight-bytes)")
+    tokens = kv_tokens(shape, max(0, memory - weights), page)
+    note += (f"; {tokens:,} KV tokens fit" + (f" in whole pages of {page}" if page > 1 else "")
+             + f": {tokens / context:.2f} sequences of {context:,} tokens")
     return note, rows
 
 
-def config_only(path: str, configs: str, deployment, weights_given: bool, dtype: str, as_json: bool = False) -> None:
+def config_only(path: str, configs: str, deployment, weights_given: bool, dtype: str, as_json: bool = False,
+                page: int = 1) -> None:
     """Print the KV arithmetic of named configurations for a model's config.json."""
     from ..capacity import named_configs, read_config
     from ..report.envelope_page import capacity_table
@@ -80,7 +84,8 @@ def config_only(path: str, configs: str, deployment, weights_given: bool, dtype:
     if deployment is None:
         raise KvevictError("--config-only needs --deploy-context and --accelerator-memory (e.g. 32768 and 80GB)")
     shape = read_config(path, dtype)
-    note, rows = _capacity(shape, named_configs(configs or "full", deployment[0]), deployment, weights_given)
+    named = named_configs(configs or "full", deployment[0])
+    note, rows = _capacity(shape, named, deployment, weights_given, page=page)
     print(note)
     show(capacity_table(rows), f"capacity at {deployment[0]} tokens")
     if as_json:
@@ -115,8 +120,10 @@ def envelope(
                                          "only, no model, no search"),
     configs: str = typer.Option("full", help="--config-only: configurations as POLICY@BUDGET, e.g. "
                                 "full,window@4096,h2o@25%"),
-    kv_dtype: str = typer.Option("", help="--config-only: the cache's dtype, or llama.cpp's q8_0 or q4_0 (default: "
-                                 "the config's)"),
+    kv_dtype: str = typer.Option("", help="--config-only: the cache's dtype, llama.cpp's q8_0 or q4_0, or fp8 "
+                                 "(vLLM's --kv-cache-dtype fp8) (default: the config's)"),
+    kv_page: int = typer.Option(1, help="--config-only: tokens per KV page, as the engine allocates them (vLLM's "
+                                "--block-size: 16 on GPUs, 128 on its CPU build)"),
     allow_download: bool = typer.Option(False, "--allow-download", help=DOWNLOAD_HELP),
     device: str = typer.Option("cpu", help=DEVICE_HELP),
     tasks: str = typer.Option("", help="RULER tasks, e.g. niah_single_1,niah_multikey_1: search task accuracy "
@@ -138,7 +145,9 @@ def envelope(
     """Find, per policy, the smallest KV budget within a quality tolerance; bytes, capacity, a verdict."""
     deployment = _deployment(deploy_context, accelerator_memory, weight_bytes)
     if config_only_path:
-        return config_only(config_only_path, configs, deployment, bool(weight_bytes), kv_dtype, as_json)
+        if kv_page < 1:
+            raise KvevictError(f"--kv-page must be at least 1 token, got {kv_page}")
+        return config_only(config_only_path, configs, deployment, bool(weight_bytes), kv_dtype, as_json, kv_page)
     if tasks.strip():
         accuracy = tolerance_from(None, max_accuracy_drop, None, min_accuracy_ratio=min_accuracy_ratio)
         return _tasks(model, dtype, tasks, lengths, protocol, policies, floor, resolution, accuracy,

@@ -10,7 +10,8 @@ the rest is the inner policy's spec. Options may also be separated by `;`
 `local` / `fifo` = `window`. A storage prefix holds the kept entries in a registered storage form
 (`storage_forms.FORMS`): `qB+` (`q8+`, `q4+`, `q2+`) as B-bit codes (options `group`, `residual`,
 `keys`, e.g. `q4:group=64,residual=32+sink4+h2o`), `fp8+` as float8 (option `scale`), `q8_0+`, `q4_0+`,
-`f16+` as llama.cpp's KV types (option `rot`).
+`f16+` as llama.cpp's KV types (option `rot`), `vllmfp8+` as vLLM's CPU fp8 cache holds them (options `format`,
+`kscale`, `vscale`).
 A new policy registers its class here; its options are read off its constructor, so the parser
 and the error messages never go stale.
 """
@@ -87,7 +88,7 @@ def register(name: str, factory: Callable[..., Policy]) -> None:
 def known_specs() -> str:
     return ", ".join([*REGISTRY, *ALIASES, "sinkN+<policy>", "sinkauto+<policy>", "adakv:<policy>", "<policy>:page=N",
                       "q8+<policy>", "q4+<policy>", "q2+<policy>", "fp8+<policy>", "q8_0+<policy>", "q4_0+<policy>",
-                      "f16+<policy>"])
+                      "f16+<policy>", "vllmfp8+<policy>"])
 
 
 def parse_policy(spec: str | Policy) -> Policy:
