@@ -91,7 +91,8 @@ def test_what_the_findings_say():
     check(more, data["q4_0 unrotated"]["outside_kl"] / data["q4_0"]["outside_kl"], "the rotation's gain")
     check(plain, data["q4_0 unrotated"]["outside_kl"], "unrotated q4_0's KL")
     check(share, 100 * pooled(data["q4_0 unrotated"], "outside", "disagree"), "unrotated q4_0's top-1 changes")
-    server, form = said(text(), r"At `q8_0` they do not: the server loses (\d\.\d+) nats a token against the form's\s+(\d\.\d+)")
+    server, form = said(text(), r"At `q8_0` they do not: the server loses (\d\.\d+) nats a token against the "
+                                r"form's\s+(\d\.\d+)")
     check(server, data["q8_0"]["outside_kl"], "q8_0 outside")
     check(form, data["q8_0"]["inside_kl"], "q8_0 inside")
 
