@@ -44,11 +44,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait(url: str, process: subprocess.Popen, name: str, seconds: float) -> None:
+def _wait(url: str, process: subprocess.Popen, name: str, seconds: float, log: Path | None) -> None:
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         if process.poll() is not None:
-            raise KvevictError(f"{name} exited with {process.returncode} before it served")
+            raise KvevictError(f"{name} exited with {process.returncode} before it served"
+                               + (f": its log is {log}" if log else ""))
         with contextlib.suppress(urllib.error.URLError, ConnectionError, OSError):
             with urllib.request.urlopen(url + "/health", timeout=2) as answer:
                 if answer.status == 200:
@@ -101,7 +102,7 @@ def serve(argv: Sequence[str], name: str, port: int | None = None, socket_path: 
             if socket_path is not None:
                 port = stack.enter_context(unix_relay(socket_path))
             url = f"http://127.0.0.1:{port}"
-            _wait(url, process, name, seconds)
+            _wait(url, process, name, seconds, log)
             yield url
     finally:
         _stop(process)
