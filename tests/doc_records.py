@@ -53,6 +53,18 @@ def changed(path: str, old: str, new: str):
         doc.cache_clear()
 
 
+def caught_when_changed(path: str, cases: list) -> object:
+    """A parametrized test: each `(check, old, new)` of `cases`, run with `path`'s first `old` written `new`, must
+    fail (the check reads that figure, so changing it alone in the doc is caught)."""
+
+    @pytest.mark.parametrize("check_,old,new", cases, ids=[f"{c.__name__}-{i}" for i, (c, *_) in enumerate(cases)])
+    def test(check_, old, new):
+        with changed(path, old, new), pytest.raises(AssertionError):
+            check_()
+
+    return test
+
+
 def said(text: str, pattern: str) -> tuple[str, ...]:
     """The numbers a sentence of `text` states, as written: the groups of `pattern` (regex, spaces flexible)."""
     found = re.search(pattern.replace(" ", r"\s+"), text)
