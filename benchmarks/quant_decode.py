@@ -19,7 +19,7 @@ from collections import defaultdict
 import torch
 
 from kvevict import EvictingCache, load_model, load_tokens
-from kvevict.cache.quantized import QuantizedStorage
+from kvevict.cache.storage.quantized import QuantizedStorage
 from kvevict.eval.forward import body
 
 TARGET = 1.3  # the quantized step against the unquantized one

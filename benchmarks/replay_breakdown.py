@@ -19,10 +19,10 @@ from collections import Counter
 
 import torch
 
-import kvevict.cache.replay as replay
-import kvevict.cache.replay_paths as replay_paths
+import kvevict.cache.replay.chunk as replay
+import kvevict.cache.replay.paths as replay_paths
 from kvevict import compare, load_model, load_tokens
-from kvevict.cache.layer import EvictingLayer
+from kvevict.cache.layers.uniform import EvictingLayer
 from kvevict.defaults import DEFAULT_CHUNK
 
 PARTS = [

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from kvevict.cache.probabilities import attention_mass, blockwise_probs
+from kvevict.cache.statistics.probabilities import attention_mass, blockwise_probs
 
 
 def summed_blocks(query, query_pos, keys, key_pos, scaling):

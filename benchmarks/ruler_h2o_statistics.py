@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-import kvevict.cache.statistics as statistics
+import kvevict.cache.statistics.measure as statistics
 from kvevict.eval.ruler.framing import framing
 from kvevict.eval.ruler.grid import check_budget
 from kvevict.eval.ruler.protocols import prefill

@@ -8,7 +8,7 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 
 from kvevict import EvictingCache, KvevictError, parse_policy
-from kvevict.cache.per_head.allocation import allocate
+from kvevict.cache.layers.per_head.allocation import allocate
 from kvevict.eval.forward import body
 
 from conftest import make_tiny, random_tokens
@@ -179,7 +179,7 @@ def test_a_long_prefill_attends_in_blocks_of_queries_and_matches_the_reference(m
     """A prefill bigger than `BLOCK_ELEMENTS` logits goes through the layer's attention a few
     queries at a time (here 3: the bound shrunk so a tiny model reaches it); every block's causal
     mask and its share of H2O's attention must add up to the reference's one pass."""
-    import kvevict.cache.per_head.layer as ragged
+    import kvevict.cache.layers.per_head.layer as ragged
 
     heads, width = 4, 2 * (16 + 16)  # query heads, one row's buffer: KV heads x (budget + slack)
     monkeypatch.setattr(ragged, "BLOCK_ELEMENTS", 3 * heads * width)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvevict.cache import probabilities
-from kvevict.cache.probabilities import attention_mass
+from kvevict.cache.statistics import probabilities
+from kvevict.cache.statistics.probabilities import attention_mass
 
 
 def plain(query, query_pos, keys, key_pos, scaling):

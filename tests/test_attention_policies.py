@@ -7,9 +7,9 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 
 from kvevict import EvictingCache, compare
-from kvevict.cache import probabilities
 from kvevict.cache.attention import kvevict_attention
-from kvevict.cache.probabilities import attention_mass
+from kvevict.cache.statistics import probabilities
+from kvevict.cache.statistics.probabilities import attention_mass
 from kvevict.eval.forward import body
 
 from conftest import make_tiny, random_tokens

@@ -25,16 +25,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kvevict.cache.by_slot as by_slot
-import kvevict.cache.per_head.layer as ragged
-import kvevict.cache.positions as positions
-import kvevict.cache.replay as replay
-import kvevict.cache.slot_layer as slot_layer
-import kvevict.cache.statistics as statistics
+import kvevict.cache.layers.per_head.layer as ragged
+import kvevict.cache.layers.slots as slot_layer
+import kvevict.cache.positions.modes as positions
+import kvevict.cache.replay.by_slot as by_slot
+import kvevict.cache.replay.chunk as replay
+import kvevict.cache.statistics.measure as statistics
 from architectures import ARCHS
 from kvevict import EvictingCache
 from kvevict.attention_stats import Workspace
-from kvevict.cache.per_head.reconstruction import window_mass
+from kvevict.cache.layers.per_head.reconstruction import window_mass
 from kvevict.errors import KvevictError
 from kvevict.policies import QueryBatch
 from kvevict.policies.expected_attention import ExpectedAttention

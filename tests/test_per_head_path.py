@@ -1,6 +1,6 @@
 """The per-head layer against the reference eviction step, on the architecture matrix.
 
-The per-head layer (`cache/per_head/`) is the layer kind registered for a policy whose heads may hold different
+The per-head layer (`cache/layers/per_head/`) is the layer kind registered for a policy whose heads may hold different
 numbers of entries (`Policy.varies_by_head`: `adakv:P`; `layer_setup.layer_classes`). It does every stage of a
 step its own way: ragged storage with holes, attention by hand, the statistics summed back per entry, scores
 through a masked view, and Ada-KV's selection over a row's whole allowance. Where that selection is the uniform
@@ -19,11 +19,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kvevict.cache.replay_paths as replay_paths
-import kvevict.cache.step_paths as step_paths
+import kvevict.cache.replay.paths as replay_paths
+import kvevict.cache.step.paths as step_paths
 from architectures import ARCHS, VOCAB
 from kvevict import EvictingCache
-from kvevict.cache.per_head.layer import RaggedLayer
+from kvevict.cache.layers.per_head.layer import RaggedLayer
 from test_architectures import CACHE_KWARG
 
 BUDGET = 8

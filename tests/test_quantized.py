@@ -15,7 +15,7 @@ from hqq.core.quantize import Quantizer
 
 from architectures import ARCHS
 from kvevict import EvictingCache, compare
-from kvevict.cache import quant_backend
+from kvevict.cache.storage import quant_backend
 from kvevict.errors import KvevictError
 from kvevict.policies import parse_policy
 from test_architectures import BUDGET, TOKENS, Reference

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-import kvevict.cache.replay_paths as replay_paths
+import kvevict.cache.replay.paths as replay_paths
 from architectures import ARCHS, VOCAB
 from kvevict import EvictingCache
-from kvevict.cache.replay_paths import PATHS, REFERENCE
+from kvevict.cache.replay.paths import PATHS, REFERENCE
 from kvevict.errors import KvevictError
 from kvevict.policies import AttentionRequest, Policy, SlotView
 from test_architectures import CACHE_KWARG

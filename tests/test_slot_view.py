@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kvevict.cache import selection
+from kvevict.cache.step import selection
 from kvevict.policies import SlotView, parse_policy
 from kvevict.policies.h2o import H2O
 from kvevict.policies.snapkv import SnapKV, pool

@@ -22,12 +22,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kvevict.cache.step_paths as step_paths
+import kvevict.cache.step.paths as step_paths
 from architectures import ARCHS, VOCAB
 from kvevict import EvictingCache
-from kvevict.cache.layer import EvictingLayer
+from kvevict.cache.layers.uniform import EvictingLayer
 from kvevict.cache.observers import SinkTracker
-from kvevict.cache.step_paths import PATHS, REFERENCE
+from kvevict.cache.step.paths import PATHS, REFERENCE
 from kvevict.errors import KvevictError
 from kvevict.policies import AttentionRequest, SlotView
 from kvevict.policies.window import Window

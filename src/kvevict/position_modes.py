@@ -2,7 +2,7 @@
 cache agree on before any model is loaded.
 
 A mode's maths (what position a kept key and a new query carry) lives in
-`cache/positions.py`, one class per mode; this module holds only what is known from the
+`cache/positions/modes.py`, one class per mode; this module holds only what is known from the
 name alone: the words it is written with, its one validator, and the two declarations a
 check needs before there is a cache (whether the model must rotate its keys, whether a
 head may hold its own number of entries).

@@ -1,30 +1,23 @@
 """The engine: a transformers `Cache` that evicts, and the attention function that feeds it.
 
-| module | owns |
+The folders follow a forward through the engine (`docs/architecture.md` draws it):
+
+| where | holds |
 |---|---|
 | `cache.py` | `EvictingCache`: dispatches to layers; policies, rows, position mode, budgets |
-| `layer_interface.py` | `CacheLayer`: what the cache and attention ask of a layer; what all layers share |
-| `slot_layer.py` | `SlotLayer`: slot storage, its ring and crop, shared by the uniform and sliding layers |
-| `layer.py` | `EvictingLayer`: the uniform layer: one layer's statistics and eviction by its policies |
-| `sliding.py` | `SlidingLayer`: a sliding-window layer keeps the model's own window |
-| `per_head/` | `RaggedLayer` and its storage and allocation: per-head budgets (Ada-KV) |
-| `layer_setup.py` | each kind of layer's class (`LAYER_KINDS`) and every layer's settings |
-| `policy_states.py` | what each policy carries from one step of a layer to the next |
-| `memory.py` | entries and bytes held, per layer and summed per kind |
-| `model_info.py` | what the engine reads off a model's config; `check_model` |
-| `layer_settings.py` | `LayerSettings` (one layer's fixed settings), `Forward` (the forward in flight) |
-| `storage.py` | slot buffers: in-place writes, gather, hole filling |
-| `positions.py` | the two position modes (original, shifted) as strategy objects |
-| `statistics.py` | what policies asked for, measured once, handed back |
-| `probabilities.py` | the attention-statistics kernel's default bound (`kvevict.attention_stats`); SDPA's call |
-| `query_window.py` | the last queries of a layer (SnapKV's observation window) |
-| `selection.py` | victim and kept slots from scores |
-| `rows.py` | which policy runs in which batch row |
-| `rotary.py` | RoPE at any position, from the model's rotary module |
-| `observers.py` | metrics attached from outside: largest size, sink loss |
+| `attention.py` | the registered attention function and mask hook: hands a layer's call to the layer |
 | `inputs.py` | positions the model used; errors for inputs the cache refuses |
-| `replay.py` | token-by-token eviction inside a forward of many tokens (chunked evaluation) |
-| `attention.py` | the registered attention function and mask hook |
+| `layers/` | the three peers behind `CacheLayer` (uniform, sliding, per-head), their settings and setup |
+| `storage/` | how a layer holds its entries: slot buffers, codes of a storage form, KIVI's key blocks |
+| `positions/` | the two position modes (original, shifted) and RoPE at any position |
+| `statistics/` | what policies asked for, measured once (through `kvevict.attention_stats`), handed back |
+| `step/` | one eviction step: its stages, its fast paths, views, selection, the policies' states |
+| `replay/` | a chunk that evicts token by token, replayed exactly: the reference and its fast paths |
+| `rows.py` | which policy runs in which batch row |
+| `memory.py` | entries and bytes held, per layer and summed per kind |
+| `observers.py` | metrics attached from outside: largest size, sink loss |
+| `reconstructing.py` | the part of the cache a policy scored by reconstruction (KVzip) needs |
+| `model_info.py` | what the engine reads off a model's config; `check_model` |
 
 The public names are imported on first use (PEP 562): a submodule such as `model_info` is read
 without importing transformers' cache and attention machinery.
@@ -40,7 +33,7 @@ from ..position_modes import POSITION_MODES
 # public name -> the submodule that defines it
 _EXPORTS = {
     "EvictingCache": ".cache",
-    "EvictingLayer": ".layer",
+    "EvictingLayer": ".layers.uniform",
     "Eviction": ".observers",
     "KeptTracker": ".observers",
     "Observer": ".observers",
@@ -51,7 +44,7 @@ _EXPORTS = {
 if TYPE_CHECKING:
     from .attention import attach
     from .cache import EvictingCache
-    from .layer import EvictingLayer
+    from .layers.uniform import EvictingLayer
     from .observers import Eviction, KeptTracker, Observer, SinkTracker
 
 

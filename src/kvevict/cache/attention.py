@@ -22,9 +22,9 @@ import torch
 
 from ..errors import KvevictError
 from .inputs import padded_batch_error
-from .layer_interface import LAYER_KEY, NAME
-from .probabilities import causal, sdpa
-from .sliding import band
+from .layers.interface import LAYER_KEY, NAME
+from .layers.sliding import band
+from .statistics.probabilities import causal, sdpa
 
 
 def kvevict_attention(

@@ -24,12 +24,12 @@ from ..errors import KvevictError
 from ..policies import Policy, check_policy
 from ..position_modes import DEFAULT_POSITIONS, check_positions
 from .attention import attach
-from .layer_settings import Forward
-from .layer_setup import check_measures, layer_classes, layer_settings, position_modes
+from .layers.per_head.reconstruction import layer_totals
+from .layers.settings import Forward
+from .layers.setup import check_measures, layer_classes, layer_settings, position_modes
 from .memory import CacheMemory, summed
 from .model_info import check_model, layer_kinds, text_config
 from .observers import KeptTracker, Observer, SinkTracker, held_pinned_lost, held_sink_loss
-from .per_head.reconstruction import layer_totals
 from .reconstructing import Reconstructing
 from .rows import RowLayout
 
@@ -41,7 +41,7 @@ class EvictingCache(Reconstructing, Cache):
     `observers` are told what each layer holds and evicts; by default a `KeptTracker`
     and a `SinkTracker` (behind `max_kept()` and `sink_lost_at()`); pass `[]` for none.
     `per_token=True` makes a forward of many tokens evict exactly as that many one-token
-    forwards would (chunked streaming evaluation, `replay.py`); by default a forward
+    forwards would (chunked streaming evaluation, `replay/chunk.py`); by default a forward
     attends to everything it holds and evicts once at its end (prompt compression).
     `workspace` bounds the attention logits the statistics hold at once: bytes of float32 logits per
     block of queries (`attention_stats.Workspace`, or one with an observer told each block's bytes);

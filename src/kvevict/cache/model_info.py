@@ -2,7 +2,7 @@
 and whether kvevict can bound its cache at all (`check_model`).
 
 Introspection, not loading: it takes a model or config that is already built, so the
-engine (`cache.py`, `sliding.py`) and the protocols that size a stream (`eval/`) read
+engine (`cache.py`, `layers/sliding.py`) and the protocols that size a stream (`eval/`) read
 configs here without importing how models are found and loaded (`kvevict.loading`).
 """
 

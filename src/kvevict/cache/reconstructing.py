@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import torch
 
 from ..errors import KvevictError
-from .layer_interface import CacheLayer
+from .layers.interface import CacheLayer
 
 
 class Reconstructing:

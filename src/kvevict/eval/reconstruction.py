@@ -4,7 +4,7 @@ policy scored by reconstruction (`Policy.reconstructs`, `policies/kvzip.py`) has
 Why a pass and not a policy hook: KVzip scores a context after it was read, with extra forwards.
 Between a held-back prefill (`EvictingCache.defer`) and its eviction (`evict_deferred`), each chunk's
 repeat forward runs inside `EvictingCache.reconstructing`, where the per-head layers measure the
-window attention (`cache/per_head/reconstruction.py`), and its tokens are taken back out afterwards
+window attention (`cache/layers/per_head/reconstruction.py`), and its tokens are taken back out afterwards
 (`EvictingCache.crop`), so the pass writes nothing: every repeat forward starts at the context's end.
 On a hybrid model (Gemma 3) a sliding-window layer keeps only the model's last window, which a repeat
 forward would push the context's end out of: each repeat forward runs against a copy of those layers,

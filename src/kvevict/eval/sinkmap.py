@@ -25,7 +25,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from ..cache.model_info import text_config
-from ..cache.probabilities import blockwise_probs
+from ..cache.statistics.probabilities import blockwise_probs
 from ..errors import KvevictError
 
 NAME = "kvevict_sinkmap"

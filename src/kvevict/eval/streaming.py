@@ -5,7 +5,7 @@ it. The first `budget` tokens are prefilled in one forward: nothing is evicted b
 the cache is full, so this is exactly what token-by-token feeding would give. After
 that the stream is read `chunk` tokens per forward, and inside every layer each token
 sees exactly what token-by-token feeding would have kept at its step (the cache's
-`per_token` mode, `cache/replay.py`): the same numbers as one token per forward
+`per_token` mode, `cache/replay/chunk.py`): the same numbers as one token per forward
 (`chunk=1`, the reference path), with the weights and MLPs paid once per chunk.
 
 All policies at one budget run as rows of one batch (the weights are read once per

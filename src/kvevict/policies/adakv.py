@@ -11,9 +11,9 @@ sit. Its safeguard keeps every head at least `alpha x budget` entries (rounded d
 scores are uniformly low is never emptied.
 
 This class only scores (P's scores, unchanged) and declares the allocation
-(`varies_by_head`, `head_floor`); the joint selection is `cache/per_head/allocation.py`,
+(`varies_by_head`, `head_floor`); the joint selection is `cache/layers/per_head/allocation.py`,
 and the memory is real: the layer stores ragged per-head segments
-(`cache/per_head/storage.py`), not every head padded to the longest. P's scores must be
+(`cache/layers/per_head/storage.py`), not every head padded to the longest. P's scores must be
 comparable across heads for the joint top-k to mean something: attention mass (h2o,
 snapkv, tova) is; `window`'s positions tie across heads (so the allocation stays
 uniform up to ties); key-based scores (knorm, keydiff) are taken as they come.
@@ -64,7 +64,7 @@ class AdaKV(Wrapper):
             )
 
     # the declarations, hooks and state are the inner policy's (`Wrapper`); what adakv adds is the
-    # allocation across heads, done by the layer (`cache/per_head/allocation.py`), and the floor
+    # allocation across heads, done by the layer (`cache/layers/per_head/allocation.py`), and the floor
     def wrap(self, inner: Capabilities) -> Capabilities:
         """Heads hold different numbers of entries; the ragged layer steps every forward itself: no
         closed-form replay."""

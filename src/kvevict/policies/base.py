@@ -55,7 +55,7 @@ class QueryBatch:
     """What a `kind="queries"` request measures, handed to `Policy.absorb` in place of a mass.
 
     raw: `[b, H_q, m, D]` queries as the model projected them, before the rotary embedding (the
-    layer un-rotates what attention used, with the model's own rotary module: `cache/rotary.py`).
+    layer un-rotates what attention used, with the model's own rotary module: `cache/positions/rotary.py`).
     stream: `[m]` their tokens' positions in the stream. rotation: positions `[p]` -> cos, sin
     `[p, rot]` of this layer's rotary embedding (`rot < D`: partial rotary). next_position: where
     the next token's query would be rotated if nothing were evicted (the stream's length, or the

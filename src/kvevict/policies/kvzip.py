@@ -14,7 +14,7 @@ no chunk covers (the template's opening past the sinks) score 0; the first `n_si
 
 Budgets are not uniform: a layer's `KV heads x budget` entries go to its best entries of all heads
 jointly, with no floor per head (kvpress: "KVzip does not rely on safeguards"), held for real in
-ragged per-head storage as `adakv:` is (`cache/per_head/`). With `layerwise=false` (kvpress's
+ragged per-head storage as `adakv:` is (`cache/layers/per_head/`). With `layerwise=false` (kvpress's
 default) all layers are ranked together: the model keeps its `layers x KV heads x budget` best
 entries wherever they sit, so layers keep different numbers (`Policy.ranks_layers`).
 

@@ -4,7 +4,7 @@ Quantization changes how each kept entry is stored, never which entries are kept
 wrapper that is its inner policy in every declaration and every hook (by the wrapper's one rule,
 `wrapper.py`; nothing is forwarded here by hand) and adds one declaration: `kv_storage`,
 the `StorageForm` (`storage_forms/`) the cache reads to give its layers that storage
-(`cache/quantized.py`). Which tokens stay is the inner policy's decision, made on what attention
+(`cache/storage/quantized.py`). Which tokens stay is the inner policy's decision, made on what attention
 actually reads (the dequantized keys).
 
 Spec: `q4+sink4+h2o`, `q8+full`, `fp8+h2o`, with options after the width: `q4:group=64,residual=32+snapkv`.

@@ -5,7 +5,7 @@ codes), `fp8:scale=head+window` (`fp8.Fp8`), llama.cpp's `q8_0+full` (`ggml.Ggml
 after the number joins the family word), `vllmfp8+full` (`vllm_fp8.VllmFp8`, vLLM's own fp8 rule). The family
 names the class; the number is its first field (the width); the options are its other fields, read off its
 constructor like a policy's. A new form is one file holding a `StorageForm` subclass and one line in `FORMS`;
-the cache's storage (`cache/quantized.py`) drives every form through `StorageForm`'s codec.
+the cache's storage (`cache/storage/quantized.py`) drives every form through `StorageForm`'s codec.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ into `_quantize` / `_dequantize`:
   attention reads.
 
 `state` is a dict the storage keeps for the layer (a form's numbers that are not per slot: fp8's
-scales, calibrated on the first entries); `state_bytes` counts it. The storage (`cache/quantized.py`)
+scales, calibrated on the first entries); `state_bytes` counts it. The storage (`cache/storage/quantized.py`)
 moves the per-slot tensors with their slots, keeps the `residual` latest tokens at full precision, and
 counts the bytes; the form never sees slots, policies or positions. Forms sit below the policies and
 the cache: they import torch and their own library only.

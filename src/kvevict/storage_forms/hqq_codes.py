@@ -1,7 +1,7 @@
 """The KV quantizer: HQQ's affine quantizer, its codes packed per entry. `quantize` / `dequantize`.
 
 The split follows transformers' `QuantizedLayer` (`_quantize` / `_dequantize`, cache_utils.py): the
-storage form (`cache/quantized.py`) calls these two and never sees the library.
+storage form (`cache/storage/quantized.py`) calls these two and never sees the library.
 
 * Codes, scales and zero points come from HQQ's `Quantizer.quantize` (hqq/core/quantize.py), with
   `axis=1`: groups of `group` consecutive channels of one entry (one key or one value vector), the

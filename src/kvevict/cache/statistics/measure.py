@@ -18,15 +18,15 @@ from typing import Protocol
 
 import torch
 
-from ..attention_stats import Workspace, query_probs
-from ..errors import KvevictError
-from ..policies import AttentionRequest, Policy, QueryBatch, SlotView
-from . import step
+from ...attention_stats import Workspace, query_probs
+from ...errors import KvevictError
+from ...policies import AttentionRequest, Policy, QueryBatch, SlotView
+from ..positions.rotary import Rotary
+from ..rows import RowLayout
+from ..step import stages as step
+from ..storage.slots import SlotStorage
 from .probabilities import attention_mass
 from .query_window import QueryWindow
-from .rotary import Rotary
-from .rows import RowLayout
-from .storage import SlotStorage
 
 
 class PositionView(Protocol):
@@ -112,7 +112,7 @@ class Statistics:
 
     def skip(self) -> None:
         """Drop what `plan` asked for, unmeasured: the forward's eviction took a path that measures nothing
-        (`step_paths.py`'s ring, whose policies ask for nothing), so no view is held past the forward."""
+        (`step/paths.py`'s ring, whose policies ask for nothing), so no view is held past the forward."""
         self.views = self.requests = None
 
     def remember(self, query: torch.Tensor, used: torch.Tensor, seen: int) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ...attention_stats import Mask, Workspace, attend
+from ....attention_stats import Mask, Workspace, attend
 from .storage import RaggedStorage
 
 

@@ -9,7 +9,7 @@ statistics, and optionally the un-rotated keys `raw` (position-shift mode).
 Dtypes: `kv` and `raw` are held in the dtype of the keys the layer first receives (the
 model's: bf16 keys are stored in bf16, and `kv_bytes` counts 2 bytes per element); the
 statistics (H2O's and TOVA's cumulative attention, SnapKV's pooled window, k-norm's norms)
-are always float32 (`cache/probabilities.py` says why), whatever the model's dtype.
+are always float32 (`cache/statistics/probabilities.py` says why), whatever the model's dtype.
 The storage knows nothing of policies, positions modes or metrics: it moves slots.
 
 This class holds entries at the model's dtype. Another storage form (`quantized.py`: packed codes)

@@ -11,22 +11,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..attention_stats import Workspace
-from ..errors import KvevictError
-from ..policies import Policy
-from ..position_modes import DEFAULT_POSITIONS, ModeName
-from .attention import handoffs
-from .layer import EvictingLayer
-from .layer_interface import CacheLayer
-from .layer_settings import LayerSettings
-from .observers import Observer
+from ...attention_stats import Workspace
+from ...errors import KvevictError
+from ...policies import Policy
+from ...position_modes import DEFAULT_POSITIONS, ModeName
+from ..attention import handoffs
+from ..observers import Observer
+from ..positions.modes import PositionMode, for_name
+from ..positions.rotary import Rotary
+from ..replay.paths import MEASURED_ELSEWHERE, unmeasured
+from ..rows import RowLayout
+from ..storage.quantized import storage_form_of
+from .interface import CacheLayer
 from .per_head import PER_HEAD_KINDS
-from .positions import PositionMode, for_name
-from .quantized import storage_form_of
-from .replay_paths import MEASURED_ELSEWHERE, unmeasured
-from .rotary import Rotary
-from .rows import RowLayout
+from .settings import LayerSettings
 from .sliding import SlidingLayer
+from .uniform import EvictingLayer
 
 #: the layer class for each kind of attention layer a model declares (`config.layer_types`);
 #: a new kind is one class and one line here

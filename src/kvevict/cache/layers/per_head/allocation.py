@@ -3,7 +3,7 @@
 Plain tensors in, a keep mask out. Per row: every head first keeps its own best
 `floor` entries (or all it holds, if fewer); the rest of the row's allowance goes to
 the best remaining entries of all heads together. Ties keep the later token, as in
-`selection.py`; a tie on the same token in two heads keeps the lower head.
+`step/selection.py`; a tie on the same token in two heads keeps the lower head.
 
 That order is total, so each entry gets one int64 key that sorts the same way: the
 score's float32 bits made monotone in the high half, `position x H + (H - 1 - head)` in

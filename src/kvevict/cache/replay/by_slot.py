@@ -17,13 +17,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..attention_stats import QueryRows, products, softmax
-from ..policies import AttentionRequest, SlotView
-from . import step
-from .probabilities import bound
-from .rows import RowGroup
-from .slot_views import view_of
-from .statistics import measure
+from ...attention_stats import QueryRows, products, softmax
+from ...policies import AttentionRequest, SlotView
+from ..rows import RowGroup
+from ..statistics.measure import measure
+from ..statistics.probabilities import bound
+from ..step import stages as step
+from ..step.views import view_of
 from .stepping import Replayed, ReplayingLayer, remember_queries, static_scores, take_slots, window_mass
 
 

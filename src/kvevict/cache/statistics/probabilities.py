@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from ..attention_stats import DEFAULT_BYTES, Mask, Workspace, column_sums, probability_blocks
+from ...attention_stats import DEFAULT_BYTES, Mask, Workspace, column_sums, probability_blocks
 
 # Elements of one block of attention logits (float32): the default bound on the memory of statistics capture.
 BLOCK_ELEMENTS = DEFAULT_BYTES // 4

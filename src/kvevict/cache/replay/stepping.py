@@ -1,8 +1,8 @@
 """Stepping through a chunk's queries as token-by-token feeding would: the parts every stepping
 algorithm shares.
 
-A forward of many tokens that evicts inside it (`replay.py`; the position-shift mode's own
-stepping in `positions.py`) keeps a *virtual* slot layout, `vslot` `[B, H, budget + 1]`
+A forward of many tokens that evicts inside it (`replay/chunk.py`; the position-shift mode's own
+stepping in `positions/modes.py`) keeps a *virtual* slot layout, `vslot` `[B, H, budget + 1]`
 (storage slot of each slot a token-by-token run would use), so policies see the same views,
 random draws land on the same slots, and the final gather leaves the storage exactly as
 token-by-token feeding would have. `Stepper` holds it, with the step's statistics and
@@ -16,15 +16,16 @@ from typing import Any, Protocol
 
 import torch
 
-from ..attention_stats import Workspace
-from ..policies import AttentionRequest, QueryBatch, SlotView
-from . import selection, step
-from .observers import Observer
-from .probabilities import attention_mass
-from .rows import RowGroup, RowLayout
-from .slot_views import view_of
-from .statistics import PositionView, Statistics, measure
-from .storage import SlotStorage
+from ...attention_stats import Workspace
+from ...policies import AttentionRequest, QueryBatch, SlotView
+from ..observers import Observer
+from ..rows import RowGroup, RowLayout
+from ..statistics.measure import PositionView, Statistics, measure
+from ..statistics.probabilities import attention_mass
+from ..step import selection
+from ..step import stages as step
+from ..step.views import view_of
+from ..storage.slots import SlotStorage
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ newest entry into the victim's slot, so the unpinned slots turn like a ring and 
 next oldest is the next slot. The ring is trusted only right after its own eviction
 one token earlier; anything else (a chunk, a compaction, a budget change) starts again
 from positional order (`ordered`) or, in the uniform layer, from scores. The uniform
-layer's steps take the ring through `step_paths.py` (its "ring" path); the sliding layer
+layer's steps take the ring through `step/paths.py` (its "ring" path); the sliding layer
 turns it in its own `finish`, which runs no policy.
 """
 
@@ -24,11 +24,11 @@ from abc import abstractmethod
 
 import torch
 
-from ..attention_stats import query_attention
-from .layer_interface import CacheLayer
-from .layer_settings import LayerSettings
-from .probabilities import causal, sdpa
-from .storage import SlotStorage
+from ...attention_stats import query_attention
+from ..statistics.probabilities import causal, sdpa
+from ..storage.slots import SlotStorage
+from .interface import CacheLayer
+from .settings import LayerSettings
 
 
 class SlotLayer(CacheLayer):

@@ -35,18 +35,18 @@ from __future__ import annotations
 
 import torch
 
-from ...attention_stats import Workspace
-from ...errors import KvevictError
-from ...policies import AttentionRequest, Policy, QueryBatch, SlotView
-from .. import step
-from ..layer_interface import CacheLayer
-from ..layer_settings import LayerSettings
-from ..policy_states import PolicyStates
-from ..probabilities import BLOCK_ELEMENTS, attention_mass, bound
-from ..rows import RowGroup
-from ..selection import LATEST_LAST
-from ..slot_views import view_of
-from ..statistics import Statistics, measure
+from ....attention_stats import Workspace
+from ....errors import KvevictError
+from ....policies import AttentionRequest, Policy, QueryBatch, SlotView
+from ...rows import RowGroup
+from ...statistics.measure import Statistics, measure
+from ...statistics.probabilities import BLOCK_ELEMENTS, attention_mass, bound
+from ...step import stages as step
+from ...step.selection import LATEST_LAST
+from ...step.states import PolicyStates
+from ...step.views import view_of
+from ..interface import CacheLayer
+from ..settings import LayerSettings
 from .allocation import allocate
 from .attention import ragged_attention
 from .reconstruction import by_position, fits, put_back, ranked_keys, window_mass

@@ -29,11 +29,11 @@ from dataclasses import replace
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from ..errors import KvevictError
-from .inputs import attach_error, model_positions
-from .layer_settings import Forward, LayerSettings
-from .memory import LayerMemory
-from .observers import Eviction
+from ...errors import KvevictError
+from ..inputs import attach_error, model_positions
+from ..memory import LayerMemory
+from ..observers import Eviction
+from .settings import Forward, LayerSettings
 
 #: the name kvevict's attention function is registered under in transformers
 NAME = "kvevict"

@@ -1,10 +1,10 @@
 """The one eviction step: what every layer kind and every replay does between a forward's attention and the
 entries it keeps, written once.
 
-A step, wherever it runs (a uniform layer after a forward, `step_paths.py`; a chunk's step replayed token by
+A step, wherever it runs (a uniform layer after a forward, `step/paths.py`; a chunk's step replayed token by
 token, `stepping.Stepper` and `by_slot`; the per-head layer):
 
-1. **views**: each row group's policy sees the held slots (`slot_views.view_of`, the one view builder);
+1. **views**: each row group's policy sees the held slots (`views.view_of`, the one view builder);
 2. **requests**: each policy says what it needs (`Policy.request`);
 3. **measure and absorb** (`absorb`): each request measured by its kind (`statistics.measure`, the one
    place a kind is read) and folded into the policy's statistic (`Policy.absorb`), which the view then reads;
@@ -23,8 +23,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..policies import AttentionRequest, QueryBatch, SlotView
-from .rows import RowGroup, RowLayout
+from ...policies import AttentionRequest, QueryBatch, SlotView
+from ..rows import RowGroup, RowLayout
 
 #: the mass measured for the `i`-th row group's request (`statistics.measure` with the place's measurements),
 #: or None: nothing to absorb at this step (a reconstruction outside a repeat forward)

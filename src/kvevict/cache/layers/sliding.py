@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import torch
 
-from .slot_layer import SlotLayer
-from .storage import SlotStorage
+from ..storage.slots import SlotStorage
+from .slots import SlotLayer
 
 
 class SlidingLayer(SlotLayer):

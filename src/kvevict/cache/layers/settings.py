@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..attention_stats import Workspace
-from .observers import Observer
-from .rows import RowLayout
-from .storage import SlotStorage
+from ...attention_stats import Workspace
+from ..observers import Observer
+from ..rows import RowLayout
+from ..storage.slots import SlotStorage
 
 if TYPE_CHECKING:
-    from .positions import PositionMode
+    from ..positions.modes import PositionMode
 
 
 @dataclass(frozen=True)

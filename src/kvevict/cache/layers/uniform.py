@@ -11,13 +11,13 @@ and the rows' policies pick what goes. Life of one forward:
    forward?), computes the output, then `finish` with the queries it used.
 3. `finish` feeds the policies their statistics (`Statistics`) and, if more than the
    budget is held, evicts by the first of the layer's step paths that takes the step
-   (`step_paths.py`, bound once per layer): the reference keeps the best-scoring entries
+   (`step/paths.py`, bound once per layer): the reference keeps the best-scoring entries
    (`selection`) gathered to the front in positional order; a decode step in
    original-position mode moves the newest slot into the victim's place instead (under a
    first-in-first-out policy the next slot of the ring, found without measuring or
    scoring). It then reports to the cache's observers what it holds and what it evicted.
 
-A chunk that must evict token by token inside itself is `replay`ed instead (`replay_paths.py`: the
+A chunk that must evict token by token inside itself is `replay`ed instead (`replay/paths.py`: the
 reference stepping and its registered fast paths).
 A sliding-window layer whose engine bounds every layer (`Policy.bounds_every_layer`) is
 this layer too, with its window's band masked (`window_mask`, `window_size`).
@@ -30,19 +30,19 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import KvevictError
-from ..policies import Policy, SlotView
-from . import step_paths
-from .layer_settings import LayerSettings
-from .policy_states import PolicyStates
-from .replay_paths import replay_chunk
-from .rows import RowGroup
+from ...errors import KvevictError
+from ...policies import Policy, SlotView
+from ..replay.paths import replay_chunk
+from ..rows import RowGroup
+from ..statistics.measure import Statistics
+from ..step import paths as step_paths
+from ..step.paths import StepPath
+from ..step.states import PolicyStates
+from ..step.views import view_of
+from ..storage.slots import SlotStorage
+from .settings import LayerSettings
 from .sliding import band
-from .slot_layer import SlotLayer
-from .slot_views import view_of
-from .statistics import Statistics
-from .step_paths import StepPath
-from .storage import SlotStorage
+from .slots import SlotLayer
 
 #: the per-slot statistic that holds `Policy.arrival` of each slot's key (`arrival_stat` policies)
 ARRIVAL = "arrival"
@@ -177,7 +177,7 @@ class EvictingLayer(SlotLayer):
             self.n, self.new = total, 0
             if target is not None:
                 return  # everything held, every statistic measured: `evict_deferred` evicts
-        else:  # the step path that takes it measures, unless it needs no scores (`step_paths.py`)
+        else:  # the step path that takes it measures, unless it needs no scores (`step/paths.py`)
             self._evict_to(lambda: self._measured(query, query_positions, scaling, probs, total), total, target)
             self.new = 0
         self.fit_storage()

@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..policies import SlotView
-from .rows import RowGroup
+from ...policies import SlotView
+from ..rows import RowGroup
 
 
 def view_of(

@@ -1,7 +1,7 @@
 """How a uniform layer evicts after a forward that does not replay: one reference step, and the fast paths
 registered as its specialisations, each with the test that says where it applies.
 
-The reference (`REFERENCE`) is the one eviction step (`step.py`) over the held slots: the policies' views,
+The reference (`REFERENCE`) is the one eviction step (`step/stages.py`) over the held slots: the policies' views,
 their requests measured and absorbed (`measured`, the layer's `Statistics.feed`, through `step.absorb`),
 every row's scores merged (`step.scores`), and the `keep` best slots kept, compacted to the front in
 positional order (`selection.keep_slots`, `PositionMode.compact`). The specialisations keep the same entries
@@ -42,12 +42,13 @@ from typing import Protocol
 
 import torch
 
-from ..policies import SlotView
-from ..policies.capabilities import Capabilities
-from . import selection, step
-from .layer_settings import LayerSettings
-from .statistics import Statistics
-from .storage import SlotStorage
+from ...policies import SlotView
+from ...policies.capabilities import Capabilities
+from ..layers.settings import LayerSettings
+from ..statistics.measure import Statistics
+from ..storage.slots import SlotStorage
+from . import selection
+from . import stages as step
 
 #: the step's measurement, called by a path that scores: the requests measured and absorbed, the views returned
 Measured = Callable[[], list[SlotView]]

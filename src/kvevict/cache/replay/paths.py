@@ -4,7 +4,7 @@ registered as its specialisations, each with the test that says where it applies
 The reference is stepping (`replay.replay_steps`, `stepping.Stepper`): each of the chunk's steps builds
 its policies' views of the slots a token-by-token run would hold (`stepping.step_view`), measures what they
 asked for and lets them absorb it (`step.absorb`), scores (`step.scores`) and selects one victim: the one
-eviction step (`step.py`) that a one-token forward's reference (`step_paths.REFERENCE`) runs over the held
+eviction step (`step/stages.py`) that a one-token forward's reference (`step_paths.REFERENCE`) runs over the held
 slots. Every other path computes the same kept sets and outputs with less work where its `applies` holds,
 and a differential test (tests/test_replay_paths.py) runs each against the reference on the architecture
 matrix:
@@ -19,7 +19,7 @@ matrix:
 A path declares what it can measure (`measures`: the request kinds it serves, `AttentionRequest.kind`).
 The first registered path that applies and answers replays the chunk and returns the layer's new state
 (`stepping.Replayed`); the reference always applies. Adding a path is one `ReplayPath` here and its
-differential test. `unmeasured` answers for these paths and for a one-token forward's (`step_paths.py`):
+differential test. `unmeasured` answers for these paths and for a one-token forward's (`step/paths.py`):
 what a cache refuses when it is built.
 """
 
@@ -30,9 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..policies.capabilities import Capabilities
-from . import by_slot, step_paths
-from .replay import replay_static, replay_steps
+from ...policies.capabilities import Capabilities
+from ..step import paths as step_paths
+from . import by_slot
+from .chunk import replay_static, replay_steps
 from .stepping import Replayed, ReplayingLayer
 
 

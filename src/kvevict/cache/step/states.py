@@ -7,7 +7,7 @@ runs policies, and goes back to it as `SlotView.state`.
 
 from __future__ import annotations
 
-from ..policies import Policy
+from ...policies import Policy
 
 
 class PolicyStates:

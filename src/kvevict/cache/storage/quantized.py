@@ -32,11 +32,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..errors import KvevictError
-from ..storage_forms import StorageForm
+from ...errors import KvevictError
+from ...storage_forms import StorageForm
 from .key_blocks import KeyBlocks
 from .residual_ring import read_ring
-from .storage import SlotStorage
+from .slots import SlotStorage
 
 
 class QuantizedStorage(SlotStorage):

@@ -2,7 +2,7 @@
 
 * `OriginalPositions` (`"original"`): each key keeps the RoPE rotation of its position
   in the stream, as H2O, SnapKV and kvpress do. Nothing is ever re-rotated (`fixed_keys`),
-  so a decode step may fill the victim's slot in place (`step_paths.py`; slots then
+  so a decode step may fill the victim's slot in place (`step/paths.py`; slots then
   leave positional order, which attention does not care about: every kept entry is
   older than every new token).
 * `ShiftedPositions` (`"cache"`): StreamingLLM's position shift. Kept entries are
@@ -15,7 +15,7 @@ The layers, their step paths and the chunk replay ask their mode (`new_storage`,
 `store_keys`, `align_query`, `compact`, `fixed_keys`, `keeps_arrival`, `ring`) and hand
 it a chunk to replay (`static_attention`, `replay_steps`): each mode's maths lives in its methods (the
 position shift's closed form and stepping here; original positions' fixed-key algorithms
-in `replay.py`, which never asks which mode it runs in). Nothing outside this module tests
+in `replay/chunk.py`, which never asks which mode it runs in). Nothing outside this module tests
 which mode it holds; the names users write live in `kvevict.position_modes`.
 """
 
@@ -25,14 +25,15 @@ from collections.abc import Callable
 
 import torch
 
-from ..attention_stats import Mask, attend, products, query_attention
-from ..position_modes import ORIGINAL, SHIFTED, ModeName
-from . import replay, selection
-from .probabilities import bound
-from .replay import StaticPlan
+from ...attention_stats import Mask, attend, products, query_attention
+from ...position_modes import ORIGINAL, SHIFTED, ModeName
+from ..replay import chunk as replay
+from ..replay.chunk import StaticPlan
+from ..replay.stepping import Replayed, ReplayingLayer, Stepper, take_slots
+from ..statistics.probabilities import bound
+from ..step import selection
+from ..storage.slots import SlotStorage
 from .rotary import Rotary
-from .stepping import Replayed, ReplayingLayer, Stepper, take_slots
-from .storage import SlotStorage
 
 
 class PositionMode:

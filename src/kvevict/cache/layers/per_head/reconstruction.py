@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ...attention_stats import Mask, Workspace, attend
+from ....attention_stats import Mask, Workspace, attend
 from .allocation import order_keys
 from .storage import RaggedStorage
 

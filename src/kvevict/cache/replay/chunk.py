@@ -12,7 +12,7 @@ Two ways to know the alive sets:
   (`window`, `sinkN+window`: a token's score is fixed on arrival), the kept set after
   any step is the top-`budget` of all tokens seen, so every query's alive set follows
   from one ranking; one masked attention for the chunk (the position mode's
-  `static_attention`: here for original positions, the shift's shortcut in `positions.py`).
+  `static_attention`: here for original positions, the shift's shortcut in `positions/modes.py`).
 * **Stepping** (`replay_steps`): otherwise (attention-driven policies, random draws,
   position-shift mode) the layer steps through the chunk's queries, doing only what a
   decode step does to the cache: the query's attention over its alive set, the
@@ -20,7 +20,7 @@ Two ways to know the alive sets:
   The algorithms share the bookkeeping (`stepping.Stepper`): with fixed keys (original
   positions, here) the logits are computed once per block of queries (within the layer's
   workspace) and each step reads its alive slots; with renumbered keys (position shift,
-  `positions.py`) each step rotates its keys and attends.
+  `positions/modes.py`) each step rotates its keys and attends.
 
 Both keep a *virtual* slot layout, `vslot` `[B, H, budget + 1]` (storage slot of each
 slot a token-by-token run would use), so policies see the same views, random draws
@@ -35,9 +35,9 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from ..attention_stats import QueryRows, products, softmax
-from . import selection
-from .probabilities import bound
+from ...attention_stats import QueryRows, products, softmax
+from ..statistics.probabilities import bound
+from ..step import selection
 from .stepping import Replayed, ReplayingLayer, Stepper, static_scores
 
 
