@@ -1,8 +1,8 @@
 """One layer's decode attention: SDPA against the hand path that also returns the probabilities.
 
 Why: H2O and TOVA need each decode query's attention probabilities, which SDPA does not
-return, so their layers attend by hand (`cache.probabilities.decode_probs` and the layer's
-decode path). This times that hand path beside SDPA on one layer of SmolLM2's shape
+return, so their layers attend by hand (the kernel's one-query path, `attention_stats.query_attention`,
+called by `SlotLayer.attend` on a decode step). This times that hand path beside SDPA on one layer of SmolLM2's shape
 (1 row, 9 query heads, 3 KV heads, head dim 64, 513 keys) to say what the probabilities
 cost per layer and step, both arms in one process, taking turns.
 
@@ -17,19 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-
-def by_hand(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float):
-    """Attention of one decode query per head, and its probabilities.
-
-    query [B, Hq, 1, D]; key, value [B, Hkv, N, D] -> out [B, Hq, 1, D], probs [B, Hkv, g, N]."""
-    b, hq, _, d = query.shape
-    hkv, n = key.shape[1], key.shape[2]
-    group = hq // hkv
-    grouped = query.reshape(b * hkv, group, d)
-    logits = torch.bmm(grouped, key.reshape(b * hkv, n, d).transpose(1, 2)).mul_(scaling)
-    probs = torch.softmax(logits, dim=-1)
-    out = torch.bmm(probs, value.reshape(b * hkv, n, d))
-    return out.view(b, hq, 1, d), probs.view(b, hkv, group, n)
+from kvevict.attention_stats import query_attention
 
 
 def per_call_us(fn, calls: int) -> float:
@@ -54,13 +42,13 @@ def main() -> None:
     scaling = 64 ** -0.5
     with torch.inference_mode():
         sdpa_out = F.scaled_dot_product_attention(query, key, value, scale=scaling, enable_gqa=True)
-        hand_out, _ = by_hand(query, key, value, scaling)
+        hand_out, _ = query_attention(query, key, value, scaling)
         assert torch.allclose(sdpa_out, hand_out, atol=1e-5), "the hand path must give SDPA's output"
         rows = []
         for r in range(args.rounds):  # the arms take turns
             sdpa = per_call_us(lambda: F.scaled_dot_product_attention(query, key, value, scale=scaling,
                                                                       enable_gqa=True), args.calls)
-            hand = per_call_us(lambda: by_hand(query, key, value, scaling), args.calls)
+            hand = per_call_us(lambda: query_attention(query, key, value, scaling), args.calls)
             rows.append((r + 1, sdpa, hand))
     print("| round | SDPA µs | by hand (+ probabilities) µs | ratio |")
     print("|---|---|---|---|")

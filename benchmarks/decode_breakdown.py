@@ -9,10 +9,10 @@ its concatenation, and SDPA) are timed the same way.
     PYTHONPATH=src:benchmarks .venv/bin/python benchmarks/decode_breakdown.py --arms knorm,h2o
 
 Parts (nested ones are inside their parent's time): `update` (the cache writes the new entry),
-`attention` (kvevict's attention function: everything below), `sdpa` / `decode_attention` (the
-attention itself: SDPA, or by hand where the policy keeps the probabilities), `plan`, `finish`
+`attention` (kvevict's attention function: everything below), `sdpa` / `query_attention` (the
+attention itself: SDPA, or the kernel's one-query path where the policy keeps the probabilities), `plan`, `finish`
 (statistics, the eviction, the observers), then the eviction by the step path that took it
-(`step_paths.py`): `step: in place` (the statistics measured, the scores, `victim`, the slot chosen
+(`cache/step/paths.py`): `step: in place` (the statistics measured, the scores, `victim`, the slot chosen
 with ties broken by position, and `fill_hole`, the newest slot moved into it), `step: ring` (the
 ring's slot moved, nothing measured or scored), `step: reference` (a compaction).
 The per-head layer (`adakv:P`) does all of it in `ragged.replay`: `ragged.append` (the new entry
@@ -37,15 +37,16 @@ from replay_breakdown import timed
 from transformers import AttentionInterface, DynamicCache
 
 import kvevict.cache.attention as attention
-import kvevict.cache.step_paths as step_paths
+import kvevict.cache.step.paths as step_paths
 from kvevict import load_model, load_tokens
-from kvevict.cache import selection
 from kvevict.cache.cache import EvictingCache
-from kvevict.cache.layer import EvictingLayer
-from kvevict.cache.layer_interface import NAME
-from kvevict.cache.per_head import layer as ragged
-from kvevict.cache.per_head.storage import RaggedStorage
-from kvevict.cache.storage import SlotStorage
+from kvevict.cache.layers import slots
+from kvevict.cache.layers.interface import NAME
+from kvevict.cache.layers.per_head import layer as ragged
+from kvevict.cache.layers.per_head.storage import RaggedStorage
+from kvevict.cache.layers.uniform import EvictingLayer
+from kvevict.cache.step import selection
+from kvevict.cache.storage.slots import SlotStorage
 from kvevict.eval.forward import body
 
 # (owner, attribute, label): the parts timed
@@ -54,7 +55,7 @@ PARTS = [
     (DynamicCache, "update", "update"),
     (attention, "kvevict_attention", "attention"),
     (F, "scaled_dot_product_attention", "sdpa"),
-    (attention, "decode_attention", "decode_attention"),
+    (slots, "query_attention", "query_attention"),
     (EvictingLayer, "plan", "plan"),
     (EvictingLayer, "finish", "finish"),
     (selection, "victim", "victim"),

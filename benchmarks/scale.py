@@ -93,7 +93,8 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--isolate", default="arm", choices=["arm", "none"],
                         help="arm: each arm in a fresh process (its own peak); none: all in this one (a smoke test)")
     parser.add_argument("--tracemalloc", action="store_true", help="also the Python heap's peak (slows Python)")
-    parser.add_argument("--json", help="write every row to this file, one JSON object per line")
+    parser.add_argument("--json", help="append every arm's rows to this file as it finishes, one JSON object per "
+                        "line; the arms it already holds are not run again")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # the arms a child process runs (JSON)
     args = parser.parse_args(argv)
     for key, value in PRESETS["full" if args.full else "smoke"].items():
@@ -426,17 +427,44 @@ def main(argv: list[str] | None = None) -> None:
           f"(bound: KV + workspace + {CONSTANT_MB} MB)", flush=True)
     print(" ".join(f"{HEADERS.get(k, k):>{w}}" if k not in ("part", "model", "policy", "read") else
                    f"{HEADERS.get(k, k):<{w}}" for k, _, w in COLUMNS), flush=True)
-    rows = []
-    batches = [[arm] for arm in arms] if args.isolate == "arm" else [arms]
+    rows = recorded(args.json, arms)
+    for row in rows:
+        print(line(row), flush=True)
+    done = {arm_key(row) for row in rows}
+    todo = [arm for arm in arms if arm_key(arm) not in done]
+    batches = [[arm] for arm in todo] if args.isolate == "arm" else [todo] if todo else []
     for batch in batches:
         found = child_rows(args, batch, argv) if args.isolate == "arm" else run_arms(args, batch)
         for row in found:
             print(line(row), flush=True)
         rows += found
+        if args.json:  # each finished arm appended at once: an interrupted run keeps it, and a rerun resumes
+            with open(args.json, "a") as out:
+                out.write("".join(json.dumps(row) + "\n" for row in found if "failed" not in row))
     for text in flat(rows):
         print(text)
-    if args.json:
-        Path(args.json).write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def arm_key(row: dict) -> tuple:
+    """What names an arm in its rows: a stream's rows share it (one per length read), a decode run's its model's."""
+    policy = "" if row["part"] == "decode" else (row.get("policy") or "").removesuffix(" (one forward)")
+    one = bool(row.get("one")) or (row.get("policy") or "").endswith(" (one forward)")
+    return row["part"], row["model"], policy, row.get("length"), one
+
+
+def recorded(path: str | None, arms: list[dict]) -> list[dict]:
+    """The rows `--json` already holds for arms of this run (a rerun's resume); a torn last line is skipped."""
+    if not path or not Path(path).exists():
+        return []
+    wanted, rows = {arm_key(arm) for arm in arms}, []
+    for text in Path(path).read_text().splitlines():
+        try:
+            row = json.loads(text)
+        except json.JSONDecodeError:
+            continue
+        if arm_key(row) in wanted:
+            rows.append(row)
+    return rows
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 The script is written for a lent GPU and run there rarely; this runs its `--device cpu` mode (the shapes
 divided, a few hundred tokens) with one model, a policy of each kind of stream (chunked, per-head, read
 token by token), one compression and the decode steps, and reads back the rows it wrote: every part ran,
-each stream has a row at each length, the ratios are measured against its baseline, nothing failed.
+each stream has a row at each length, the ratios are measured against its baseline, nothing failed. Then
+the run is interrupted after its compression (the decode rows cut from its `--json`) and run again: it
+resumes, running the decode part alone and leaving every recorded row as it was.
 """
 
 from __future__ import annotations
@@ -17,9 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 LENGTHS = [192, 256]
 
 
-def test_the_gpu_script_runs_on_the_cpu_and_writes_every_part(tmp_path):
-    out = tmp_path / "rows.jsonl"
-    proc = subprocess.run(
+def run(out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
         ["bash", str(ROOT / "benchmarks" / "gpu_scale.sh"), "--device", "cpu", "--python", sys.executable,
          "--scale", "32", "--models", "llama-3.1-8b", "--lengths", ",".join(map(str, LENGTHS)), "--budget", "64",
          "--chunk", "32", "--tbt-max", "96", "--policies", "window;h2o;adakv:snapkv;q4:group=32,residual=16+window",
@@ -27,6 +28,11 @@ def test_the_gpu_script_runs_on_the_cpu_and_writes_every_part(tmp_path):
          "--decode-budget", "64", "--decode-steps", "2", "--json", str(out)],
         capture_output=True, text=True, timeout=600, cwd=ROOT,
     )
+
+
+def test_the_gpu_script_runs_on_the_cpu_writes_every_part_and_resumes(tmp_path):
+    out = tmp_path / "rows.jsonl"
+    proc = run(out)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "FAILED" not in proc.stdout, proc.stdout
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -46,3 +52,11 @@ def test_the_gpu_script_runs_on_the_cpu_and_writes_every_part(tmp_path):
     assert decode["dynamic"]["ratio"] == 1.0 and len(decode) > 5
     assert all(r["dtype"] == "float32" and r["device"] == "cpu" for r in rows)
 
+    # interrupted before its decode part: a rerun runs that part alone and keeps every other row as it was
+    before = [line for line in out.read_text().splitlines() if json.loads(line)["part"] != "decode"]
+    out.write_text("".join(line + "\n" for line in before))
+    again = run(out)
+    assert again.returncode == 0, again.stderr[-3000:]
+    lines = out.read_text().splitlines()
+    assert lines[: len(before)] == before
+    assert [json.loads(line)["part"] for line in lines[len(before):]] == ["decode"] * len(decode)
