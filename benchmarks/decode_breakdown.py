@@ -47,6 +47,7 @@ from kvevict.cache.layers.per_head.storage import RaggedStorage
 from kvevict.cache.layers.uniform import EvictingLayer
 from kvevict.cache.step import selection
 from kvevict.cache.storage.slots import SlotStorage
+from kvevict.cli.common import split_specs
 from kvevict.eval.forward import body
 
 # (owner, attribute, label): the parts timed
@@ -88,7 +89,7 @@ def main() -> None:
     step_paths.REFERENCE = dataclasses.replace(step_paths.REFERENCE, run=timed(step_paths.REFERENCE.run,
                                                "step: reference", spent))
     AttentionInterface.register(NAME, attention.kvevict_attention)  # the wrapped function
-    arms = ["dynamic", *(a for a in args.arms.split(",") if a and a != "dynamic")]
+    arms = ["dynamic", *(a for a in split_specs(args.arms) if a and a != "dynamic")]
     model, tokenizer = load_model(args.model)
     tokens, _ = load_tokens("pg-essays", tokenizer, args.budget + args.steps + 1)
     steps: dict[str, list[float]] = {arm: [] for arm in arms}

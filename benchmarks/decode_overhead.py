@@ -10,7 +10,7 @@ models at real attention shapes of `shapes.py` (`llama-3.1-8b`, `qwen3-8b`, `gem
 layers, random ids), measured one after the other in the same run; each has its targets (`TARGETS`).
 
     .venv/bin/python benchmarks/decode_overhead.py --budget 512 --steps 64
-    .venv/bin/python benchmarks/decode_overhead.py --models smollm2-135m,llama-3.1-8b --budget 4096 \
+    .venv/bin/python benchmarks/decode_overhead.py --models smollm2-135m@512,llama-3.1-8b@4096 \
         --arms window,knorm,keydiff,h2o,tova,snapkv,adakv:snapkv,q4:group=64,residual=128+window,fp8+window
 """
 
@@ -111,17 +111,20 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, help="float32, bfloat16 (default: the model's own; float32 shapes)")
     parser.add_argument("--models", "--model", default="smollm2-135m",
                         help="comma-separated: embedded models (smollm2-135m, gemma3-270m) and real attention shapes "
-                             "with random weights (llama-3.1-8b, qwen3-8b, gemma-3-12b)")
+                             "with random weights (llama-3.1-8b, qwen3-8b, gemma-3-12b); NAME@BUDGET gives one "
+                             "model its own budget")
     parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated arms; 'dynamic' is always measured")
     args = parser.parse_args()
     arms = ["dynamic", *(a for a in split_specs(args.arms) if a and a != "dynamic")]
     dtype = None if args.dtype is None else getattr(torch, args.dtype)
-    for name in args.models.split(","):
-        model, tokens, targets = load(name, args.device, dtype, args.budget + args.steps + 1)
-        measured = step_times(model, tokens, arms, args.budget, args.steps, args.rounds)
+    for named in args.models.split(","):
+        name, _, own = named.partition("@")
+        budget = int(own) if own else args.budget
+        model, tokens, targets = load(name, args.device, dtype, budget + args.steps + 1)
+        measured = step_times(model, tokens, arms, budget, args.steps, args.rounds)
         times, allocated = measured["times"], measured["allocated"]
         base = median(times["dynamic"])
-        print(f"decode step, {name}, budget {args.budget}, batch 1, median of {args.steps * args.rounds} steps")
+        print(f"decode step, {name}, budget {budget}, batch 1, median of {args.steps * args.rounds} steps")
         print(f"{'cache':<34}{'ms/step':>10}{'vs DynamicCache':>18}{'target':>10}")
         for arm in arms:
             step = median(times[arm])

@@ -24,6 +24,7 @@ import torch
 
 from ..errors import KvevictError
 from .base import StorageForm
+from .float8 import to_float
 
 FP8 = torch.float8_e4m3fn
 #: e4m3's largest finite value
@@ -73,7 +74,7 @@ class Fp8(StorageForm):
         codes = held["codes"]
         if "scale" not in state:  # nothing stored yet
             return torch.zeros(codes.shape, dtype=dtype, device=codes.device)
-        return (codes.view(FP8).to(state["scale"].dtype) * state["scale"]).to(dtype)
+        return to_float(codes, "e4m3", state["scale"]).to(dtype)
 
     def entry_bytes(self, head_dim: int, number: int) -> int:
         return 2 * head_dim  # one byte per channel, key and value

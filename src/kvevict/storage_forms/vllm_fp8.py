@@ -31,6 +31,7 @@ import torch
 
 from ..errors import KvevictError
 from .base import StorageForm
+from .float8 import to_float
 
 #: format -> (torch float8 dtype, mantissa bits, exponent of the smallest normal)
 FORMATS = {"e4m3": (torch.float8_e4m3fn, 3, -6), "e5m2": (torch.float8_e5m2, 2, -14)}
@@ -85,8 +86,8 @@ class VllmFp8(StorageForm):
         return {"codes": codes.view(torch.uint8)}
 
     def decode(self, held: dict[str, torch.Tensor], dtype: torch.dtype, state: dict) -> torch.Tensor:
-        codes = held["codes"].view(FORMATS[self.format][0])
-        return (codes.to(torch.float32) * self._scales(codes.device)).to(dtype)
+        codes = held["codes"]
+        return to_float(codes, self.format, self._scales(codes.device)).to(dtype)
 
     def entry_bytes(self, head_dim: int, number: int) -> int:
         return 2 * head_dim  # one byte per channel, key and value
