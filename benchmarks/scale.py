@@ -192,18 +192,21 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-#: a block of attention statistics: `cache/probabilities.BLOCK_ELEMENTS` float32 logits, their mask, probabilities
+#: a block of attention statistics: `cache/statistics/probabilities.BLOCK_ELEMENTS` float32 logits, their mask, probabilities
 STATISTICS_BLOCK = 3 * 2**24 * 4
+#: a prefill's causal mask, float32, one block of queries at a time: the default workspace
+MASK_BLOCK = 2**24 * 4
 
 
 def workspace_bytes(model, q: int, keys: int, replayed: bool) -> int:
     """What one forward of `q` tokens over `keys` entries holds besides the cache, counted at 4 bytes a number
     whatever the dtype: its activations (`ACTIVATIONS` `[q, hidden]` tensors); where its attention is replayed
     token by token (a stream, `replayed`) the chunk's logits, probabilities and mask per query head, else (a
-    prefill) its causal mask `[q, keys + q]` (SDPA may widen a bool mask) and a block of statistics."""
+    prefill) its causal mask, float32 `[q, keys + q]` at most one workspace of it (`causal_sdpa` makes it in
+    blocks of queries), and a block of statistics."""
     text = model.config
     heads, hidden = text.num_attention_heads, text.hidden_size
-    attention = 3 * q * heads * (keys + q) * 4 if replayed else q * (keys + q) * 4 + STATISTICS_BLOCK
+    attention = 3 * q * heads * (keys + q) * 4 if replayed else min(q * (keys + q) * 4, MASK_BLOCK) + STATISTICS_BLOCK
     return attention + ACTIVATIONS * q * hidden * 4
 
 

@@ -25,7 +25,7 @@ from abc import abstractmethod
 import torch
 
 from ...attention_stats import query_attention
-from ..statistics.probabilities import causal, sdpa
+from ..statistics.probabilities import bound, causal_sdpa, sdpa
 from ..storage.slots import SlotStorage
 from .interface import CacheLayer
 from .settings import LayerSettings
@@ -95,14 +95,14 @@ class SlotLayer(CacheLayer):
         """
         q_len = query.shape[2]
         query, query_positions = self.align_query(query, kwargs)
-        mask, is_causal = self.window_mask(q_len), False
-        if mask is None:
-            mask, is_causal = causal(q_len, key.shape[2], query.device)
+        mask = self.window_mask(q_len)
         probs = None
         if self.plan() and q_len == 1:
             out, probs = query_attention(query, key, value, scaling)  # the kernel's single-block path
-        else:
-            out = sdpa(query, key, value, mask, is_causal, scaling)
+        elif mask is not None:
+            out = sdpa(query, key, value, mask, False, scaling)
+        else:  # the mask in blocks of queries within the workspace: a chunk after a long context
+            out = causal_sdpa(query, key, value, scaling, bound(self.settings.workspace))
         self.finish(query, query_positions, scaling, probs)
         return out
 

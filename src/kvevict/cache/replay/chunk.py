@@ -78,29 +78,43 @@ def _static_plan(layer: ReplayingLayer, pos: torch.Tensor, scores: torch.Tensor)
         return memo
     n0, q, budget = layer.n, layer.new, layer.budget
     b, hkv, total = pos.shape
+    # Position-decided scores over slots every row and head fills alike (a uniform layer's window) rank the
+    # same in all of them: the plan of one, its masks broadcast (`[1, 1, q, total]`), H_kv x B less work
+    one = shared(pos, scores)
+    rank_pos, rank_scores = (pos[:1, :1], scores[:1, :1]) if one else (pos, scores)
     # rank: best score first, the later token first among equals
-    latest_first = pos.argsort(dim=-1, descending=True, stable=True)
-    ranked = torch.sort(scores.gather(-1, latest_first), dim=-1, descending=True, stable=True).indices
-    by_rank = latest_first.gather(-1, ranked)  # [B, H, total] slots, best first
+    latest_first = rank_pos.argsort(dim=-1, descending=True, stable=True)
+    ranked = torch.sort(rank_scores.gather(-1, latest_first), dim=-1, descending=True, stable=True).indices
+    by_rank = latest_first.gather(-1, ranked)  # [B, H, total] slots, best first ([1, 1, total] shared)
     step_of = (torch.arange(total, device=pos.device) - n0).clamp(min=-1)  # chunk step of each slot, -1 held
     steps = torch.arange(q, device=pos.device)
     member = step_of[by_rank][:, :, None, :] <= steps[:, None]  # [B, H, q, total] in rank order
     within = member & (member.to(torch.int32).cumsum(dim=-1) <= budget)
-    after = torch.zeros(b, hkv, q, total, dtype=torch.bool, device=pos.device)
+    after = torch.zeros(*by_rank.shape[:2], q, total, dtype=torch.bool, device=pos.device)
     after.scatter_(-1, by_rank[:, :, None, :].expand(-1, -1, q, -1), within)  # kept after step i, by slot
-    alive = torch.cat([(step_of < 0).expand(b, hkv, 1, total), after[:, :, :-1]], dim=2)
+    alive = torch.cat([(step_of < 0).expand(*by_rank.shape[:2], 1, total), after[:, :, :-1]], dim=2)
     alive[:, :, steps, n0 + steps] = True  # each query sees itself
+    keep = rank_pos.masked_fill(~after[:, :, -1], selection.LATEST_LAST).argsort(dim=-1)[..., :budget]
     plan = StaticPlan(
         key=key,
         pos=pos.clone(),
         scores=scores,
-        alive=alive,
-        after=after,
+        alive=alive.expand(b, hkv, q, total),
+        after=after.expand(b, hkv, q, total),
         evicting=steps >= max(0, budget - n0),
-        keep=pos.masked_fill(~after[:, :, -1], selection.LATEST_LAST).argsort(dim=-1)[..., :budget],
+        keep=keep.expand(b, hkv, budget),
+        query_mask=alive if one else None,  # broadcast over every query head
     )
     layer.forward = replace(layer.forward, static_plan=plan)
     return plan
+
+
+def shared(pos: torch.Tensor, scores: torch.Tensor) -> bool:
+    """Whether every row and KV head holds the same positions in the same slots with the same scores
+    (`[B, H, total]` each): then one (row, head)'s plan is every one's."""
+    if pos.shape[0] * pos.shape[1] == 1:
+        return False
+    return bool((pos == pos[:1, :1]).all()) and bool((scores == scores[:1, :1]).all())
 
 
 def replay_static(layer: ReplayingLayer, query: torch.Tensor, used: torch.Tensor, scaling: float) -> Replayed | None:

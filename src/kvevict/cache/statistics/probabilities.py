@@ -44,6 +44,31 @@ def causal(q: int, kv: int, device: torch.device) -> tuple[torch.Tensor | None, 
     return cols[None, :] <= rows[:, None], False
 
 
+def causal_sdpa(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, workspace: Workspace
+) -> torch.Tensor:
+    """SDPA for `q` new tokens after `n - q` entries every one of them sees (`causal`'s mask), with the mask
+    made a block of queries at a time: query `[B, H_q, q, D]`, key/value `[B, H_kv, n, D]` -> `[B, H_q, q, D]`.
+
+    The mask of a chunk read after a long context is `[q, n]`, and SDPA widens a bool mask to float32: a
+    chunk of 4,096 tokens after 128K entries would hold 2.2 GB for it, growing with the context. Here a block
+    of `rows` queries holds `rows x n` float32 mask numbers within the workspace (`Workspace.rows`), and sees
+    only the keys its last query reaches. Each query's output is the same attention; the blocks may take other
+    last bits than one call (SDPA's reduction follows its inputs' shapes), within float32's rounding."""
+    q, n = query.shape[2], key.shape[2]
+    mask, is_causal = causal(q, n, query.device)
+    rows = workspace.rows(n)
+    if mask is None or rows >= q:
+        return sdpa(query, key, value, mask, is_causal, scaling)
+    outputs = []
+    for start in range(0, q, rows):
+        stop = min(q, start + rows)
+        reach = n - q + stop  # keys the block's last query sees
+        outputs.append(sdpa(query[:, :, start:stop], key[:, :, :reach], value[:, :, :reach],
+                            mask[start:stop, :reach], False, scaling))
+    return torch.cat(outputs, dim=2)
+
+
 def sdpa(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
     scaling: float,
