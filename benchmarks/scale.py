@@ -192,7 +192,7 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-#: a block of attention statistics: `cache/statistics/probabilities.BLOCK_ELEMENTS` float32 logits, their mask, probabilities
+#: a block of attention statistics (`statistics/probabilities.BLOCK_ELEMENTS` float32 logits), its mask, probabilities
 STATISTICS_BLOCK = 3 * 2**24 * 4
 #: a prefill's causal mask, float32, one block of queries at a time: the default workspace
 MASK_BLOCK = 2**24 * 4
