@@ -2,7 +2,7 @@
 and KV head, choosing survivors with a pluggable policy per batch row.
 
 Like transformers' own caches it only dispatches: `update` goes to the layer (one of the
-peers behind `layer_interface.CacheLayer`, chosen per kind in `layer_setup.py`), which
+peers behind `interface.CacheLayer`, chosen per kind in `layers/setup.py`), which
 stores, evicts and reports what it evicted to the observers an evaluation attached
 (`observers.py`). The cache holds what all layers share: the
 policies and their rows, the position mode, the per-layer budgets.

@@ -2,12 +2,12 @@
 
 Three peers implement it, each owning its own state (`docs/architecture.md`):
 
-* `layer.EvictingLayer`: every row and head holds the same number of entries in slots;
+* `uniform.EvictingLayer`: every row and head holds the same number of entries in slots;
   its policies pick what goes (also a sliding-window layer whose engine bounds every layer);
 * `sliding.SlidingLayer`: a sliding-window layer keeping the model's own window, no policy;
 * `per_head.RaggedLayer`: each KV head holds its own share of the row's allowance (Ada-KV).
 
-The first two share their slot storage, its ring and its crop through `slot_layer.SlotLayer`.
+The first two share their slot storage, its ring and its crop through `slots.SlotLayer`.
 This base holds only what all three do alike: the forward's keys and values arrive
 (`update`: the checks, the positions the model used, the hand-off to the attention
 function), transformers' layer API, the budget the cache hands over, and the memory a

@@ -66,7 +66,7 @@ class Forward:
     `positions` `[q]`: the positions layer 0 found (from `position_ids` or its own
     count), the answer for later layers when the model hands them no `position_ids`
     (Gemma 3 before transformers 5.24, GPT-NeoX). `static_plan`: the closed-form replay
-    plan of this forward's chunk (`replay.StaticPlan`), which the next layer reuses when
+    plan of this forward's chunk (`chunk.StaticPlan`), which the next layer reuses when
     it ranks the same tokens the same way (checked by equality, never assumed).
     """
 

@@ -1,7 +1,7 @@
 """What each layer of a model gets from the cache at construction: its class and its settings.
 
 `LAYER_KINDS` maps each kind of attention layer a model declares (`config.layer_types`) to
-the peer that serves it (`layer_interface.CacheLayer`); `layer_classes` adjusts it to the
+the peer that serves it (`interface.CacheLayer`); `layer_classes` adjusts it to the
 batch's policies. `position_modes` and `layer_settings` build the frozen `LayerSettings`
 of every layer (the position mode with its kind's rotary module, the hand-off slot, the
 storage form, the ring).

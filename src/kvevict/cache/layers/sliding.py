@@ -24,7 +24,7 @@ cells hold its sliding layers too, which it shifts only when they are full size)
 policy in its sliding layers like in a full-attention one, at the cache's budget, while
 each query still sees only the band of its window over the entries held (llama.cpp masks
 by the renumbered positions, which are exactly the held entries' order): the cache gives
-such a layer the uniform `layer.EvictingLayer`, which masks `band`.
+such a layer the uniform `uniform.EvictingLayer`, which masks `band`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`SlotLayer`: a layer whose rows and heads all hold the same number of entries, in slots that SDPA reads.
 
-What the uniform layer (`layer.EvictingLayer`) and the sliding-window layer
+What the uniform layer (`uniform.EvictingLayer`) and the sliding-window layer
 (`sliding.SlidingLayer`) share, and the per-head layer does not: slot storage
 (`SlotStorage`, or a storage form) written after the `n` kept entries, so attention
 reads `[kept | new]` views without a concatenation; the hooks kvevict's attention

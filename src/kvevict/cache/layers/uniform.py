@@ -1,6 +1,6 @@
 """`EvictingLayer`: the uniform layer of an `EvictingCache`. A short coordinator over its parts.
 
-Every row and KV head holds the same number of entries, in slots (`slot_layer.SlotLayer`),
+Every row and KV head holds the same number of entries, in slots (`slots.SlotLayer`),
 and the rows' policies pick what goes. Life of one forward:
 
 1. `update` (`CacheLayer`) writes the new keys/values into the slots after the `n` kept

@@ -1,7 +1,7 @@
 """How a chunk that evicts token by token inside itself is replayed: one reference, and the fast paths
 registered as its specialisations, each with the test that says where it applies.
 
-The reference is stepping (`replay.replay_steps`, `stepping.Stepper`): each of the chunk's steps builds
+The reference is stepping (`chunk.replay_steps`, `stepping.Stepper`): each of the chunk's steps builds
 its policies' views of the slots a token-by-token run would hold (`stepping.step_view`), measures what they
 asked for and lets them absorb it (`step.absorb`), scores (`step.scores`) and selects one victim: the one
 eviction step (`step/stages.py`) that a one-token forward's reference (`step_paths.REFERENCE`) runs over the held
@@ -9,7 +9,7 @@ slots. Every other path computes the same kept sets and outputs with less work w
 and a differential test (tests/test_replay_paths.py) runs each against the reference on the architecture
 matrix:
 
-* **closed form** (`replay.replay_static`): every row's policy has static scores, so the kept set after any
+* **closed form** (`chunk.replay_static`): every row's policy has static scores, so the kept set after any
   step is the top-budget of all tokens seen; one masked attention for the chunk. In position-shift mode the
   keys' rotations move as entries leave, and the mode's shortcut (`ShiftedPositions.static_attention`)
   covers only a chunk whose every step evicts the oldest unpinned entry: it declines (None) otherwise.

@@ -40,8 +40,8 @@ class Replayed:
 
 
 class ReplayMode(PositionView, Protocol):
-    """What a replay calls on the layer's position mode (`positions.PositionMode`). Typed by what is used, so
-    that stepping need not import the modes, which step through it. `plan` is a `replay.StaticPlan`."""
+    """What a replay calls on the layer's position mode (`modes.PositionMode`). Typed by what is used, so
+    that stepping need not import the modes, which step through it. `plan` is a `chunk.StaticPlan`."""
 
     def compact(self, storage: SlotStorage, keep: torch.Tensor, count: int) -> None: ...
 
@@ -53,7 +53,7 @@ class ReplayMode(PositionView, Protocol):
 
 
 class ReplaySettings(Protocol):
-    """What a replay reads of the layer's fixed settings (`layer_settings.LayerSettings`)."""
+    """What a replay reads of the layer's fixed settings (`settings.LayerSettings`)."""
 
     @property
     def mode(self) -> ReplayMode: ...
@@ -69,8 +69,8 @@ class ReplaySettings(Protocol):
 
 
 class ReplayForward(Protocol):
-    """What a replay reads of the forward in flight (`layer_settings.Forward`): the plan the layer before
-    left for the same chunk (a `replay.StaticPlan`), or None."""
+    """What a replay reads of the forward in flight (`settings.Forward`): the plan the layer before
+    left for the same chunk (a `chunk.StaticPlan`), or None."""
 
     @property
     def static_plan(self) -> Any: ...

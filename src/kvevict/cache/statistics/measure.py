@@ -30,7 +30,7 @@ from .query_window import QueryWindow
 
 
 class PositionView(Protocol):
-    """What the statistics read of the layer's position mode (`positions.PositionMode`): its rotary module, the
+    """What the statistics read of the layer's position mode (`modes.PositionMode`): its rotary module, the
     sequence length a forward sees, and how queries move to the positions they would hold now. Typed by what is
     used, so that the statistics need not import the modes, which import the replay that measures them."""
 

@@ -6,7 +6,7 @@ token, `stepping.Stepper` and `by_slot`; the per-head layer):
 
 1. **views**: each row group's policy sees the held slots (`views.view_of`, the one view builder);
 2. **requests**: each policy says what it needs (`Policy.request`);
-3. **measure and absorb** (`absorb`): each request measured by its kind (`statistics.measure`, the one
+3. **measure and absorb** (`absorb`): each request measured by its kind (`measure.measure`, the one
    place a kind is read) and folded into the policy's statistic (`Policy.absorb`), which the view then reads;
 4. **score** (`scores`): every row's policy scores its view, merged into one `[B, H_kv, n]`;
 5. **select** (`selection.keep_slots` for a compaction, `selection.victim` for one entry).
@@ -26,7 +26,7 @@ import torch
 from ...policies import AttentionRequest, QueryBatch, SlotView
 from ..rows import RowGroup, RowLayout
 
-#: the mass measured for the `i`-th row group's request (`statistics.measure` with the place's measurements),
+#: the mass measured for the `i`-th row group's request (`measure.measure` with the place's measurements),
 #: or None: nothing to absorb at this step (a reconstruction outside a repeat forward)
 Measure = Callable[[int, AttentionRequest], "torch.Tensor | QueryBatch | None"]
 #: store the `i`-th group's absorbed statistic `[b_g, H_kv, n]` (named `request.stat`) where its place keeps it;

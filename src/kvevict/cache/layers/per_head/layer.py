@@ -22,7 +22,7 @@ pooling, where a zero next to non-negative masses changes neither max- nor avera
 pooling with zero padding). Eviction leaves holes (`RaggedStorage.evict`): a decode
 step moves no keys, and a row is re-packed only when a head's segment is full.
 
-It implements `CacheLayer` directly, a peer of the slot layers (`slot_layer.SlotLayer`):
+It implements `CacheLayer` directly, a peer of the slot layers (`slots.SlotLayer`):
 no slots in positional order, no ring, no SDPA hooks. Every forward goes through
 `replay` (`replays` is always True: the attention function hands it the whole call).
 A forward of many tokens under `per_token=True` that would evict steps through its
