@@ -56,16 +56,16 @@ def causal_sdpa(
     only the keys its last query reaches. Each query's output is the same attention; the blocks may take other
     last bits than one call (SDPA's reduction follows its inputs' shapes), within float32's rounding."""
     q, n = query.shape[2], key.shape[2]
-    mask, is_causal = causal(q, n, query.device)
     rows = workspace.rows(n)
-    if mask is None or rows >= q:
-        return sdpa(query, key, value, mask, is_causal, scaling)
+    if q == 1 or q == n or rows >= q:  # no mask (a decode step, a first forward's own causal) or one block
+        return sdpa(query, key, value, *causal(q, n, query.device), scaling)
     outputs = []
     for start in range(0, q, rows):
         stop = min(q, start + rows)
         reach = n - q + stop  # keys the block's last query sees
+        # queries start..stop-1 over keys 0..reach-1 are `causal`'s bottom-right aligned mask of that block
         outputs.append(sdpa(query[:, :, start:stop], key[:, :, :reach], value[:, :, :reach],
-                            mask[start:stop, :reach], False, scaling))
+                            *causal(stop - start, reach, query.device), scaling))
     return torch.cat(outputs, dim=2)
 
 
