@@ -256,6 +256,7 @@ def stream_arm(args, model, arm: dict) -> list[dict]:
     """One policy's stream, read by `compare`; the SDPA baseline takes its turn after each forward."""
     from shapes import random_ids
 
+    from kvevict.defaults import DEFAULT_CHUNK
     from kvevict.eval.streaming import compare
     from kvevict.policies import parse_policy
 
@@ -267,7 +268,7 @@ def stream_arm(args, model, arm: dict) -> list[dict]:
     ids = random_ids(max(lengths)).to(args.device)
     baseline = Baseline(model, args.budget)
     rows: list[dict] = []
-    at = {"read": 0, "since": None, "own": 0.0, "base": 0.0, "from": None, "mark": 0}
+    at = {"read": 0, "since": None, "own": 0.0, "base": 0.0, "from": 0, "mark": 0}
     memory = Memory(args.device, args.tracemalloc)
 
     def turn(stop: int) -> None:
@@ -275,7 +276,7 @@ def stream_arm(args, model, arm: dict) -> list[dict]:
         now = time.perf_counter()
         own = now - at["since"]
         base = baseline.feed(ids[at["read"] : stop], ids[at["read"] + 1 : stop + 1])
-        if at["from"] is None:  # the prefill: not a stretch of the stream's steady cost
+        if stop <= args.budget:  # the prefill's pieces: not a stretch of the stream's steady cost
             at["from"] = stop
         else:
             at["own"] += own
@@ -285,7 +286,8 @@ def stream_arm(args, model, arm: dict) -> list[dict]:
             tokens = stop - at["from"]
             rows.append({"tokens": lengths[at["mark"]], "s_per_1k": 1000 * at["own"] / tokens,
                          "sdpa_s_per_1k": 1000 * at["base"] / tokens, "ratio": at["own"] / at["base"],
-                         "read": "token by token" if by_token else f"chunks of {args.chunk}", **memory.peak()})
+                         "read": "token by token" if by_token else f"chunks of {args.chunk}",
+                         "prefill": f"pieces of {max(args.chunk, DEFAULT_CHUNK)}", **memory.peak()})
             at.update(own=0.0, base=0.0, **{"from": stop, "mark": at["mark"] + 1})
         at["since"] = time.perf_counter()
 

@@ -28,9 +28,10 @@ TOKENS = random_tokens(70, seed=32)
 BUDGET = 12
 
 
-def stream(specs: list[str], positions: str, chunk: int, model=MODEL) -> tuple[torch.Tensor, list[torch.Tensor],
-                                                                          torch.Tensor]:
-    """NLL `[rows, T-1]`, each layer's kept positions at the end, and when token 0 left."""
+def stream(specs: list[str], positions: str, chunk: int, model=MODEL, piece: int | None = None,
+           prefill: int = BUDGET) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """NLL `[rows, T-1]`, each layer's kept positions at the end, and when token 0 left: the first `prefill`
+    tokens read in pieces of `piece` (one forward by default), the rest `chunk` per forward."""
     sinks = SinkTracker()
     cache = EvictingCache(
         model, specs, budget=BUDGET, positions=positions, observers=[KeptTracker(), sinks], per_token=True
@@ -38,7 +39,7 @@ def stream(specs: list[str], positions: str, chunk: int, model=MODEL) -> tuple[t
     rows, t = len(specs), TOKENS.numel()
     nll = torch.zeros(rows, t - 1)
     with torch.inference_mode():
-        for start, stop in boundaries(t, BUDGET, chunk):
+        for start, stop in boundaries(t, prefill, chunk, piece):
             hidden = body(model, TOKENS[None, start:stop].expand(rows, -1), cache)
             lp = log_probs(model, hidden)[:, : t - 1 - start]
             targets = TOKENS[start + 1 : stop + 1]
@@ -70,6 +71,25 @@ def test_chunked_equals_token_by_token(spec, positions):
         assert (nll - ref_nll).abs().max() < 1e-4, f"{spec} chunk {chunk}: NLL differs"
         assert all(torch.equal(a, b) for a, b in zip(kept, ref_kept)), f"{spec} chunk {chunk}: kept set differs"
         assert torch.equal(lost, ref_lost), f"{spec} chunk {chunk}: sink_lost_at differs"
+
+
+@pytest.mark.parametrize("spec,positions", [(s, p) for s in bounded_specs() for p in position_modes(s)])
+def test_a_prefill_in_pieces_equals_token_by_token_from_the_first_token(spec, positions):
+    """The budget's tokens read 5 per forward (`compare` reads them `max(chunk, 256)` per forward) give what
+    every token read alone from token 0 gives: a prefill that never evicts may be cut anywhere."""
+    specs = [spec, *neighbours(spec, ["window"])]
+    ref_nll, ref_kept, ref_lost = stream(specs, positions, 1, prefill=1)
+    nll, kept, lost = stream(specs, positions, 16, piece=5)
+    assert (nll - ref_nll).abs().max() < 1e-4, f"{spec}: NLL differs"
+    assert all(torch.equal(a, b) for a, b in zip(kept, ref_kept)), f"{spec}: kept set differs"
+    assert torch.equal(lost, ref_lost), f"{spec}: sink_lost_at differs"
+
+
+def test_prefill_pieces_cover_the_budget_once():
+    """Independent of the cache: the pieces tile 0..prefill, then the chunks tile the rest."""
+    cut = boundaries(70, 12, 16, 5)
+    assert cut == [(0, 5), (5, 10), (10, 12), (12, 28), (28, 44), (44, 60), (60, 70)]
+    assert boundaries(70, 12, 16) == [(0, 12), (12, 28), (28, 44), (44, 60), (60, 70)]
 
 
 def test_compare_rows_and_reference_match_token_by_token():

@@ -15,6 +15,9 @@ def check_chunk(chunk: object) -> int:
     return chunk
 
 
-def boundaries(length: int, prefill: int, chunk: int) -> list[tuple[int, int]]:
-    """`(start, stop)` of every forward: the prefill, then chunks of `chunk` tokens."""
-    return [(0, prefill)] + [(t, min(t + chunk, length)) for t in range(prefill, length, chunk)]
+def boundaries(length: int, prefill: int, chunk: int, piece: int | None = None) -> list[tuple[int, int]]:
+    """`(start, stop)` of every forward: the prefill (in pieces of `piece` tokens, or one forward), then chunks
+    of `chunk` tokens."""
+    piece = piece or max(prefill, 1)
+    head = [(t, min(t + piece, prefill)) for t in range(0, prefill, piece)] or [(0, 0)]
+    return head + [(t, min(t + chunk, length)) for t in range(prefill, length, chunk)]

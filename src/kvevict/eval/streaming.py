@@ -1,9 +1,11 @@
 """Streaming perplexity (StreamingLLM's protocol), many policies in one batch.
 
 Every token after the first is predicted from what the cache kept of everything before
-it. The first `budget` tokens are prefilled in one forward: nothing is evicted before
-the cache is full, so this is exactly what token-by-token feeding would give. After
-that the stream is read `chunk` tokens per forward, and inside every layer each token
+it. The first `budget` tokens are prefilled `max(chunk, DEFAULT_CHUNK)` tokens per forward:
+nothing is evicted before the cache is full, so any cut is exactly what token-by-token
+feeding would give, and pieces keep the prefill's activations to one chunk's (a budget
+of 4,096 read in one forward held 4,096 × hidden floats per activation). After that the
+stream is read `chunk` tokens per forward, and inside every layer each token
 sees exactly what token-by-token feeding would have kept at its step (the cache's
 `per_token` mode, `cache/replay/chunk.py`): the same numbers as one token per forward
 (`chunk=1`, the reference path), with the weights and MLPs paid once per chunk.
@@ -186,7 +188,7 @@ def compare(
             prefill, chunk, how = 1, 1, ", token by token for the storage's residual"
         with bars(progress) as bar:
             task = bar.add_task(f"{label} (budget {budget}, {positions}{how})", total=tokens.numel())
-            for start, stop in boundaries(tokens.numel(), prefill, chunk):
+            for start, stop in boundaries(tokens.numel(), prefill, chunk, piece=max(chunk, DEFAULT_CHUNK)):
                 hidden = lane.forward(tokens[start:stop])
                 t0 = time.perf_counter()
                 scores.add(model, hidden, tokens[1:], start, stop, full)
