@@ -119,7 +119,8 @@ def parse_floats(text: str, option: str) -> list[float]:
     return parse_numbers(text, option, float, "numbers")
 
 
-CHUNK_HELP = "tokens per forward after the prefill, evicting token by token inside it (1: one token per forward)"
+CHUNK_HELP = ("tokens per forward, evicting token by token inside it (1: one token per forward; the budget's first "
+              "tokens, which nothing evicts, at least 256 per forward)")
 
 
 PREFILL_CHUNK_HELP = (
