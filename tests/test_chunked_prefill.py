@@ -139,3 +139,28 @@ def test_needle_and_generation_answer_alike_with_a_chunked_prefill(tiny_dir):
         assert (max(lengths) <= 48) == (chunk is not None)
     assert answers(needle[1]) == answers(needle[0])
     assert answers(generated[1]) == answers(generated[0])
+
+
+@pytest.mark.parametrize("spec", ["snapkv:window=4", "h2o", "expected-attention:window=4"])
+def test_a_chunked_prefill_allocates_its_context_once(monkeypatch, spec):
+    """Each growth of a layer used to hold the old buffers beside the new (0.8 GB beside 1 GB at 128K tokens of
+    an 8B attention shape): the prefill reserves its whole context, so no buffer is ever grown by copying held
+    entries into a larger one, and the kept sets are still one forward's."""
+    from kvevict.cache.storage.slots import SlotStorage
+
+    grown = []
+    allocate = SlotStorage._allocate
+
+    def watched(self, capacity, n):
+        if n and capacity > self.capacity:  # held entries copied into a larger buffer
+            grown.append((self.capacity, capacity, n))
+        allocate(self, capacity, n)
+
+    monkeypatch.setattr(SlotStorage, "_allocate", watched)
+    model, context = make_tiny(), random_tokens(T)
+    chunked = compress(model, context, spec, BUDGET, chunk=CHUNK)
+    assert grown == [], f"grown by copying: {grown}"
+    monkeypatch.setattr(SlotStorage, "_allocate", allocate)
+    whole = compress(model, context, spec, BUDGET)
+    assert [torch.equal(a, b) for a, b in zip(chunked.cache.kept_positions(), whole.cache.kept_positions())] == \
+        [True] * len(whole.cache.layers)

@@ -425,6 +425,24 @@ def test_chunked_reading_speed_up():
     check(speed, float(found.group(1)), "the chunked StreamingLLM row's speed-up")
 
 
+def test_streams_to_128k_at_real_attention_shapes():
+    growth, grows, low, high = said(
+        r"every stream read to 131,072 tokens at budget 4,096 costs per token within (\d+)% of its cost at 8K and "
+        r"its peak memory grows by at most (\d+) MB; the window costs (\d\.\d+)–(\d\.\d+)× transformers' SDPA")
+    streams: dict[tuple[str, str], dict[int, dict]] = {}
+    for r in lines("scale-streams-cpu.ndjson"):
+        streams.setdefault((r["model"], r["policy"]), {})[r["tokens"]] = r
+    long = {key: by for key, by in streams.items() if 131072 in by}
+    assert len(long) >= 9, "the streams read to 128K"
+    worst = max(abs(by[131072]["s_per_1k"] / by[8192]["s_per_1k"] - 1) for by in long.values())
+    assert 100 * worst <= number(growth) and 100 * worst > number(growth) - 1, f"growth {worst:.4f}"
+    most = max(by[131072]["peak_rss_mb"] - by[8192]["peak_rss_mb"] for by in long.values())
+    assert most <= number(grows) and most > number(grows) - 1, f"peak growth {most:.1f} MB"
+    window = [r["ratio"] for (model, policy), by in long.items() if policy == "window" for r in by.values()]
+    check(low, min(window), "window's lowest ratio to SDPA")
+    check(high, max(window), "window's highest")
+
+
 def decode_runs(name: str) -> list[tuple[str, dict[str, tuple[float, float | None]]]]:
     """The runs of a decode benchmark's record: (model, arm -> (its step over DynamicCache's, its target))."""
     runs = []

@@ -55,3 +55,17 @@ def test_a_compression_line_reads_its_seconds(tmp_path):
            "bound_mb": 17088.0}
     table = scale_table.compressions(scale_table.load([written(tmp_path, [row])]))
     assert cells(table[2]) == ["llama-3.1-8b", "`snapkv`", "32,768", "one forward", "49.2", "1.500", "3382", "17088"]
+
+
+def test_the_scale_tables_of_the_benchmarks_doc_are_the_records():
+    """docs/benchmarks.md shows the scale records through this script: a figure edited in the doc or a record
+    rerun without the doc fails here."""
+    from doc_records import headed_table
+
+    results = Path(__file__).resolve().parents[1] / "docs" / "results"
+    for after, record, make in (("Streams (records:", "scale-streams-cpu.ndjson", scale_table.streams),
+                                ("Compression (records:", "scale-compress-cpu.ndjson", scale_table.compressions)):
+        expected = make(scale_table.load([str(results / record)]))
+        head, body = headed_table("docs/benchmarks.md", after)
+        assert head == cells(expected[0]), after
+        assert body == [cells(line) for line in expected[2:]], after

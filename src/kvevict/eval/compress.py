@@ -160,9 +160,9 @@ def prefill(model, cache: EvictingCache, ids: torch.Tensor, chunk: int | None = 
     meanwhile, `SlotView.held_back`); H2O's sums take every chunk's queries as one forward's would. The
     last chunk is read at the budget, held back, so each policy measures what it measures over a whole
     prompt. The first chunk is the remainder, so the last is a whole `chunk` (a window of recent queries
-    then lies in it wherever it fits). Peak memory: the full cache of `T` tokens plus one chunk's
-    activations, where one forward holds the whole prompt's (`[B, T, H]` per activation, `[B, H_q, T, D]`
-    queries).
+    then lies in it wherever it fits). Peak memory: the full cache of `T` tokens (reserved at once,
+    `EvictingCache.reserve`) plus one chunk's activations, where one forward holds the whole prompt's
+    (`[B, T, H]` per activation, `[B, H_q, T, D]` queries).
     """
     length = ids.shape[-1]
     if reconstructing_policy(cache) is not None or (chunk is not None and chunk < length):
@@ -171,12 +171,16 @@ def prefill(model, cache: EvictingCache, ids: torch.Tensor, chunk: int | None = 
         return body(model, ids, cache)
     budget = cache.budget
     cache.budget = None
-    starts = range(length % chunk or chunk, length, chunk)
-    body(model, ids[:, : starts[0]], cache)
-    for start in starts:
-        if start + chunk >= length:
-            cache.budget = budget
-        hidden = body(model, ids[:, start : start + chunk], cache)
+    cache.reserve(length)
+    try:
+        starts = range(length % chunk or chunk, length, chunk)
+        body(model, ids[:, : starts[0]], cache)
+        for start in starts:
+            if start + chunk >= length:
+                cache.budget = budget
+            hidden = body(model, ids[:, start : start + chunk], cache)
+    finally:
+        cache.reserve(0)
     return hidden
 
 

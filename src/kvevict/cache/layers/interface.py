@@ -72,6 +72,8 @@ class CacheLayer(CacheLayerMixin):
         self.deferred = False
         # never evicts again (`EvictingCache.freeze(final=True)`): the policies' statistics are no longer measured
         self.sealed = False
+        # slots to grow to at once when the layer must grow (`EvictingCache.reserve`): a chunked prefill's context
+        self.reserved = 0
 
     @property
     def budget(self) -> int | None:

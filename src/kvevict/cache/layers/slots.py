@@ -57,12 +57,13 @@ class SlotLayer(CacheLayer):
         """Write the forward's new entries after the kept ones; return `[kept | new]` keys and values."""
         storage = self.storage
         end = self.n + key_states.shape[2]
-        if end > storage.capacity:
+        if max(end, self.reserved) > storage.capacity:
             # Only a prefill longer than the slack, or a frozen (growing) cache, gets here. A frozen
             # cache grows by a quarter (amortized: each entry is copied ~4 times), not by doubling: a
-            # compressed prompt's decode should not allocate twice what it holds.
+            # compressed prompt's decode should not allocate twice what it holds. A chunked prefill
+            # reserves its whole context (`reserved`): one allocation, never the old buffers beside the new.
             grow = storage.capacity + storage.capacity // 4 if self.budget is None else 0
-            storage.ensure(end, self.n, max(end + self.settings.slack, grow))
+            storage.ensure(max(end, self.reserved), self.n, max(end + self.settings.slack, grow))
         storage.begin(self.n, key_states.shape[2], self.seen + key_states.shape[2])  # a storage form's working copy
         storage.open(self.n, value_states, self.seen)
         self.settings.mode.store_keys(storage, key_states, used, self.n)
