@@ -426,19 +426,25 @@ def test_chunked_reading_speed_up():
 
 
 def test_streams_to_128k_at_real_attention_shapes():
-    growth, grows, low, high = said(
-        r"every stream read to 131,072 tokens at budget 4,096 costs per token within (\d+)% of its cost at 8K and "
-        r"its peak memory grows by at most (\d+) MB; the window costs (\d\.\d+)–(\d\.\d+)× transformers' SDPA")
+    growth, keydiff, grows, low, high = said(
+        r"every stream read to 131,072 tokens at budget 4,096 costs per token within (\d+)% of its cost at 8K, "
+        r"keydiff's within (\d+)%, and its peak memory grows by at most (\d+) MB; the window costs "
+        r"(\d\.\d+)–(\d\.\d+)× transformers' SDPA")
     streams: dict[tuple[str, str], dict[int, dict]] = {}
     for r in lines("scale-streams-cpu.ndjson"):
         streams.setdefault((r["model"], r["policy"]), {})[r["tokens"]] = r
     long = {key: by for key, by in streams.items() if 131072 in by}
-    assert len(long) >= 9, "the streams read to 128K"
-    worst = max(abs(by[131072]["s_per_1k"] / by[8192]["s_per_1k"] - 1) for by in long.values())
-    assert 100 * worst <= number(growth) and 100 * worst > number(growth) - 1, f"growth {worst:.4f}"
+    assert {model for model, _ in long} == {"llama-3.1-8b", "qwen3-8b", "gemma-3-12b"}
+
+    def within(written: str, keys) -> None:  # "within N%": N is the worst growth rounded up
+        worst = 100 * max(abs(long[k][131072]["s_per_1k"] / long[k][8192]["s_per_1k"] - 1) for k in keys)
+        assert number(written) - 1 < worst <= number(written), f"the doc says {written}%, the records {worst:.2f}%"
+
+    within(growth, [k for k in long if k[1] != "keydiff"])
+    within(keydiff, [k for k in long if k[1] == "keydiff"])
     most = max(by[131072]["peak_rss_mb"] - by[8192]["peak_rss_mb"] for by in long.values())
-    assert most <= number(grows) and most > number(grows) - 1, f"peak growth {most:.1f} MB"
-    window = [r["ratio"] for (model, policy), by in long.items() if policy == "window" for r in by.values()]
+    assert number(grows) - 1 < most <= number(grows), f"peak growth {most:.1f} MB"
+    window = [r["ratio"] for (_, policy), by in long.items() if policy == "window" for r in by.values()]
     check(low, min(window), "window's lowest ratio to SDPA")
     check(high, max(window), "window's highest")
 
@@ -565,6 +571,8 @@ CHANGED = [
     (test_equal_bytes_on_perplexity, "(its 95% interval reaches 4.2%)", "(its 95% interval reaches 4.3%)"),
     (test_four_bits_with_and_without_a_residual, "(95%\n  interval up to 1.5%)", "(95%\n  interval up to 1.4%)"),
     (test_a_decode_step_against_dynamic_cache, "took 1.010–1.026×", "took 1.010–1.020×"),
+    (test_streams_to_128k_at_real_attention_shapes, "within 8% of its cost", "within 7% of its cost"),
+    (test_streams_to_128k_at_real_attention_shapes, "grows by at most 31 MB", "grows by at most 40 MB"),
     (test_the_audit_of_llama_server, "KL 0.465 [0.303, 0.646]", "KL 0.465 [0.303, 0.647]"),
     (test_llamacpps_quantized_kv, "and `q4_0` 0.0043 for 3.58×", "and `q4_0` 0.0044 for 3.58×"),
     (test_the_audit_of_vllm, "(0.0026 against the audit's", "(0.0027 against the audit's"),
