@@ -256,7 +256,7 @@ def stream_arm(args, model, arm: dict) -> list[dict]:
     """One policy's stream, read by `compare`; the SDPA baseline takes its turn after each forward."""
     from shapes import random_ids
 
-    from kvevict.defaults import DEFAULT_CHUNK
+    from kvevict.eval.chunks import prefill_piece
     from kvevict.eval.streaming import compare
     from kvevict.policies import parse_policy
 
@@ -287,7 +287,7 @@ def stream_arm(args, model, arm: dict) -> list[dict]:
             rows.append({"tokens": lengths[at["mark"]], "s_per_1k": 1000 * at["own"] / tokens,
                          "sdpa_s_per_1k": 1000 * at["base"] / tokens, "ratio": at["own"] / at["base"],
                          "read": "token by token" if by_token else f"chunks of {args.chunk}",
-                         "prefill": f"pieces of {max(args.chunk, DEFAULT_CHUNK)}", **memory.peak()})
+                         "prefill": f"pieces of {prefill_piece(args.chunk)}", **memory.peak()})
             at.update(own=0.0, base=0.0, **{"from": stop, "mark": at["mark"] + 1})
         at["since"] = time.perf_counter()
 

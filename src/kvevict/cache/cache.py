@@ -232,12 +232,7 @@ class EvictingCache(Reconstructing, Cache):
             layer.deferred = True
 
     def reserve(self, tokens: int) -> None:
-        """Where a layer must grow, grow to hold `tokens` more than it holds now at once (0: by a quarter, as
-        a decode does).
-
-        Why: a context read in chunks into the full cache grew it chunk by chunk, and each growth held the
-        old buffers beside the new: at 128K tokens of Llama-3.1-8B's attention shape, 0.8 GB of old keys and
-        values beside 1 GB of new. A chunked prefill knows its length, so it allocates once."""
+        """Grow an unbounded layer at once to hold `tokens` more (0: by a quarter): a chunked prefill allocates once."""
         for layer in self.layers:  # a layer bounded now (a sliding window's) never holds them
             layer.reserved = layer.n + tokens if tokens and layer.budget is None else 0
 

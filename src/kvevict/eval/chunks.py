@@ -5,6 +5,7 @@ Kept apart from `streaming` so the command line checks `--chunk` without importi
 
 from __future__ import annotations
 
+from ..defaults import DEFAULT_CHUNK
 from ..errors import KvevictError
 
 
@@ -13,6 +14,12 @@ def check_chunk(chunk: object) -> int:
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise KvevictError(f"chunk must be a whole number of tokens >= 1 (1 = token by token), got {chunk!r}")
     return chunk
+
+
+def prefill_piece(chunk: int) -> int:
+    """Tokens per forward of a stream's prefill (the budget's first tokens, which nothing evicts, so any cut is
+    exact): the stream's chunk, at least `DEFAULT_CHUNK` (token by token would only be slower)."""
+    return max(chunk, DEFAULT_CHUNK)
 
 
 def boundaries(length: int, prefill: int, chunk: int, piece: int | None = None) -> list[tuple[int, int]]:

@@ -1,7 +1,7 @@
 """Streaming perplexity (StreamingLLM's protocol), many policies in one batch.
 
 Every token after the first is predicted from what the cache kept of everything before
-it. The first `budget` tokens are prefilled `max(chunk, DEFAULT_CHUNK)` tokens per forward:
+it. The first `budget` tokens are prefilled `prefill_piece(chunk)` tokens per forward:
 nothing is evicted before the cache is full, so any cut is exactly what token-by-token
 feeding would give, and pieces keep the prefill's activations to one chunk's (a budget
 of 4,096 read in one forward held 4,096 × hidden floats per activation). After that the
@@ -35,7 +35,7 @@ from ..errors import KvevictError
 from ..policies.base import held_per_step
 from ..position_modes import DEFAULT_POSITIONS
 from ..progress import bars
-from .chunks import boundaries, check_chunk
+from .chunks import boundaries, check_chunk, prefill_piece
 from .forward import body, log_probs
 from .row_result import RowResult
 from .sink_loss import sink_loss
@@ -188,7 +188,7 @@ def compare(
             prefill, chunk, how = 1, 1, ", token by token for the storage's residual"
         with bars(progress) as bar:
             task = bar.add_task(f"{label} (budget {budget}, {positions}{how})", total=tokens.numel())
-            for start, stop in boundaries(tokens.numel(), prefill, chunk, piece=max(chunk, DEFAULT_CHUNK)):
+            for start, stop in boundaries(tokens.numel(), prefill, chunk, piece=prefill_piece(chunk)):
                 hidden = lane.forward(tokens[start:stop])
                 t0 = time.perf_counter()
                 scores.add(model, hidden, tokens[1:], start, stop, full)
