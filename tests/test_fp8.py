@@ -125,7 +125,8 @@ def test_fp8_matches_transformers_quantized_cache_token_by_token(tiny):
 
 def test_fp8_holds_one_byte_per_channel_and_its_scales(tiny):
     """memory() counts the float8 codes (one byte per channel of each key and value) and the float32
-    scales per layer (2, or 2 per KV head); nothing else is held between forwards."""
+    scales per layer (2, or 2 per KV head); between forwards only these and the one working buffer the
+    layers take turns decoding into (the largest layer's slots at float32)."""
     tokens = TOKENS[:40]
     for scale, per_layer in (("tensor", 2), ("head", None)):
         cache = EvictingCache(tiny, f"fp8:scale={scale}+sink4+window", budget=16, per_token=True)
@@ -139,7 +140,8 @@ def test_fp8_holds_one_byte_per_channel_and_its_scales(tiny):
         assert memory.kv_bytes < memory.full_kv_bytes * 16 / 40 / 2  # half of a float16 entry, float32 here
         held = sum(b.numel() * b.element_size() for layer in cache.layers for b in layer.storage.held.values())
         assert all(layer.storage._kv is None for layer in cache.layers)
-        assert memory.allocated_kv_bytes == held + scales
+        one_copy = max(2 * heads * layer.storage.capacity * dim * 4 for layer in cache.layers)
+        assert memory.allocated_kv_bytes == held + scales + one_copy
 
 
 def test_fp8_codes_are_e4m3_of_the_scaled_entries():

@@ -1,11 +1,10 @@
 """`EvictingCache`: a transformers `Cache` that keeps at most a budget of entries per layer
 and KV head, choosing survivors with a pluggable policy per batch row.
 
-Like transformers' own caches it only dispatches: `update` goes to the layer (one of the
-peers behind `interface.CacheLayer`, chosen per kind in `layers/setup.py`), which
-stores, evicts and reports what it evicted to the observers an evaluation attached
-(`observers.py`). The cache holds what all layers share: the
-policies and their rows, the position mode, the per-layer budgets.
+Like transformers' own caches it only dispatches: `update` goes to the layer (one of the peers behind
+`interface.CacheLayer`, chosen per kind in `layers/setup.py`), which stores, evicts and reports what it
+evicted to the observers an evaluation attached (`observers.py`). The cache holds what all layers share:
+the policies and their rows, the position mode, the per-layer budgets, the storage forms' working buffer.
 
 Rows of a batch hold the same tokens until the first eviction, so a one-row forward may
 stand for all of them (`shares_rows`): an A/B batch computes its shared prefill once.
@@ -32,21 +31,20 @@ from .model_info import check_model, layer_kinds, text_config
 from .observers import KeptTracker, Observer, SinkTracker, held_pinned_lost, held_sink_loss
 from .reconstructing import Reconstructing
 from .rows import RowLayout
+from .storage.working import WorkingBuffer
 
 
 class EvictingCache(Reconstructing, Cache):
     """A bounded KV cache; each batch row may run its own policy at the same budget.
 
-    `policy` is a spec string, a `Policy`, or a sequence of them (one per batch row).
-    `observers` are told what each layer holds and evicts; by default a `KeptTracker`
-    and a `SinkTracker` (behind `max_kept()` and `sink_lost_at()`); pass `[]` for none.
-    `per_token=True` makes a forward of many tokens evict exactly as that many one-token
-    forwards would (chunked streaming evaluation, `replay/chunk.py`); by default a forward
-    attends to everything it holds and evicts once at its end (prompt compression).
-    `workspace` bounds the attention logits the statistics hold at once: bytes of float32 logits per
-    block of queries (`attention_stats.Workspace`, or one with an observer told each block's bytes);
-    None: 64 MiB (`probabilities.BLOCK_ELEMENTS` logits). A long prefill's statistics are measured a
-    block of queries at a time within it, so their memory never grows with the context.
+    `policy` is a spec string, a `Policy`, or a sequence of them (one per batch row). `observers` are told what each
+    layer holds and evicts; by default a `KeptTracker` and a `SinkTracker` (behind `max_kept()` and
+    `sink_lost_at()`); pass `[]` for none. `per_token=True` makes a forward of many tokens evict exactly as that many
+    one-token forwards would (chunked streaming evaluation, `replay/chunk.py`); by default a forward attends to
+    everything it holds and evicts once at its end (prompt compression). `workspace` bounds the attention logits the
+    statistics hold at once: bytes of float32 logits per block of queries (`attention_stats.Workspace`, or one with
+    an observer told each block's bytes); None: 64 MiB (`probabilities.BLOCK_ELEMENTS` logits). A long prefill's
+    statistics are measured a block of queries at a time within it, so their memory never grows with the context.
     Constructing the cache attaches kvevict's attention function to `model`.
     """
 
@@ -87,7 +85,9 @@ class EvictingCache(Reconstructing, Cache):
         self._check_budget(budget, layers)  # before the model is touched
         classes = layer_classes(self.policies)
         check_measures(self.policies, [classes[kind] for kind in set(kinds)], per_token)
-        settings = layer_settings(model, text, kinds, modes, self.layout, self.observers, slack, per_token, workspace)
+        self._working = WorkingBuffer()  # what a storage form's layers decode into, one layer at a time
+        settings = layer_settings(model, text, kinds, modes, self.layout, self.observers, slack, per_token,
+                                  workspace, self._working)
         attach(model)
         self.kinds = kinds
         super().__init__(layers=[classes[kind](i, settings[i]) for i, kind in enumerate(kinds)])
@@ -355,7 +355,7 @@ class EvictingCache(Reconstructing, Cache):
 
     def memory(self) -> CacheMemory:
         """Entries held per kind of layer and the KV bytes, against a full cache of the tokens seen."""
-        return summed(self.kinds, self.layers)
+        return summed(self.kinds, self.layers, self._working.bytes())
 
     def _observer(self, kind: type) -> Observer:
         found = next((o for o in self.observers if isinstance(o, kind)), None)

@@ -52,9 +52,11 @@ class CacheMemory:
     kv_bytes_bf16: int = 0  # `kv_bytes` with every floating-point number at 2 bytes (the deployment dtype)
 
 
-def summed(kinds: Sequence[str], layers: Sequence) -> CacheMemory:
+def summed(kinds: Sequence[str], layers: Sequence, working_bytes: int = 0) -> CacheMemory:
     """The cache's figures from its layers (`kinds[i]`: layer `i`'s kind): what each answers (`memory()`,
-    None before its first forward), summed; the most entries held per kind from each layer's `n`."""
+    None before its first forward), summed; the most entries held per kind from each layer's `n`.
+    `working_bytes`: the buffer the cache keeps for its storage-form layers to decode into
+    (`storage/working.py`), allocated but not held entries: counted once, in `allocated_kv_bytes`."""
     held: dict[str, int] = {}
     counts: dict[str, int] = {}
     figures = []
@@ -69,7 +71,7 @@ def summed(kinds: Sequence[str], layers: Sequence) -> CacheMemory:
         layers=counts,
         kv_bytes=sum(f.kv_bytes for f in figures),
         full_kv_bytes=sum(f.full_kv_bytes for f in figures),
-        allocated_kv_bytes=sum(f.allocated_kv_bytes for f in figures),
+        allocated_kv_bytes=sum(f.allocated_kv_bytes for f in figures) + working_bytes,
         per_head=[f.per_head for f in figures] if any(layer.heads_differ for layer in layers) else None,
         kv_bytes_bf16=sum(f.kv_bytes_bf16 for f in figures),
     )

@@ -7,7 +7,7 @@ into `_quantize` / `_dequantize`:
 * `encode(x, state)`: entries `x` `[2, B, H, q, D]` (keys then values) to the per-slot tensors held for
   them, `{part: [2, B, H, q, width]}` (each part's width and dtype declared by `parts`);
 * `decode(held, dtype, state)`: those tensors, for `n` slots, back to the entries `[2, B, H, n, D]`
-  attention reads.
+  attention reads (`decode_into`: the same, written into a given tensor).
 
 `state` is a dict the storage keeps for the layer (a form's numbers that are not per slot: fp8's
 scales, calibrated on the first entries); `state_bytes` counts it. The storage (`cache/storage/quantized.py`)
@@ -85,6 +85,13 @@ class StorageForm:
     def decode(self, held: dict[str, torch.Tensor], dtype: torch.dtype, state: dict) -> torch.Tensor:
         """Held parts `{part: [2, B, H, n, width]}` back to the entries `[2, B, H, n, D]` in `dtype`."""
         raise NotImplementedError
+
+    def decode_into(self, held: dict[str, torch.Tensor], out: torch.Tensor, state: dict) -> None:
+        """`decode` written into `out` `[2, B, H, n, D]` (a part of the storage's working buffer, any
+        strides, its dtype the entries'). A form whose arithmetic can write there directly overrides this
+        with the same numbers (`tests/test_decode_into.py` holds every form to `decode`), and saves a
+        fresh tensor of the cache's size per layer and step."""
+        out.copy_(self.decode(held, out.dtype, state))
 
     def entry_bytes(self, head_dim: int, number: int) -> int:
         """Bytes held per entry (its key and its value), floating-point parts counted at `number` bytes."""

@@ -23,15 +23,21 @@ import torch
 E4M3_SHIFT = 2.0**8
 
 
-def to_float(codes: torch.Tensor, fmt: str, scale: torch.Tensor) -> torch.Tensor:
-    """`codes` (uint8, the float8 bytes, any shape) times `scale` (broadcast; its dtype is the result's,
-    float32 or float64), equal to `codes.view(float8).to(scale.dtype) * scale`."""
+def to_float(codes: torch.Tensor, fmt: str, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`codes` (uint8, the float8 bytes, any shape) times `scale` (broadcast; its dtype is the product's,
+    float32 or float64), equal to `codes.view(float8).to(scale.dtype) * scale`. Given `out` (the codes'
+    shape, any strides: a part of a storage's working buffer), the result is written there, cast to its
+    dtype after the product as without it; returns the result."""
     wide = codes.view(torch.int8).to(torch.int16)  # the sign extended: 0xFF80 | low 7 bits for a negative code
     if fmt == "e5m2":
-        half = wide.bitwise_left_shift_(8)
-        return half.view(torch.float16).to(scale.dtype).mul_(scale)
-    if fmt != "e4m3":
+        half, factor = wide.bitwise_left_shift_(8), scale
+    elif fmt == "e4m3":
+        # shifted by 7 the sign lands on bit 15 and its extension on bit 14, which is cleared: exponent 4 bits wide
+        half, factor = wide.bitwise_left_shift_(7).bitwise_and_(~(1 << 14)), scale * E4M3_SHIFT
+    else:
         raise ValueError(f"float8 format {fmt!r}: e4m3 or e5m2")
-    # shifted by 7 the sign lands on bit 15 and its extension on bit 14, which is cleared: exponent 4 bits wide
-    half = wide.bitwise_left_shift_(7).bitwise_and_(~(1 << 14))
-    return half.view(torch.float16).to(scale.dtype).mul_(scale * E4M3_SHIFT)
+    if out is None:
+        return half.view(torch.float16).to(scale.dtype).mul_(factor)
+    if out.dtype != scale.dtype:  # the product at the scale's precision, then cast, as `.to(dtype)` after it
+        return out.copy_(half.view(torch.float16).to(scale.dtype).mul_(factor))
+    return out.copy_(half.view(torch.float16)).mul_(factor)  # float16 to float32 (64) is exact: one rounding

@@ -76,6 +76,12 @@ class Fp8(StorageForm):
             return torch.zeros(codes.shape, dtype=dtype, device=codes.device)
         return to_float(codes, "e4m3", state["scale"]).to(dtype)
 
+    def decode_into(self, held: dict[str, torch.Tensor], out: torch.Tensor, state: dict) -> None:
+        if "scale" not in state:
+            out.zero_()
+        else:
+            to_float(held["codes"], "e4m3", state["scale"], out)
+
     def entry_bytes(self, head_dim: int, number: int) -> int:
         return 2 * head_dim  # one byte per channel, key and value
 

@@ -77,26 +77,37 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return packed.t().reshape(*lead, dim * bits // 8)
 
 
-def unpack(codes: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
-    """Packed codes `[..., D * bits / 8]` back to one code per channel `[..., D]`, in `dtype`."""
+def unpack(codes: torch.Tensor, bits: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Packed codes `[..., D * bits / 8]` back to one code per channel `[..., D]`, in `dtype` (or written into
+    `out` `[..., D]`, any strides, and returned)."""
     mask = (1 << bits) - 1
     parts = [codes if bits == 8 else (codes >> shift) & mask for shift in _SHIFTS[bits]]
-    return torch.cat(parts, dim=-1).to(dtype)  # [..., D]: channel i of every byte, then channel i + D/k ...
+    if out is None:
+        return torch.cat(parts, dim=-1).to(dtype)  # [..., D]: channel i of every byte, then channel i + D/k ...
+    for part, place in zip(parts, out.chunk(len(parts), dim=-1), strict=True):
+        place.copy_(part)
+    return out
 
 
 #: where each packed code sits in its byte, first channels first (HQQ's `BitPack.pack_*_u8` layout)
 _SHIFTS = {8: (0,), 4: (4, 0), 2: (6, 4, 2, 0)}
 
 
-def dequantize(held: Codes, bits: int, group: int, dtype: torch.dtype) -> torch.Tensor:
-    """The entries `[..., D]` (in `dtype`) that `held` stands for: `(codes - zero) * scale` per group.
+def dequantize(held: Codes, bits: int, group: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The entries `[..., D]` (in `dtype`) that `held` stands for: `(codes - zero) * scale` per group; given
+    `out` (`[..., D]` in `dtype`, any strides: a storage's working buffer), written there in place, the
+    same numbers without a tensor of the entries' size made on the way.
 
     Unpacked here in place of HQQ's `BitPack.unpack_*_u8` and `Quantizer.dequantize`, which expect the
     codes channel-first and would need two transposed copies per call: for 512 entries of SmolLM2's
     three KV heads (keys and values) this takes 0.15 ms against HQQ's 0.45 ms (same bits, checked equal
     in tests/test_quantized.py), and a decode step dequantizes every layer's entries.
     """
-    codes = unpack(held.codes, bits, dtype)
+    codes = unpack(held.codes, bits, dtype, out)
     lead, dim = codes.shape[:-1], codes.shape[-1]
+    if out is not None:
+        grouped = out.unflatten(-1, (dim // group, group))  # a view: the arithmetic lands in `out`
+        grouped.sub_(held.zero[..., None]).mul_(held.scale[..., None])
+        return out
     grouped = codes.view(*lead, dim // group, group)  # [..., D / group, group]
     return ((grouped - held.zero[..., None]) * held.scale[..., None]).view(*lead, dim)

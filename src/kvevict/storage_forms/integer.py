@@ -85,6 +85,9 @@ class KvQuant(StorageForm):
     def decode(self, held: dict[str, torch.Tensor], dtype: torch.dtype, state: dict) -> torch.Tensor:
         return hqq_codes.dequantize(hqq_codes.Codes(**held), self.bits, self.group, dtype)
 
+    def decode_into(self, held: dict[str, torch.Tensor], out: torch.Tensor, state: dict) -> None:
+        hqq_codes.dequantize(hqq_codes.Codes(**held), self.bits, self.group, out.dtype, out)
+
     def entry_bytes(self, head_dim: int, number: int) -> int:
         codes, scales = head_dim * self.bits // 8, 2 * (head_dim // self.group) * number
         if self.key_block:  # the key's scales are its block's (`block_scales`), counted by the storage

@@ -89,5 +89,8 @@ class VllmFp8(StorageForm):
         codes = held["codes"]
         return to_float(codes, self.format, self._scales(codes.device)).to(dtype)
 
+    def decode_into(self, held: dict[str, torch.Tensor], out: torch.Tensor, state: dict) -> None:
+        to_float(held["codes"], self.format, self._scales(out.device), out)
+
     def entry_bytes(self, head_dim: int, number: int) -> int:
         return 2 * head_dim  # one byte per channel, key and value

@@ -22,6 +22,7 @@ from ..positions.rotary import Rotary
 from ..replay.paths import MEASURED_ELSEWHERE, unmeasured
 from ..rows import RowLayout
 from ..storage.quantized import storage_form_of
+from ..storage.working import WorkingBuffer
 from .interface import CacheLayer
 from .per_head import PER_HEAD_KINDS
 from .settings import LayerSettings
@@ -103,13 +104,14 @@ def layer_settings(
     slack: int,
     per_token: bool,
     workspace: Workspace | None = None,
+    working: WorkingBuffer | None = None,
 ) -> list[LayerSettings]:
     """Every layer's settings (`kinds[i]`: layer `i`'s kind). Marks the model's attention modules with their
-    hand-off slots (`attention.handoffs`)."""
+    hand-off slots (`attention.handoffs`). `working`: the cache's buffer its storage-form layers decode into."""
     policies = layout.policies
     slots = handoffs(model)
     window = getattr(text, "sliding_window", None)
-    storage_form = storage_form_of(policies, head_dim(text))  # quantized entries (`q4+...`) or as they are
+    storage_form = storage_form_of(policies, head_dim(text), working)  # quantized entries (`q4+...`) or as they are
     fifo = {p.fifo_after for p in policies}
     fifo_after = fifo.pop() if len(fifo) == 1 else None  # one ring for all rows, or none
     return [

@@ -12,11 +12,12 @@ is a working copy that lives for one forward only:
   form's own numbers that are not per slot (`state`: fp8's scales); and a ring of the `residual` most
   recent tokens' keys and values at full precision (`[2, B, H, residual, D]`, token `p` in row
   `p % residual`). All are counted by `held_bytes`.
-* **in a forward**: `begin` decodes the held parts into a fresh `kv` (`StorageForm.decode`) and puts
-  back, from the ring, the entries still among the `residual` most recent tokens at the forward's
-  end; `written` encodes the forward's new entries once (`StorageForm.encode`) and leaves attention
-  their images (the latest `residual` of them at full precision); `release` drops `kv` after the
-  forward (the layer's `fit_storage`).
+* **in a forward**: `begin` decodes the held parts into `kv` (`StorageForm.decode_into`), lent by the
+  cache's one working buffer (`working.py`: the layers take turns in it), and puts back, from the
+  ring, the entries still among the `residual` most recent tokens at the forward's end; `written`
+  encodes the forward's new entries once (`StorageForm.encode`) and leaves attention their images
+  (the latest `residual` of them at full precision); `release` drops `kv` and gives the buffer back
+  when the layer is done with the forward (the layer's `fit_storage`).
 
 So attention, and every policy that scores by attention or keys, reads exactly the decoded entries.
 Encoding is per entry (given the form's calibrated state), so an entry's codes do not depend on when
@@ -37,13 +38,16 @@ from ...storage_forms import StorageForm
 from .key_blocks import KeyBlocks
 from .residual_ring import read_ring
 from .slots import SlotStorage
+from .working import WorkingBuffer
 
 
 class QuantizedStorage(SlotStorage):
     """Slots held in a storage form (see the module docstring); `form` is the policies' `StorageForm`."""
 
-    def __init__(self, *args, form: StorageForm, **kwargs) -> None:
+    def __init__(self, *args, form: StorageForm, working: WorkingBuffer | None = None, **kwargs) -> None:
         self.form = form
+        self.working = working  # the cache's one buffer its layers decode into in a forward (`working.py`)
+        self._lent = False  # whether `kv` (and `raw`) are the working buffer's now
         self.parts: dict[str, tuple[int, torch.dtype]] = {}  # per slot, of keys and of values alike
         self.state: dict = {}  # the form's numbers that are not per slot (fp8's scales)
         self._kv: torch.Tensor | None = None
@@ -65,6 +69,9 @@ class QuantizedStorage(SlotStorage):
 
     @kv.setter
     def kv(self, value: torch.Tensor) -> None:
+        if self._lent:  # a slot move made a buffer of its own (growth, rows kept): the lent one goes back
+            self.working.give_back(self)
+            self._lent = False
         self._kv = value
 
     @property
@@ -133,7 +140,7 @@ class QuantizedStorage(SlotStorage):
         self.seen_end = seen_end
         if self.blocks is not None:
             self.blocks.drop_empty(self.pos[:, :, :n])
-        self._materialize(n)
+        self._materialize(n, lend=True)
 
     def written(self, n: int, end: int) -> bool:
         """Encode the entries just written to slots `n..end-1` (once), leave their images for attention
@@ -177,32 +184,39 @@ class QuantizedStorage(SlotStorage):
         return self.raw_keys
 
     def release(self) -> None:
-        """After a forward: only the held form stays."""
+        """After a forward: only the held form stays (and the cache's working buffer, given back)."""
         self._kv = None
         self._raw = None
+        if self._lent:
+            self.working.give_back(self)
+            self._lent = False
 
-    def _materialize(self, count: int) -> None:
+    def _materialize(self, count: int, lend: bool = False) -> None:
         """A working `kv` (and `raw`) with the images of the first `count` slots; those among the
-        `residual` most recent tokens at `seen_end` taken back from the ring."""
+        `residual` most recent tokens at `seen_end` taken back from the ring. `lend`: a forward's, in the
+        cache's working buffer when no other layer holds it (an inspection between forwards gets its own)."""
         f = self.form
         shape = (self.batch, self.heads, self.capacity, self.head_dim)
+        shapes = [(2, *shape), shape] if self.raw_keys else [(2, *shape)]
         # slots past `count` are written before anything reads them (a forward's new entries), or never read
-        self._kv = torch.empty(2, *shape, dtype=self.dtype, device=self.device)
-        if self.raw_keys:
-            self._raw = torch.empty(shape, dtype=self.dtype, device=self.device)
+        lent = self.working.lend(self, shapes, self.dtype, self.device) if lend and self.working else None
+        self._lent = lent is not None
+        work = lent or [torch.empty(s, dtype=self.dtype, device=self.device) for s in shapes]
+        self._kv, self._raw = work[0], work[1] if self.raw_keys else None
         if self.blocks is not None:  # keys by their blocks, values alone by the form
             ring = None if self.ring is None else self.ring[0]
             self._key_form()[:, :, :count] = self.blocks.images(self, count, ring)
             held = {name: self.held["v" + name][None, :, :, :count] for name in self.parts}
-            images = torch.cat([self._kv[:1, :, :, :count], f.decode(held, self.dtype, self.state)])
+            f.decode_into(held, self._kv[1:, :, :, :count], self.state)
             pairs = [(1, self._kv[1])]
         else:
             held = {name: torch.stack([self.held["k" + name][:, :, :count], self.held["v" + name][:, :, :count]])
                     for name in self.parts}
-            images = f.decode(held, self.dtype, self.state)  # [2, B, H, count, D]
+            f.decode_into(held, self._kv[:, :, :, :count], self.state)  # [2, B, H, count, D]
+            if self.raw_keys:  # the held keys are the un-rotated ones: the position mode rotates them into kv
+                self._raw[:, :, :count] = self._kv[0, :, :, :count]
             pairs = list(enumerate((self._key_form(), self._kv[1])))
         for i, x in pairs:
-            x[:, :, :count] = images[i]
             if f.residual and count:
                 read_ring(x[:, :, :count], self.pos[:, :, :count], self.ring[i], self.seen_end - f.residual)
 
@@ -218,18 +232,22 @@ class QuantizedStorage(SlotStorage):
         return entries * f.entry_bytes(d, number) + ring + blocks + f.state_bytes(self.state)
 
     def allocated_bytes(self) -> int:
-        """Bytes of every held buffer (all slots, the room after the held ones included), plus the
-        working `kv` while a forward has it."""
+        """Bytes of every held buffer (all slots, the room after the held ones included), plus a working
+        `kv` of its own while it has one (not the cache's working buffer: `EvictingCache.memory` counts that)."""
         held = sum(b.numel() * b.element_size() for b in self.held.values())
         ring = self.ring.numel() * self.ring.element_size() if self.ring is not None else 0
-        work = sum(b.numel() * b.element_size() for b in (self._kv, self._raw) if b is not None)
+        # a working copy of its own counts here; the cache's working buffer once, by the cache
+        work = 0 if self._lent else sum(b.numel() * b.element_size() for b in (self._kv, self._raw) if b is not None)
         blocks = self.blocks.bytes(self.blocks.scale.element_size()) if self.blocks is not None else 0
         return held + ring + work + blocks + self.form.state_bytes(self.state)
 
 
-def storage_form_of(policies: Sequence, head_dim: int) -> Callable[..., SlotStorage]:
+def storage_form_of(
+    policies: Sequence, head_dim: int, working: WorkingBuffer | None = None
+) -> Callable[..., SlotStorage]:
     """The storage form every layer of a cache running `policies` (one per row) uses: `SlotStorage`, or
-    `QuantizedStorage` with the rows' `StorageForm` bound. One layer holds one form, so rows must agree."""
+    `QuantizedStorage` with the rows' `StorageForm` and the cache's `working` buffer bound. One layer holds
+    one form, so rows must agree."""
     forms = {p.kv_storage for p in policies}
     if len(forms) > 1:
         specs = ", ".join(sorted(p.spec() for p in policies))
@@ -242,4 +260,4 @@ def storage_form_of(policies: Sequence, head_dim: int) -> Callable[..., SlotStor
         return SlotStorage
     form.check_head_dim(head_dim)
     form.require()
-    return functools.partial(QuantizedStorage, form=form)
+    return functools.partial(QuantizedStorage, form=form, working=working)
