@@ -7,6 +7,8 @@ turns step by step as in `decode_overhead.py`; DynamicCache's own parts (`Dynami
 its concatenation, and SDPA) are timed the same way.
 
     PYTHONPATH=src:benchmarks .venv/bin/python benchmarks/decode_breakdown.py --arms knorm,h2o
+    PYTHONPATH=src:benchmarks .venv/bin/python benchmarks/decode_breakdown.py --model llama-3.1-8b --budget 4096 \
+      --arms window,adakv:snapkv
 
 Parts (nested ones are inside their parent's time): `update` (the cache writes the new entry),
 `attention` (kvevict's attention function: everything below), `sdpa` / `query_attention` (the
@@ -32,13 +34,12 @@ from collections import Counter
 
 import torch
 import torch.nn.functional as F
-from decode_overhead import make, use
+from decode_overhead import load, make, use
 from replay_breakdown import timed
 from transformers import AttentionInterface, DynamicCache
 
 import kvevict.cache.attention as attention
 import kvevict.cache.step.paths as step_paths
-from kvevict import load_model, load_tokens
 from kvevict.cache.cache import EvictingCache
 from kvevict.cache.layers import slots
 from kvevict.cache.layers.interface import NAME
@@ -77,7 +78,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--budget", type=int, default=512)
     parser.add_argument("--steps", type=int, default=48)
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", default="smollm2-135m",
+                        help="an embedded model (read on pg-essays) or a real attention shape (shapes.py, random ids)")
     parser.add_argument("--arms", default="window,knorm,h2o")
     args = parser.parse_args()
     spent: Counter = Counter()
@@ -90,8 +92,7 @@ def main() -> None:
                                                "step: reference", spent))
     AttentionInterface.register(NAME, attention.kvevict_attention)  # the wrapped function
     arms = ["dynamic", *(a for a in split_specs(args.arms) if a and a != "dynamic")]
-    model, tokenizer = load_model(args.model)
-    tokens, _ = load_tokens("pg-essays", tokenizer, args.budget + args.steps + 1)
+    model, tokens, _ = load(args.model, "cpu", None, args.budget + args.steps + 1)
     steps: dict[str, list[float]] = {arm: [] for arm in arms}
     parts: dict[str, dict[str, list[float]]] = {arm: {} for arm in arms}  # per part, its time in each step
     with torch.inference_mode():
