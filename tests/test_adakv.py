@@ -81,6 +81,43 @@ def test_allocation_finds_the_few_worst_or_the_few_best_or_sorts_fine_scores(cas
         assert [set(pos[row, head][keep[row, head]].tolist()) for head in range(h)] == expected
 
 
+@pytest.mark.parametrize("case", ["decode", "decode_at_floor"])
+@pytest.mark.parametrize("seed", range(4))
+def test_allocation_over_slots_each_owned_by_one_head(case, seed):
+    """The ragged layer's layout: each slot of a row belongs to one head (`owner`), the others see it as
+    a pad. Told so, a decode step ranks the slots once each; the kept sets are the reference's (ties on
+    few score values, holes inside segments, a head at its floor sending the step the general way)."""
+    g = torch.Generator().manual_seed(seed)
+    b, h, segment, total = 2, 3, 7, 15
+    owner = (torch.arange(h * segment) // segment).expand(b, -1)  # [B, L]
+    own = owner[:, None, :] == torch.arange(h)[None, :, None]  # [B, H, L]
+    held = torch.rand(b, h * segment, generator=g) < 0.9
+    for row in range(b):  # make each row hold total + 1..h entries
+        want = int(torch.randint(1, h + 1, (), generator=g))
+        free = (~held[row]).nonzero()[:, 0]
+        while int(held[row].sum()) < total + want and free.numel():
+            held[row, free[0]], free = True, free[1:]
+        while int(held[row].sum()) > total + want:
+            held[row, held[row].nonzero()[0, 0]] = False
+    valid = own & held[:, None, :]
+    pos = torch.stack([torch.randperm(100, generator=g)[: h * segment] for _ in range(b)])
+    scores = torch.randint(0, 3, (b, h, h * segment), generator=g).float()
+    floor = torch.tensor([1, 2])
+    if case == "decode_at_floor":  # head 0 scores worst and holds exactly its floor
+        scores[:, 0] -= 10.0
+        floor = valid[:, 0].sum(dim=-1).clamp(min=1)
+    positions = pos[:, None, :].expand(-1, h, -1).masked_fill(~valid, -1)
+    scores = scores.masked_fill(~valid, float("-inf"))
+    keep = allocate(scores, positions, valid, total, floor, owner)
+    assert torch.equal(keep, allocate(scores, positions, valid, total, floor))
+    for row in range(b):
+        alive = [pos[row][valid[row, head]].tolist() for head in range(h)]
+        where = {(head, int(pos[row, j])): float(scores[row, head, j]) for head in range(h)
+                 for j in range(h * segment) if valid[row, head, j]}
+        expected = reference_keep(alive, lambda hh, p, w=where: w[(hh, p)], total, int(floor[row]))
+        assert [set(pos[row][keep[row, head]].tolist()) for head in range(h)] == expected
+
+
 def test_a_head_whose_scores_are_low_keeps_its_floor_and_the_rest_goes_to_the_others():
     scores = torch.tensor([[[9.0, 8, 7, 6], [1, 1, 1, 1]]])
     pos = torch.tensor([[[0, 1, 2, 3], [0, 1, 2, 3]]])

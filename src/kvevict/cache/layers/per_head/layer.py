@@ -286,7 +286,7 @@ class RaggedLayer(CacheLayer):
         s, storage = self.settings, self.storage
         scores = self._scores(views, members)
         allowance = self.heads * self.budget if total is None else total
-        keep = allocate(scores, positions, members, allowance, self._floors())
+        keep = allocate(scores, positions, members, allowance, self._floors(), storage.owner)  # a slot is one head's
         # a row keeps its allowance, or all it held (each head's floor is within its budget)
         most = min(storage.most_held, self.heads * self.budget) if total is None else int(keep.sum(dim=(1, 2)).max())
         storage.evict(keep, most)
