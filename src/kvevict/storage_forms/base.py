@@ -89,7 +89,7 @@ class StorageForm:
     def decode_into(self, held: dict[str, torch.Tensor], out: torch.Tensor, state: dict) -> None:
         """`decode` written into `out` `[2, B, H, n, D]` (a part of the storage's working buffer, any
         strides, its dtype the entries'). A form whose arithmetic can write there directly overrides this
-        with the same numbers (`tests/test_decode_into.py` holds every form to `decode`), and saves a
+        with the same numbers (`tests/test_working_buffer.py` holds every form to `decode`), and saves a
         fresh tensor of the cache's size per layer and step."""
         out.copy_(self.decode(held, out.dtype, state))
 

@@ -1,13 +1,13 @@
 """`WorkingBuffer`: the one buffer a cache's storage-form layers decode their held entries into.
 
 A storage form (`quantized.QuantizedStorage`) holds codes between forwards; in a forward each layer
-decodes them into a working copy `kv` `[2, B, H, capacity, D]` that attention and the policies read,
-and drops it when the layer is done (`release`). A fresh copy per layer and step costs more than the
-decode itself on a CPU: at Llama-3.1-8B's attention shape (4,096 entries) the copy is 34 MB, which
-the allocator maps and the first write faults in page by page, about 9 ms of a 16 ms step
-(docs/benchmarks.md, decode at real shapes). Layers run one after another, so one buffer serves them
-all: the cache keeps it and lends it to one layer at a time, as an engine keeps one compute buffer
-(llama.cpp reserves its graph's buffers once; vLLM its workspace).
+decodes them into a working copy `kv` `[2, B, H, capacity, D]` that attention and the policies read, and
+drops it when the layer is done (`release`). A fresh copy per layer and step costs more than the decode
+itself on a CPU: at Llama-3.1-8B's attention shape (4,096 entries) the copy is 34 MB, which the
+allocator maps and the first write faults in page by page: about 9 ms per layer and step, where a
+DynamicCache step at that shape takes 16 ms (docs/benchmarks.md, decode at real shapes). Layers run one
+after another, so one buffer serves them all: the cache keeps it and lends it to one layer at a time, as
+an engine keeps one compute buffer (llama.cpp reserves its graph's buffers once; vLLM its workspace).
 
 It is held between forwards, so it is counted: `bytes` is one layer's working copy, which the cache
 adds once to its allocated bytes (`cache.memory`), never to the entries it holds. A lend to a second
