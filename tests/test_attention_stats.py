@@ -20,6 +20,7 @@ from kvevict.attention_stats import (
     Workspace,
     attend,
     column_sums,
+    covariance_bias,
     probability_blocks,
     products,
     query_attention,
@@ -187,6 +188,23 @@ def test_no_block_exceeds_the_bound_on_a_context_it_could_not_hold():
     assert len(seen) > 64 and max(seen) <= bound
     torch.testing.assert_close(sums.sum(), torch.tensor(4.0 * n), rtol=1e-4, atol=0)  # every query's row sums to 1
     assert done.out.shape == query.shape
+
+
+@pytest.mark.parametrize("workspace", [None, Workspace(bytes=3 * 4 * (2 * 4 * 3 * 16))])
+def test_the_covariance_term_in_blocks_of_keys_is_each_keys_quadratic_form(workspace):
+    """`covariance_bias` against `k^T S k` written per key in float64, in one block (the default bound) and
+    in blocks of three keys over eleven (the last one short)."""
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randn(2, 4, 11, 16, generator=g)  # [B, H_kv, n, D]
+    factor = torch.randn(2, 4, 3, 16, 16, generator=g)
+    cov = factor @ factor.transpose(-1, -2) / 16  # [B, H_kv, group, D, D], positive semi-definite
+    expected = torch.empty(2, 4, 3, 11, dtype=torch.float64)
+    for b, h, q, n in ((b, h, q, n) for b in range(2) for h in range(4) for q in range(3) for n in range(11)):
+        k = keys[b, h, n].double()
+        expected[b, h, q, n] = k @ cov[b, h, q].double() @ k
+    if workspace is not None:
+        assert workspace.rows(2 * 4 * 3 * 16) == 3
+    torch.testing.assert_close(covariance_bias(keys, cov, workspace).double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_the_kernel_imports_torch_alone():

@@ -5,7 +5,8 @@ A policy that scores by attention wants a reduction of the probabilities, never 
 probability each key got from every query (`column_sums`, or `attend(sums=True)` beside an output),
 TOVA the last query's row (`attend(last=True)`), SnapKV and Ada-KV the sums over an observation window
 (`column_sums`), KVzip the largest probability a chunk entry got (`attend(maxima=True)`), Expected
-Attention the probabilities of an expected query with its covariance term (`query_probs(bias=...)`), a
+Attention the probabilities of an expected query with its covariance term (`query_probs(bias=...)`,
+the term in blocks of keys: `covariance_bias`), a
 replay stepping through a chunk one query's row at a time (`QueryRows`), the sink map the probabilities
 block by block (`probability_blocks`). The caller asks for the reduction; the kernel holds at most one
 block of queries' logits at a time, within `Workspace.bytes` (64 MiB by default; `EvictingCache(...,
@@ -20,7 +21,7 @@ repeated. This package imports torch alone, so the engine (`kvevict.cache`) and 
 | module | holds |
 |---|---|
 | `workspace.py` | `Workspace`: the bound, `rows` per block, the observer told each block's bytes |
-| `one_query.py` | the single-block path: `query_probs`, `query_attention` |
+| `one_query.py` | the single-block path: `query_probs`, `query_attention`; `covariance_bias` in blocks of keys |
 | `blocks.py` | `attend` (output, sums, last row, maxima), `Mask`, `logits`, `probability_blocks`, `QueryRows` |
 | `column_sums.py` | `column_sums`: summed probabilities without the probabilities, causal blocks cut short |
 """
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 from .blocks import Attended, Mask, QueryRows, attend, logits, probability_blocks, products, softmax, weighted
 from .column_sums import column_sums
-from .one_query import query_attention, query_probs
+from .one_query import covariance_bias, query_attention, query_probs
 from .workspace import DEFAULT_BYTES, Workspace
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "Workspace",
     "attend",
     "column_sums",
+    "covariance_bias",
     "logits",
     "probability_blocks",
     "products",

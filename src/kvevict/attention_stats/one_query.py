@@ -8,11 +8,17 @@ Dtypes: the logits are products of keys and queries in the model's dtype (what t
 attention computes), then widened to float32 before the softmax, so every probability a statistic sums
 is float32 whatever the model is held in. Summed in bf16, a running total of 64 cannot take an
 increment below 0.25 (8 significant bits): H2O's heavy hitters would stop moving once their totals grew.
+
+Expected Attention's covariance term (`covariance_bias`) is the one part that is not one row of logits:
+each key's quadratic form under each query head's covariance passes through `keys @ S`, `D` numbers per
+key and query head, so it goes in blocks of keys within the workspace.
 """
 
 from __future__ import annotations
 
 import torch
+
+from .workspace import Workspace
 
 
 def query_probs(
@@ -57,3 +63,20 @@ def query_attention(
     weights = probs if probs.dtype == values.dtype else probs.to(values.dtype)
     out = torch.bmm(weights.view(b * hkv, hq // hkv, n), values.reshape(b * hkv, n, d))
     return out.view(b, hq, 1, d), probs
+
+
+def covariance_bias(keys: torch.Tensor, cov: torch.Tensor, workspace: Workspace | None = None) -> torch.Tensor:
+    """`[B, H_kv, group, n]` each key's quadratic form `k^T S k` under each query head's covariance `S`
+    (Expected Attention's covariance term, before its scale). keys `[B, H_kv, n, D]`, cov
+    `[B, H_kv, group, D, D]`. The product `keys @ S` is `[B, H_kv, group, rows, D]` for a block of `rows`
+    keys, within the workspace's bytes (default `Workspace()`); over every key at once it would be that
+    tensor for the whole context, 2.1 GB at 131,072 keys of Llama-3.1-8B's shape. Each block is the same
+    contraction as one call over every key."""
+    b, h, group, d, _ = cov.shape
+    n = keys.shape[2]
+    rows = (workspace or Workspace()).rows(b * h * group * d)
+    out = keys.new_empty(b, h, group, n)
+    for start in range(0, n, rows):
+        block = keys[:, :, start:start + rows]
+        out[..., start:start + rows] = torch.einsum("bhnd,bhgde,bhne->bhgn", block, cov, block)
+    return out

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention_stats import query_probs
+from ..attention_stats import covariance_bias, query_probs
 from ..errors import KvevictError
 from .base import AttentionRequest, Policy, QueryBatch, SlotView
 
@@ -101,7 +101,7 @@ class ExpectedAttention(Policy):
         # the covariance's term of each expected logit, `k^T S' k / (2D)`: a bias on the attention logits
         bias = None
         if cov is not None:
-            bias = torch.einsum("bhnd,bhgde,bhne->bhgn", keys, cov.view(b, h_kv, group, d, d), keys) / d / 2
+            bias = covariance_bias(keys, cov.view(b, h_kv, group, d, d)) / d / 2  # in blocks of keys
         # the expected query's attention over the judged entries (the kernel's one-query path), kvpress's
         # `/ sqrt(D)` as a scale
         probs = query_probs(mu[:, :, None], keys, d**-0.5, ~judged, bias)  # [b, H_kv, g, n]
