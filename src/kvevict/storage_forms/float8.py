@@ -36,8 +36,7 @@ def to_float(codes: torch.Tensor, fmt: str, scale: torch.Tensor, out: torch.Tens
         half, factor = wide.bitwise_left_shift_(7).bitwise_and_(~(1 << 14)), scale * E4M3_SHIFT
     else:
         raise ValueError(f"float8 format {fmt!r}: e4m3 or e5m2")
-    if out is None:
-        return half.view(torch.float16).to(scale.dtype).mul_(factor)
-    if out.dtype != scale.dtype:  # the product at the scale's precision, then cast, as `.to(dtype)` after it
-        return out.copy_(half.view(torch.float16).to(scale.dtype).mul_(factor))
-    return out.copy_(half.view(torch.float16)).mul_(factor)  # float16 to float32 (64) is exact: one rounding
+    if out is not None and out.dtype == scale.dtype:  # in place: float16 to float32 (64) is exact, one rounding
+        return out.copy_(half.view(torch.float16)).mul_(factor)
+    product = half.view(torch.float16).to(scale.dtype).mul_(factor)
+    return product if out is None else out.copy_(product)  # cast after the product, as `.to(dtype)` after it

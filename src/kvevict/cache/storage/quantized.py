@@ -47,7 +47,6 @@ class QuantizedStorage(SlotStorage):
     def __init__(self, *args, form: StorageForm, working: WorkingBuffer | None = None, **kwargs) -> None:
         self.form = form
         self.working = working  # the cache's one buffer its layers decode into in a forward (`working.py`)
-        self._lent = False  # whether `kv` (and `raw`) are the working buffer's now
         self.parts: dict[str, tuple[int, torch.dtype]] = {}  # per slot, of keys and of values alike
         self.state: dict = {}  # the form's numbers that are not per slot (fp8's scales)
         self._kv: torch.Tensor | None = None
@@ -69,9 +68,7 @@ class QuantizedStorage(SlotStorage):
 
     @kv.setter
     def kv(self, value: torch.Tensor) -> None:
-        if self._lent:  # a slot move made a buffer of its own (growth, rows kept): the lent one goes back
-            self.working.give_back(self)
-            self._lent = False
+        self._give_back()  # a slot move made a buffer of its own (growth, rows kept): the lent one goes back
         self._kv = value
 
     @property
@@ -187,9 +184,15 @@ class QuantizedStorage(SlotStorage):
         """After a forward: only the held form stays (and the cache's working buffer, given back)."""
         self._kv = None
         self._raw = None
-        if self._lent:
+        self._give_back()
+
+    def _give_back(self) -> None:
+        if self.working is not None:
             self.working.give_back(self)
-            self._lent = False
+
+    def _lent(self) -> bool:
+        """Whether `kv` (and `raw`) are the cache's working buffer's now."""
+        return self.working is not None and self.working.lent_to(self)
 
     def _materialize(self, count: int, lend: bool = False) -> None:
         """A working `kv` (and `raw`) with the images of the first `count` slots; those among the
@@ -200,7 +203,6 @@ class QuantizedStorage(SlotStorage):
         shapes = [(2, *shape), shape] if self.raw_keys else [(2, *shape)]
         # slots past `count` are written before anything reads them (a forward's new entries), or never read
         lent = self.working.lend(self, shapes, self.dtype, self.device) if lend and self.working else None
-        self._lent = lent is not None
         work = lent or [torch.empty(s, dtype=self.dtype, device=self.device) for s in shapes]
         self._kv, self._raw = work[0], work[1] if self.raw_keys else None
         if self.blocks is not None:  # keys by their blocks, values alone by the form
@@ -237,7 +239,7 @@ class QuantizedStorage(SlotStorage):
         held = sum(b.numel() * b.element_size() for b in self.held.values())
         ring = self.ring.numel() * self.ring.element_size() if self.ring is not None else 0
         # a working copy of its own counts here; the cache's working buffer once, by the cache
-        work = 0 if self._lent else sum(b.numel() * b.element_size() for b in (self._kv, self._raw) if b is not None)
+        work = 0 if self._lent() else sum(b.numel() * b.element_size() for b in (self._kv, self._raw) if b is not None)
         blocks = self.blocks.bytes(self.blocks.scale.element_size()) if self.blocks is not None else 0
         return held + ring + work + blocks + self.form.state_bytes(self.state)
 

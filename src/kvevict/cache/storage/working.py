@@ -57,6 +57,10 @@ class WorkingBuffer:
             at += size
         return lent
 
+    def lent_to(self, holder: object) -> bool:
+        """Whether `holder` has the buffer now."""
+        return self._holder is holder
+
     def give_back(self, holder: object) -> None:
         """`holder` is done with what it was lent (nothing happens for anyone else)."""
         if self._holder is holder:
