@@ -32,6 +32,7 @@ from ..replay.chunk import StaticPlan
 from ..replay.stepping import Replayed, ReplayingLayer, Stepper, take_slots
 from ..statistics.probabilities import bound
 from ..step import selection
+from ..step.outputs import StepOutputs
 from ..storage.slots import SlotStorage
 from .rotary import Rotary
 
@@ -253,7 +254,7 @@ class ShiftedPositions(PositionMode):
         step = Stepper(layer, scaling)
         raw_query = rotary.unrotate(query, *rotary.at(used))
         window = layer.window_size()  # a sliding layer that runs an engine's schedule masks its band
-        outs = []
+        outs = StepOutputs(q)  # one tensor for every step's output (`step/outputs.py`: the heap's sake)
         for i in range(q):
             slots, positions, seen = step.begin(i)
             total, k = slots.shape[-1], step.k
@@ -264,13 +265,13 @@ class ShiftedPositions(PositionMode):
             if window is not None and total > window:
                 band = torch.arange(total, device=layer.device) < total - window
             out, probs = query_attention(q_i, keys, take_slots(storage.values, slots), scaling, band)
-            outs.append(out)
+            outs.put(i, out)
             victim = step.end(slots, positions, seen, keys, probs, q_i, torch.tensor([k], device=layer.device))
             if victim is not None:  # compaction keeps positional order
                 keep = torch.arange(step.k, device=layer.device)
                 step.vslot[:, :, : step.k] = slots.gather(-1, keep + (keep >= victim[..., None]).long())
         self.compact(storage, step.vslot[:, :, : step.k], step.k)
-        return Replayed(torch.cat(outs, dim=2), step.k, layer.ordered)
+        return Replayed(outs.out, step.k, layer.ordered)
 
 
 MODES: dict[str, type[PositionMode]] = {mode.name: mode for mode in (OriginalPositions, ShiftedPositions)}

@@ -42,6 +42,7 @@ from ...rows import RowGroup
 from ...statistics.measure import Statistics, measure
 from ...statistics.probabilities import BLOCK_ELEMENTS, attention_mass, bound
 from ...step import stages as step
+from ...step.outputs import StepOutputs
 from ...step.selection import LATEST_LAST
 from ...step.states import PolicyStates
 from ...step.views import view_of
@@ -129,15 +130,14 @@ class RaggedLayer(CacheLayer):
         first = self.seen - q
         stepping = self.settings.per_token and q > 1 and self._overflows(q)
         spans = [(i, i + 1) for i in range(q)] if stepping else [(0, q)]
-        outs = [
-            self._forward(query[:, :, a:b], keys[:, :, a:b], values[:, :, a:b], used[a:b], first + b, scaling)
-            for a, b in spans
-        ]
+        outs = StepOutputs(q)  # one tensor for every step's output (`step/outputs.py`: the heap's sake)
+        for a, b in spans:
+            outs.put(a, self._forward(query[:, :, a:b], keys[:, :, a:b], values[:, :, a:b], used[a:b], first + b,
+                                      scaling))
         self.new = 0
         for observer in self.settings.observers:
             observer.on_forward(self.index, self.n)
-        out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
-        return out[:rows]
+        return outs.out[:rows]
 
     def _workspace(self) -> Workspace:
         """The bound on the logits a block of queries holds: the cache's, else `BLOCK_ELEMENTS` as read here."""
