@@ -17,6 +17,8 @@ attention itself: SDPA, or the kernel's one-query path where the policy keeps th
 (`cache/step/paths.py`): `step: in place` (the statistics measured, the scores, `victim`, the slot chosen
 with ties broken by position, and `fill_hole`, the newest slot moved into it), `step: ring` (the
 ring's slot moved, nothing measured or scored), `step: reference` (a compaction).
+A storage form's layer (`fp8+P`, `q4+P`) adds `form.decode` (its held codes decoded into the working buffer,
+inside `update`) and `form.encode` (the new entry encoded once).
 The per-head layer (`adakv:P`) does all of it in `ragged.replay`: `ragged.append` (the new entry
 at each head's tail), `ragged.views` (each head's entries as the policies see them),
 `ragged.attend` (attention by hand over the row's buffer, masked per head), `ragged.evict`
@@ -47,6 +49,7 @@ from kvevict.cache.layers.per_head import layer as ragged
 from kvevict.cache.layers.per_head.storage import RaggedStorage
 from kvevict.cache.layers.uniform import EvictingLayer
 from kvevict.cache.step import selection
+from kvevict.cache.storage.quantized import QuantizedStorage
 from kvevict.cache.storage.slots import SlotStorage
 from kvevict.cli.common import split_specs
 from kvevict.eval.forward import body
@@ -62,6 +65,9 @@ PARTS = [
     (EvictingLayer, "finish", "finish"),
     (selection, "victim", "victim"),
     (SlotStorage, "fill_hole", "fill_hole"),
+    # a storage form (`fp8+P`, `q4+P`): the held codes decoded into the working buffer, the new entry encoded
+    (QuantizedStorage, "begin", "form.decode"),
+    (QuantizedStorage, "written", "form.encode"),
     # the per-head layer (Ada-KV): every forward is its `replay`
     (ragged.RaggedLayer, "replay", "ragged.replay"),
     (RaggedStorage, "append", "ragged.append"),

@@ -8,7 +8,8 @@ is a working copy that lives for one forward only:
 * **held between forwards**, per slot: the key's and the value's parts as the form declares them
   (`StorageForm.parts`: for `q4` the packed codes, uint8 `[B, H, capacity, D * bits / 8]`, and the
   scales and zero points, `[B, H, capacity, D / group]` at the model's dtype; for `fp8` the D float8
-  codes), moved with their slot by every gather, hole fill and ring turn, like the positions; the
+  codes; a part's keys and values in one tensor, `sides`), moved with their slot by every gather, hole
+  fill and ring turn, like the positions; the
   form's own numbers that are not per slot (`state`: fp8's scales); and a ring of the `residual` most
   recent tokens' keys and values at full precision (`[2, B, H, residual, D]`, token `p` in row
   `p % residual`). All are counted by `held_bytes`.
