@@ -4,11 +4,10 @@ A chunk that evicts token by token attends one query per step (the per-head laye
 position-shift mode's stepping). Each step makes temporaries the size of the held entries (its logits,
 its rotated keys: 4 MB and 17 MB per step at Llama-3.1-8B's attention shape and 4,096 entries) and
 returns a small output. Kept in a list to the chunk's end, the outputs are small live blocks that the
-allocator places after each step's temporaries, so the heap cannot give those back or reuse them whole:
-at that shape a 256-token chunk's resident set grew by up to 1.1 GB, in some chunks and not others,
-and fell back at the chunk's end (measured with the process's resident high-water mark; with glibc's
-mmap threshold at 1 MB, every temporary mapped and unmapped on its own, it did not grow at all). Written
-into one tensor made at the first step, nothing of a step outlives it but its share of that tensor.
+allocator places after each step's temporaries, so the heap can neither reuse those nor give them back:
+at that shape Ada-KV's stream reached a high-water mark 760 MB above its start inside one chunk, in
+chunks that differed from run to run (docs/benchmarks.md, `benchmarks/stream_memory_trace.py`). Written into one
+tensor made at the first step, nothing of a step outlives it but its share of that tensor.
 """
 
 from __future__ import annotations
