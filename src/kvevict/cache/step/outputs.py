@@ -6,8 +6,8 @@ its rotated keys: 4 MB and 17 MB per step at Llama-3.1-8B's attention shape and 
 returns a small output. Kept in a list to the chunk's end, the outputs are small live blocks that the
 allocator places after each step's temporaries, so the heap can neither reuse those nor give them back:
 at that shape Ada-KV's stream reached a high-water mark 760 MB above its start inside one chunk, in
-chunks that differed from run to run (docs/benchmarks.md, `benchmarks/stream_memory_trace.py`). Written into one
-tensor made at the first step, nothing of a step outlives it but its share of that tensor.
+chunks that differed from run to run (docs/benchmarks.md, `benchmarks/stream_memory_trace.py`). Written
+into one tensor made at the first step, nothing of a step outlives it but its share of that tensor.
 """
 
 from __future__ import annotations

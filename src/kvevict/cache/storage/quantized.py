@@ -9,10 +9,9 @@ is a working copy that lives for one forward only:
   (`StorageForm.parts`: for `q4` the packed codes, uint8 `[B, H, capacity, D * bits / 8]`, and the
   scales and zero points, `[B, H, capacity, D / group]` at the model's dtype; for `fp8` the D float8
   codes; a part's keys and values in one tensor, `sides`), moved with their slot by every gather, hole
-  fill and ring turn, like the positions; the
-  form's own numbers that are not per slot (`state`: fp8's scales); and a ring of the `residual` most
-  recent tokens' keys and values at full precision (`[2, B, H, residual, D]`, token `p` in row
-  `p % residual`). All are counted by `held_bytes`.
+  fill and ring turn, like the positions; the form's own numbers that are not per slot (`state`: fp8's
+  scales); and a ring of the `residual` most recent tokens' keys and values at full precision
+  (`[2, B, H, residual, D]`, token `p` in row `p % residual`). All are counted by `held_bytes`.
 * **in a forward**: `begin` decodes the held parts into `kv` (`StorageForm.decode_into`), lent by the
   cache's one working buffer (`working.py`: the layers take turns in it), and puts back, from the
   ring, the entries still among the `residual` most recent tokens at the forward's end; `written`
