@@ -1,7 +1,7 @@
 """Where a stream's peak memory comes from: the resident set and its high-water mark after every chunk.
 
 `scale.py` reports one peak per length; this logs, for one policy's stream at a real attention shape, the
-process's resident set (`/proc/self/statm`) and its high-water mark (`VmHWM`) after every forward, one JSON
+process's resident set and its high-water mark (`VmRSS`, `VmHWM`) after every forward, one JSON
 object per line, so a rise can be placed in the chunk that made it. A high-water mark that rises inside a
 chunk while the resident set at the chunk's ends stays put is memory held for the chunk's length only.
 
@@ -13,21 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
-
-MB = 2**20
-
-
-def resident_mb() -> tuple[float, float]:
-    """(resident set, its high-water mark) of this process, MB."""
-    rss = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / MB
-    hwm = next(int(line.split()[1]) / 1024 for line in open("/proc/self/status") if line.startswith("VmHWM"))
-    return rss, hwm
 
 
 def main() -> None:
-    from shapes import build, random_ids  # beside this script
+    from scale import status_mb  # beside this script: (high-water mark, resident set) from /proc/self/status
+    from shapes import build, random_ids
 
     from kvevict.eval.streaming import compare
 
@@ -43,12 +34,12 @@ def main() -> None:
     ids = random_ids(args.tokens)
     start = time.perf_counter()
     with open(args.json, "w") as out:
-        rss, hwm = resident_mb()
+        hwm, rss = status_mb()
         out.write(json.dumps({"model": args.model, "policy": args.policy, "tokens": 0, "rss_mb": rss,
                               "hwm_mb": hwm}) + "\n")
 
         def turn(stop: int) -> None:
-            rss, hwm = resident_mb()
+            hwm, rss = status_mb()
             out.write(json.dumps({"tokens": stop, "rss_mb": rss, "hwm_mb": hwm,
                                   "seconds": time.perf_counter() - start}) + "\n")
             out.flush()

@@ -119,7 +119,6 @@ def test_a_held_back_prefill_keeps_what_one_compression_keeps():
         assert all(torch.equal(a[0], b[0]) for a, b in zip(alone, later)), spec
 
 
-
 def test_lagkv_holds_one_kv_heads_copies_at_a_time():
     """LagKV scores one KV head at a time: no tensor it makes is the size of every head's keys. Read off
     torch's profiler (the bytes each operator allocated), at 8 heads of 2,048 entries: the in-order copy of
