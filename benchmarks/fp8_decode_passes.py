@@ -1,41 +1,67 @@
-"""What an fp8 decode costs pass by pass, and what it cannot be folded into, on this CPU.
+"""What a storage form's decode costs pass by pass, and what it cannot be folded into, on this CPU.
 
 `float8.to_float` reads fp8 codes back through float16's layout in five passes over the numbers: the widening
 of the codes to int16, a shift, a mask, float16 to float32 into the working buffer, and the scale multiplied
-in place. This times each pass alone on warm buffers, the whole `to_float`, the two ways of doing it in fewer
-passes that torch offers (its own float8 cast; a float16 x float32 product written as float32), and the
-floor of any decode that writes its entries: one pass from the codes to float32 (an int8 copy). The numbers
-are one layer's keys and values at Llama-3.1-8B's attention shape and 4,096 entries (8.4M). Every timing is
-the median of `--repeats`, the cases taking turns.
+in place. This times each pass alone on warm buffers, the whole `to_float`, the ways of doing it in fewer
+passes that torch offers (its own float8 cast; a float16 x float32 product written as float32; a 256-entry
+table read with `index_select`; with `--compile`, the five passes as one `torch.compile` function, which
+inductor turns into one C++ loop), and the floor of any decode that writes its entries: one pass from the
+codes to float32 (an int8 copy). Then q4's decode (`hqq_codes.dequantize`: two nibble copies into the
+buffer, the zero point subtracted and the scale multiplied in place) against the one way to spare a pass,
+the nibbles subtracted from the zero point straight into the buffer (one mixed uint8-float32 operation in
+place of a copy and a subtraction). The numbers are one layer's keys and values at Llama-3.1-8B's
+attention shape and 4,096 entries (8.4M). Every timing is the median of `--repeats`, the cases taking turns;
+every alternative is checked equal to kvevict's decode first.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/fp8_decode_passes.py
+    PYTHONPATH=src .venv/bin/python benchmarks/fp8_decode_passes.py --compile
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 
 import torch
 
+from kvevict.storage_forms import hqq_codes
 from kvevict.storage_forms.float8 import E4M3_SHIFT, to_float
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--entries", type=int, default=4096)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=20)
-    args = parser.parse_args()
-    torch.manual_seed(0)
-    shape = (2, 1, args.heads, args.entries, args.head_dim)
+def timed(cases: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median seconds of each case over `repeats` turns, the cases rotating; a first turn warms every buffer."""
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    names = list(cases)
+    for turn in range(repeats + 1):
+        for k in range(len(names)):
+            name = names[(turn + k) % len(names)]
+            t0 = time.perf_counter()
+            cases[name]()
+            if turn:
+                times[name].append(time.perf_counter() - t0)
+    return {name: sorted(values)[len(values) // 2] for name, values in times.items()}
+
+
+def five_passes(codes: torch.Tensor, factor: torch.Tensor, out: torch.Tensor) -> None:
+    """`to_float`'s e4m3 passes as one function, for `torch.compile`."""
+    half = (codes.view(torch.int8).to(torch.int16) << 7) & ~(1 << 14)
+    out.copy_(half.view(torch.float16).to(torch.float32) * factor)
+
+
+def fp8_cases(shape: tuple[int, ...], compile_: bool) -> dict[str, Callable[[], object]]:
     codes = torch.randint(0, 256, shape, dtype=torch.uint8) & 0x77  # finite e4m3 codes
-    scale = torch.rand(2, 1, args.heads, 1, 1) + 0.5
-    out = torch.empty(shape)
+    scale = torch.rand(shape[0], 1, shape[2], 1, 1) + 0.5
+    out, check = torch.empty(shape), torch.empty(shape)
     wide = codes.view(torch.int8).to(torch.int16)
+    index = torch.empty(shape, dtype=torch.int32)
+    table = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     factor = scale * E4M3_SHIFT
-    cases = {
+
+    def lookup() -> None:
+        torch.index_select(table, 0, index.copy_(codes).view(-1), out=check.view(-1))
+        check.mul_(scale)
+
+    cases: dict[str, Callable[[], object]] = {
         "1 widen codes to int16 (into a warm buffer)": lambda: wide.copy_(codes.view(torch.int8)),
         "2 shift": lambda: wide.bitwise_left_shift_(0),
         "3 mask": lambda: wide.bitwise_and_(~(1 << 14)),
@@ -44,22 +70,65 @@ def main() -> None:
         "to_float into the buffer (as kvevict decodes)": lambda: to_float(codes, "e4m3", scale, out),
         "torch's float8 cast to float32": lambda: out.copy_(codes.view(torch.float8_e4m3fn)),
         "float16 x float32 product into float32": lambda: torch.mul(wide.view(torch.float16), factor, out=out),
+        "256-entry table: widen to int32, index_select, scale": lookup,
         "floor: int8 to float32, one pass": lambda: out.copy_(codes.view(torch.int8)),
     }
-    times: dict[str, list[float]] = {name: [] for name in cases}
-    names = list(cases)
-    for turn in range(args.repeats + 1):
-        for k in range(len(names)):
-            name = names[(turn + k) % len(names)]
-            t0 = time.perf_counter()
-            cases[name]()
-            if turn:  # the first turn warms every buffer
-                times[name].append(time.perf_counter() - t0)
-    print(f"fp8 decode of {codes.numel():,} numbers ({args.heads} KV heads x {args.entries} entries x "
-          f"{args.head_dim}, keys and values), {torch.get_num_threads()} threads; median ms of {args.repeats}")
-    for name in names:
-        values = sorted(times[name])
-        print(f"{name:48} {values[len(values) // 2] * 1e3:7.2f}")
+    checks = [lookup]
+    if compile_:
+        fused = torch.compile(five_passes, dynamic=False)
+        t0 = time.perf_counter()
+        fused(codes, factor, check)
+        print(f"torch.compile of the five passes: first call (the compile) {time.perf_counter() - t0:.1f} s")
+        cases["the five passes compiled (torch.compile, inductor)"] = lambda: fused(codes, factor, check)
+        checks.append(cases["the five passes compiled (torch.compile, inductor)"])
+    expected = to_float(codes, "e4m3", scale)
+    for case in checks:
+        check.zero_()
+        case()
+        assert torch.equal(check, expected), "an alternative decode differs from to_float"
+    return cases
+
+
+def q4_cases(shape: tuple[int, ...], group: int = 64) -> dict[str, Callable[[], object]]:
+    lead, dim = shape[:-1], shape[-1]
+    held = hqq_codes.Codes(torch.randint(0, 256, (*lead, dim // 2), dtype=torch.uint8),
+                           torch.rand(*lead, dim // group) + 0.1, torch.rand(*lead, dim // group) * 15)
+    out, check = torch.empty(shape), torch.empty(shape)
+    halves = dim // 2  # channels of one nibble: the high nibbles are the first half (hqq_codes._SHIFTS)
+
+    def into_place() -> None:
+        for half, shift in enumerate((4, 0)):
+            nibbles = (held.codes >> shift) & 0xF
+            groups = slice(half * halves // group, (half + 1) * halves // group)
+            place = check[..., half * halves:(half + 1) * halves].unflatten(-1, (halves // group, group))
+            torch.sub(nibbles.unflatten(-1, (halves // group, group)), held.zero[..., groups, None], out=place)
+            place.mul_(held.scale[..., groups, None])
+
+    into_place()
+    assert torch.equal(check, hqq_codes.dequantize(held, 4, group, torch.float32)), "q4 alternative differs"
+    return {
+        "dequantize into the buffer (as kvevict decodes)": lambda: hqq_codes.dequantize(held, 4, group, out.dtype, out),
+        "nibbles minus the zero point straight into the buffer, then the scale": into_place,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--entries", type=int, default=4096)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--compile", action="store_true", help="also time the five passes as one torch.compile "
+                        "function (needs a C++ compiler; the first call compiles)")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    shape = (2, 1, args.heads, args.entries, args.head_dim)
+    numbers = 2 * args.heads * args.entries * args.head_dim
+    for title, cases in (("fp8 (e4m3)", fp8_cases(shape, args.compile)), ("q4, groups of 64", q4_cases(shape))):
+        print(f"{title} decode of {numbers:,} numbers ({args.heads} KV heads x {args.entries} entries x "
+              f"{args.head_dim}, keys and values), {torch.get_num_threads()} threads; median ms of {args.repeats}")
+        for name, seconds in timed(cases, args.repeats).items():
+            print(f"{name:56} {seconds * 1e3:7.2f}")
 
 
 if __name__ == "__main__":
