@@ -121,6 +121,9 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also time the five passes as one torch.compile "
                         "function (needs a C++ compiler; the first call compiles)")
     args = parser.parse_args()
+    if args.head_dim % 128:
+        parser.error(f"--head-dim {args.head_dim}: q4's case splits each entry's nibbles into groups of 64, so "
+                     "give a multiple of 128")
     torch.manual_seed(0)
     shape = (2, 1, args.heads, args.entries, args.head_dim)
     numbers = 2 * args.heads * args.entries * args.head_dim
