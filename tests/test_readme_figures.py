@@ -571,7 +571,7 @@ CHANGED = [
     (test_equal_bytes_on_perplexity, "(its 95% interval reaches 4.2%)", "(its 95% interval reaches 4.3%)"),
     (test_four_bits_with_and_without_a_residual, "(95%\n  interval up to 1.5%)", "(95%\n  interval up to 1.4%)"),
     (test_a_decode_step_against_dynamic_cache, "took 1.010–1.026×", "took 1.010–1.020×"),
-    (test_streams_to_128k_at_real_attention_shapes, "within 9% of its cost", "within 8% of its cost"),
+    (test_streams_to_128k_at_real_attention_shapes, "within 10% of its cost", "within 9% of its cost"),
     (test_streams_to_128k_at_real_attention_shapes, "grows by at most 25 MB", "grows by at most 40 MB"),
     (test_the_audit_of_llama_server, "KL 0.465 [0.303, 0.646]", "KL 0.465 [0.303, 0.647]"),
     (test_llamacpps_quantized_kv, "and `q4_0` 0.0043 for 3.58×", "and `q4_0` 0.0044 for 3.58×"),
