@@ -16,14 +16,9 @@ from unittest import mock
 
 import decode_overhead
 import torch
+from fp8_decode_passes import five_passes  # beside this script
 
 from kvevict.storage_forms import float8, fp8
-
-
-def five_passes(codes: torch.Tensor, factor: torch.Tensor, out: torch.Tensor) -> None:
-    """`to_float`'s e4m3 passes, written into `out` (a part of the working buffer)."""
-    half = (codes.view(torch.int8).to(torch.int16) << 7) & ~(1 << 14)
-    out.copy_(half.view(torch.float16).to(out.dtype) * factor)
 
 
 def compiled_to_float():
