@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from .pieces import by_piece, cut
+
 #: e4m3's exponent bias (7) below float16's (15): the factor folded into the scale
 E4M3_SHIFT = 2.0**8
 
@@ -27,7 +29,18 @@ def to_float(codes: torch.Tensor, fmt: str, scale: torch.Tensor, out: torch.Tens
     """`codes` (uint8, the float8 bytes, any shape) times `scale` (broadcast; its dtype is the product's,
     float32 or float64), equal to `codes.view(float8).to(scale.dtype) * scale`. Given `out` (the codes'
     shape, any strides: a part of a storage's working buffer), the result is written there, cast to its
-    dtype after the product as without it; returns the result."""
+    dtype after the product as without it; returns the result. On a CPU a large `out` is written a piece at
+    a time (`pieces.by_piece`: the same numbers, each piece kept in a core's cache between the passes)."""
+    if out is not None and cut(out):
+        for piece, piece_codes, piece_scale in by_piece(out, codes, scale):
+            to_float_at_once(piece_codes, fmt, piece_scale, piece)
+        return out
+    return to_float_at_once(codes, fmt, scale, out)
+
+
+def to_float_at_once(codes: torch.Tensor, fmt: str, scale: torch.Tensor,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """`to_float` in one go: the widening, shift, mask, float16 cast and product over all of `codes`."""
     wide = codes.view(torch.int8).to(torch.int16)  # the sign extended: 0xFF80 | low 7 bits for a negative code
     if fmt == "e5m2":
         half, factor = wide.bitwise_left_shift_(8), scale
