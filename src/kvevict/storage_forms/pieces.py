@@ -6,7 +6,7 @@ the zero point, the scale, `hqq_codes.dequantize`). Over a whole layer at Llama-
 `PIECE` numbers (one KV head's keys or values there), a piece's temporaries and output sit in the core's
 L2 from one pass to the next, and no temporary of the layer's size is made (fp8's int16 widening is half
 the entries' bytes). In the decode step on the 2-core CPU of docs/benchmarks.md this took fp8 from
-1.24-1.26x to 1.19-1.21x DynamicCache's step and left q4 where it was (`benchmarks/storage_decode_step.py`).
+1.24-1.26x to 1.18-1.21x DynamicCache's step and left q4 where it was (`benchmarks/storage_decode_step.py`).
 Elementwise work done in pieces is the same numbers bit for bit (`tests/test_decode_pieces.py`).
 """
 
@@ -57,4 +57,4 @@ def part(x: torch.Tensor, index: tuple[slice, ...], ndim: int) -> torch.Tensor:
     """The piece `index` of `x`, a tensor that broadcasts against a shape of `ndim` dimensions (a scale
     `[2, 1, H, 1, 1]`, say): a dimension it broadcasts along (size 1, or missing) is taken whole."""
     x = x.view((1,) * (ndim - x.dim()) + tuple(x.shape))
-    return x[tuple(cut if x.shape[d] > 1 else slice(None) for d, cut in enumerate(index))]
+    return x[tuple(span if x.shape[d] > 1 else slice(None) for d, span in enumerate(index))]
