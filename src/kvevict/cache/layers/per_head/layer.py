@@ -9,7 +9,8 @@ all rows and heads in one computation: each query group reads its row's whole bu
 head's held entries (`RaggedStorage.members`); the padding is in the compute, never in
 the storage. Where every head owns an equal run of slots (`RaggedStorage.segment`: a
 prefill, a held-back one, KVzip's repeat forwards) a query group reads its own run alone,
-by a view, with no other head's entries to mask. The same probabilities give the
+by a view, with no other head's entries to mask, and SDPA attends where no policy wants the
+probabilities (`attention.ragged_attention`). The same probabilities give the
 attention that attention-driven policies (h2o, tova) fold into their statistics, at no
 extra pass, and since every entry belongs to one head they go back to the per-entry
 statistics with one gather.
@@ -102,20 +103,19 @@ class RaggedLayer(CacheLayer):
 
     def crop(self, tokens_to_remove: int) -> None:
         """transformers' `crop` with a negative count, on ragged segments: the latest `-tokens_to_remove`
-        tokens become holes in every head (each must hold them all), which keeps its share of the rest."""
+        tokens leave every head (each must hold them all), which keeps its share of the rest; their slots are
+        the next ones written, so a KVzip repeat forward taken back out leaves the segments as it found them."""
         count = -tokens_to_remove
         if count <= 0 or not self.is_initialized:
             return
         storage = self.storage
-        members = storage.members()  # [B, H, capacity]
-        latest = members & (storage.pos >= self.seen - count)[:, None, :]
+        latest = storage.members() & (storage.pos >= self.seen - count)[:, None, :]  # [B, H, capacity]
         self._check_holds_latest(latest, count)
-        keep = members & ~latest
-        storage.evict(keep, int(keep.sum(dim=(1, 2)).max()))
+        storage.drop_latest(count)  # every head holds them, so they are the last slots it wrote
         self.n, self.seen = int(storage.held.max()), self.seen - count
 
     def replays(self, q: int) -> bool:
-        """Always: this layer computes its own attention (SDPA needs one length for all heads)."""
+        """Always: this layer computes its own attention (`attention.ragged_attention`)."""
         return True
 
     def replay(self, query: torch.Tensor, kwargs: dict, scaling: float) -> torch.Tensor:

@@ -160,6 +160,29 @@ class RaggedStorage:
         self.held += q
         self.most_held += self.heads * q
 
+    def dense(self) -> int | None:
+        """The entries every head holds where each head of every row holds the same number as the first slots
+        of its own equal segment, with no hole among them (a prefill, a held-back one, KVzip's repeat forwards
+        over it): then the buffer reads as a plain cache `[B, H, n, D]`, and attention needs no mask but the
+        causal one. None otherwise. One read of the device (call it once per forward of many tokens)."""
+        if self.segment is None:
+            return None
+        row_base = torch.arange(self.batch, device=self.device)[:, None] * self.capacity
+        written = self.tail - row_base - self.start  # [B, H] slots each head has filled
+        n = self.held.view(-1)[:1]
+        return int(n) if bool(((self.held == written) & (self.held == n)).all()) else None
+
+    def drop_latest(self, count: int) -> None:
+        """Free the last `count` slots each head wrote, which the caller knows hold its latest `count` tokens
+        (`RaggedLayer.crop`): they are written again next, so a repeat forward taken back out leaves no holes
+        and uses up no room."""
+        back = torch.arange(1, count + 1, device=self.device)
+        self.pos.view(-1).index_fill_(0, (self.tail[..., None] - back).reshape(-1), -1)
+        self.tail = self.tail - count
+        self.room_left += count
+        self.held -= count
+        self.most_held -= self.heads * count
+
     def evict(self, keep: torch.Tensor, most: int) -> None:
         """Keep the entries `keep` `[B, H, capacity]` (a subset of `members`); the others become
         holes. `most`: what the fullest row holds after it (the caller knows: its allowance)."""
