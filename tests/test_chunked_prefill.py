@@ -164,3 +164,30 @@ def test_a_chunked_prefill_allocates_its_context_once(monkeypatch, spec):
     whole = compress(model, context, spec, BUDGET)
     assert [torch.equal(a, b) for a, b in zip(chunked.cache.kept_positions(), whole.cache.kept_positions())] == \
         [True] * len(whole.cache.layers)
+
+
+@pytest.mark.parametrize("spec", ["kvzip", "adakv:snapkv:window=4"])
+def test_a_chunked_prefill_into_per_head_layers_allocates_its_context_once(monkeypatch, spec):
+    """The per-head layers' storage grew at each chunk, and for KVzip again at its first repeat forward, each
+    growth copying every held entry beside the old buffer and the new one (3 GB at 128K tokens of an 8B attention
+    shape): the prefill reserves the context and the longest repeat forward, so it grows once, while it holds
+    nothing, and the kept sets are still one forward's."""
+    from kvevict.cache.layers.per_head.storage import RaggedStorage
+
+    grown = []
+    repack = RaggedStorage.repack
+
+    def watched(self, extra):
+        before, held = self.capacity, self.most_held
+        repack(self, extra)
+        if held and self.capacity > before:  # held entries copied into a larger buffer
+            grown.append((before, self.capacity, held))
+
+    monkeypatch.setattr(RaggedStorage, "repack", watched)
+    model, context = make_tiny(), random_tokens(T, seed=3)
+    tokenizer = FRAMING if parse_policy(spec).reconstructs else None
+    chunked = compress(model, context, spec, BUDGET, tokenizer=tokenizer, chunk=CHUNK)
+    assert grown == [], f"grown by copying: {grown}"
+    monkeypatch.setattr(RaggedStorage, "repack", repack)
+    whole = compress(model, context, spec, BUDGET, tokenizer=tokenizer)
+    assert _held(chunked.cache) == _held(whole.cache)

@@ -35,7 +35,7 @@ from ..policies.budget import Budget, resolve_budget
 from ..position_modes import DEFAULT_POSITIONS
 from .chunks import check_chunk
 from .forward import body, log_probs, logits
-from .reconstruction import reconstruct, reconstructing_policy
+from .reconstruction import reconstruct, reconstructing_policy, repeat_room
 
 if TYPE_CHECKING:
     from ..cache import EvictingCache
@@ -137,7 +137,8 @@ def compress(
         scored = reconstructing_policy(cache) is not None
         if scored and context.dim() != 1 and context.shape[0] != 1:
             raise KvevictError("a policy scored by reconstruction (kvzip) compresses one context [T] at a time")
-        hidden = prefill(model, cache, ids[:1] if scored else ids, chunk).expand(len(specs), -1, -1)
+        room = repeat_room(context.reshape(-1), tokenizer, cache) if scored and tokenizer is not None else 0
+        hidden = prefill(model, cache, ids[:1] if scored else ids, chunk, room).expand(len(specs), -1, -1)
         if scored:
             reconstruct(model, cache, context.reshape(-1), tokenizer)
         if cache.deferred:
@@ -148,7 +149,7 @@ def compress(
     return Compressed(cache, hidden[:, -1], context.shape[-1], bound, names).measure()
 
 
-def prefill(model, cache: EvictingCache, ids: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+def prefill(model, cache: EvictingCache, ids: torch.Tensor, chunk: int | None = None, room: int = 0) -> torch.Tensor:
     """Read `ids` `[B, T]` into `cache` for one compression; the final hidden states of the last forward
     `[B, q, H]`. The eviction is held back (`EvictingCache.defer`) where the cache must still score the
     context after it is read (a policy scored by reconstruction) or where it is read in several forwards;
@@ -162,7 +163,9 @@ def prefill(model, cache: EvictingCache, ids: torch.Tensor, chunk: int | None = 
     prompt. The first chunk is the remainder, so the last is a whole `chunk` (a window of recent queries
     then lies in it wherever it fits). Peak memory: the full cache of `T` tokens (reserved at once,
     `EvictingCache.reserve`) plus one chunk's activations, where one forward holds the whole prompt's
-    (`[B, T, H]` per activation, `[B, H_q, T, D]` queries).
+    (`[B, T, H]` per activation, `[B, H_q, T, D]` queries). `room`: tokens reserved beyond the context, for the
+    forwards that follow it before the eviction (KVzip's repeat forwards, `reconstruction.repeat_room`), so
+    that none of them grows the cache by copying it.
     """
     length = ids.shape[-1]
     if reconstructing_policy(cache) is not None or (chunk is not None and chunk < length):
@@ -171,7 +174,7 @@ def prefill(model, cache: EvictingCache, ids: torch.Tensor, chunk: int | None = 
         return body(model, ids, cache)
     budget = cache.budget
     cache.budget = None
-    cache.reserve(length)
+    cache.reserve(length + room)
     try:
         starts = range(length % chunk or chunk, length, chunk)
         body(model, ids[:, : starts[0]], cache)

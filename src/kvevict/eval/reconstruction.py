@@ -93,6 +93,16 @@ def repeat_inputs(context: torch.Tensor, framing: RepeatFraming,
     return out
 
 
+def repeat_room(context: torch.Tensor, tokenizer, cache: EvictingCache) -> int:
+    """Tokens of the longest repeat forward over `context` `[T]` (0 where no row reconstructs): what a prefill
+    reserves beyond the context (`compress.prefill`'s `room`), since each repeat forward is held, then taken
+    back out, before the eviction."""
+    policy = reconstructing_policy(cache)
+    if policy is None:
+        return 0
+    return max(ids.numel() for _, _, ids in repeat_inputs(context, repeat_framing(tokenizer), policy.chunk_size))
+
+
 def reconstructing_policy(cache: EvictingCache) -> Policy | None:
     """The policy of the cache's rows that is scored by reconstruction, or None. Rows that reconstruct
     share one chunking (one repeat forward serves every row)."""

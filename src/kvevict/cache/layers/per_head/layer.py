@@ -165,7 +165,7 @@ class RaggedLayer(CacheLayer):
         """
         s, storage = self.settings, self.storage
         m = query.shape[2]
-        storage.append(keys, values, seen - m)
+        storage.append(keys, values, seen - m, self.reserved - self.n)  # room for a reserved context at once
         if self.sealed:  # no eviction will ever read a statistic: attention alone
             out, _, _ = ragged_attention(storage, query, scaling, ~storage.members(), seen - m, False, False,
                                          self._workspace())

@@ -137,12 +137,15 @@ class RaggedStorage:
         where the head holds nothing (`hidden`, the negation of `members`)."""
         return buffer[:, None, :].expand(-1, self.heads, -1).masked_fill(hidden, fill)
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor, first: int) -> None:
+    def append(self, keys: torch.Tensor, values: torch.Tensor, first: int, room: int = 0) -> None:
         """Write `q` new entries `[B, H, q, D]` at the end of every head's segment, at
-        positions `first .. first + q - 1`, statistics zeroed."""
-        q = keys.shape[2]
-        if q > self.room_left:
-            self.repack(q)
+        positions `first .. first + q - 1`, statistics zeroed. Segments without room for `room` entries
+        more (a chunked prefill's whole context, `CacheLayer.reserved`; at least `q`) are re-packed with it:
+        a growth copies every held entry and holds the old buffer beside the new, so one that reserves grows
+        while it holds nothing."""
+        q, room = keys.shape[2], max(keys.shape[2], room)
+        if room > self.room_left:
+            self.repack(room)
         kv = self.kv.view(2, -1, self.head_dim)
         if q == 1:  # a decode step: one slot per head, all at position `first`
             flat = self.tail.view(-1)
