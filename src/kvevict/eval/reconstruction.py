@@ -100,7 +100,8 @@ def repeat_room(context: torch.Tensor, tokenizer, cache: EvictingCache) -> int:
     policy = reconstructing_policy(cache)
     if policy is None:
         return 0
-    return max(ids.numel() for _, _, ids in repeat_inputs(context, repeat_framing(tokenizer), policy.chunk_size))
+    forwards = repeat_inputs(context, repeat_framing(tokenizer), policy.chunk_size)
+    return max((ids.numel() for _, _, ids in forwards), default=0)  # none: a context of the template's opening
 
 
 def reconstructing_policy(cache: EvictingCache) -> Policy | None:

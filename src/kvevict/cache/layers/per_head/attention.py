@@ -8,9 +8,9 @@ own head's held entries (`RaggedStorage.members`). Where every head owns an equa
 mask. Where, besides, every head holds the same number of entries with no hole among them
 (`RaggedStorage.dense`: a prefill, a held-back one, KVzip's repeat forwards over it) and no policy wants the
 probabilities, the forward is plain causal attention over `[B, H_kv, held, D]`, and SDPA computes it
-(`causal_sdpa`): at the Llama-3.1-8B attention shape a KVzip compression of 8K tokens took 36 s against 52 s
-by hand, the same kept sets as the reference (tests/test_kvzip.py), the outputs within float32's rounding of
-attention by hand (tests/test_ragged_dense.py).
+(`causal_sdpa`): at the Llama-3.1-8B attention shape a KVzip compression of 32K tokens took 311 s against 386 s
+by hand (docs/benchmarks.md), the same kept sets as the reference (tests/test_kvzip.py), the outputs within
+float32's rounding of attention by hand (tests/test_ragged_dense.py).
 """
 
 from __future__ import annotations
