@@ -134,10 +134,11 @@ def compress(
     with torch.inference_mode():
         cache = EvictingCache(model, specs, budget=entries, positions=positions)
         ids = context.long().expand(len(specs), -1)
-        scored = reconstructing_policy(cache) is not None
+        reconstructing = reconstructing_policy(cache)
+        scored = reconstructing is not None
         if scored and context.dim() != 1 and context.shape[0] != 1:
             raise KvevictError("a policy scored by reconstruction (kvzip) compresses one context [T] at a time")
-        room = repeat_room(context.reshape(-1), tokenizer, cache) if scored and tokenizer is not None else 0
+        room = repeat_room(context.reshape(-1), tokenizer, reconstructing) if scored and tokenizer is not None else 0
         hidden = prefill(model, cache, ids[:1] if scored else ids, chunk, room).expand(len(specs), -1, -1)
         if scored:
             reconstruct(model, cache, context.reshape(-1), tokenizer)

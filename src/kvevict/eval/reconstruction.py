@@ -93,13 +93,10 @@ def repeat_inputs(context: torch.Tensor, framing: RepeatFraming,
     return out
 
 
-def repeat_room(context: torch.Tensor, tokenizer, cache: EvictingCache) -> int:
-    """Tokens of the longest repeat forward over `context` `[T]` (0 where no row reconstructs): what a prefill
-    reserves beyond the context (`compress.prefill`'s `room`), since each repeat forward is held, then taken
-    back out, before the eviction."""
-    policy = reconstructing_policy(cache)
-    if policy is None:
-        return 0
+def repeat_room(context: torch.Tensor, tokenizer, policy: Policy) -> int:
+    """Tokens of the longest repeat forward `policy` (`reconstructing_policy`) runs over `context` `[T]`: what a
+    prefill reserves beyond the context (`compress.prefill`'s `room`), since each repeat forward is held, then
+    taken back out, before the eviction."""
     forwards = repeat_inputs(context, repeat_framing(tokenizer), policy.chunk_size)
     return max((ids.numel() for _, _, ids in forwards), default=0)  # none: a context of the template's opening
 

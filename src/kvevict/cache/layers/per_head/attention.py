@@ -43,14 +43,13 @@ def ragged_attention(
     """
     b, _, m, d = query.shape
     heads, segment = storage.heads, storage.segment
-    if m > 1 and not (want_new or want_last) and (held := storage.dense()) is not None:
-        # a plain cache `[B, H_kv, held, D]`, the new tokens its last: SDPA, its mask a block at a time
-        keys, values = (t.view(b, heads, segment, d)[:, :, :held] for t in (storage.keys, storage.values))
-        return causal_sdpa(query, keys, values, scaling, workspace), None, None
     if segment is None:  # every query group reads its whole row: one key head for all
         keys, values, pos = storage.keys[:, None], storage.values[:, None], storage.pos[:, None]
     else:  # each KV head's lane is its own segment
         keys, values = (t.view(b, heads, segment, d) for t in (storage.keys, storage.values))
+        if m > 1 and not (want_new or want_last) and (held := storage.dense()) is not None:
+            # a plain cache `[B, H_kv, held, D]`, the new tokens its last: SDPA, its mask a block at a time
+            return causal_sdpa(query, keys[:, :, :held], values[:, :, :held], scaling, workspace), None, None
         pos, hidden = storage.pos.view(b, heads, segment), storage.own_segments(hidden)
     # one new token sees every entry its head holds; more are causal among themselves
     mask = Mask(hidden, pos, torch.arange(first, first + m, device=query.device)) if m > 1 else Mask(hidden)

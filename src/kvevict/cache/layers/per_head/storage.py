@@ -72,10 +72,14 @@ class RaggedStorage:
         self.tail = row_base + self.start + (used if used is not None else 0)  # [B, H] flat index
         self.room_left = int((row_base + self.limit - self.tail).min())  # every head advances alike
 
+    def filled(self) -> torch.Tensor:
+        """`[B, H]` the slots each head has written in its segment, held or holes."""
+        row_base = torch.arange(self.batch, device=self.device)[:, None] * self.capacity
+        return self.tail - row_base - self.start
+
     def keep_rows(self, index: torch.Tensor) -> None:
         """Keep only the rows `index` `[b]` (in that order): a batch whose other rows are done."""
-        row_base = torch.arange(self.batch, device=self.device)[:, None] * self.capacity
-        used = (self.tail - row_base - self.start).index_select(0, index)  # [b, H] slots each head has filled
+        used = self.filled().index_select(0, index)
         self.kv = self.kv.index_select(1, index)
         self.pos = self.pos.index_select(0, index)
         self.stats = {name: stat.index_select(0, index) for name, stat in self.stats.items()}
@@ -170,8 +174,7 @@ class RaggedStorage:
         causal one. None otherwise. One read of the device (call it once per forward of many tokens)."""
         if self.segment is None:
             return None
-        row_base = torch.arange(self.batch, device=self.device)[:, None] * self.capacity
-        written = self.tail - row_base - self.start  # [B, H] slots each head has filled
+        written = self.filled()
         n = self.held.view(-1)[:1]
         return int(n) if bool(((self.held == written) & (self.held == n)).all()) else None
 
