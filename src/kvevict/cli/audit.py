@@ -33,70 +33,103 @@ KEY_HELP = "the environment variable holding {whose} API key (sent as a bearer t
            "written anywhere)"
 
 
+#: each option's help, by parameter name: the command's signature then reads as its options and defaults
+HELP = {
+    "url": "the deployment's base URL, e.g. http://127.0.0.1:8080",
+    "api": API_HELP,
+    "served_model": "the model name the server serves (checked against its /v1/models; sent with /v1 requests)",
+    "reference_url": "a second server with the same model and a context that never evicts (default: kvevict's own "
+                     "full cache on --model)",
+    "reference_api": "the reference's route (default: --api)",
+    "reference_mode": "how the reference server scores the stream: positions (one request per generated token) or "
+                      "prompt-logprobs (vLLM: one request)",
+    "model": f"the weights the server serves, for the tokenizer check and the local reference: {MODEL_HELP}",
+    "text": "embedded name, .txt file or folder: where the prompt comes from",
+    "prompt_tokens": "prompt length in tokens",
+    "new_tokens": "tokens the deployment generates (well past its KV limit)",
+    "top_k": "top log-probabilities read per token (the KL's resolution)",
+    "offset": "the prompt's first token in the text (another offset: another prompt)",
+    "n_keep": "n_keep sent with the deployment's requests (default: the server's own --keep)",
+    "sinks": "n_keep of the rerun with the sinks kept (llama-server; 0: no rerun)",
+    "context": "the deployment's KV limit in tokens, where the server does not declare it (llama-server does, in "
+               "/props)",
+    "server_keep": "the deployment's own --keep (llama-server does not report it; it places the events after the "
+                   "first)",
+    "concurrency": "requests in flight at most, per server",
+    "timeout": "seconds a request may take",
+    "retries": "retries on 429, 503 or a dropped connection, with exponential backoff",
+    "api_key_env": KEY_HELP.format(whose="the deployment's"),
+    "reference_api_key_env": KEY_HELP.format(whose="the reference server's"),
+    "floor_url": "a twin whose own stream gives the A/A floor: the same engine with nothing lossy (its KV "
+                 "unquantized), or a second copy of the reference; a context that never evicts",
+    "floor_api_key_env": KEY_HELP.format(whose="the twin's"),
+    "allow_plain_http_key": "send a key over plain http:// to a host beyond loopback (off: refused; use https://)",
+    "judge": "what the verdict covers: after-event (the tokens from the first eviction event on, those before it the "
+             "A/A floor), whole (every token: a loss with no eviction point, e.g. a quantized KV cache), auto (whole "
+             "where the server declares no eviction)",
+    "fail_on": f"exit {FAIL_EXIT} when the audit's verdict is outside (outside), or outside or undecided "
+               "(undecided); never: exit 0 whatever the verdict",
+    "device": f"the local reference's device: {DEVICE_HELP}",
+    "dtype": f"the local reference's dtype: {DTYPE_HELP}",
+    "out": "folder for the records (results.jsonl), audit.json and report.html",
+    "tasks": "RULER tasks sent to both servers, e.g. niah_single_1,vt (needs --reference-url)",
+    "qa": "a QA .jsonl file of {context, question, answers} sent to both",
+    "samples": "prompts per task",
+    "generation_trials": "prompts of the generation failure modes (a fact stated first, asked last; repeated "
+                         "n-grams)",
+    "conversations": "conversations (a system rule and facts early, filler turns, questions late) sent as chat "
+                     "turns (--api chat) or rendered with the chat template",
+    "task_length": "task prompt + answer tokens (default: the deployment's context filled, so the answer crosses "
+                   "its eviction point)",
+    "reproduce": "also stream the deployment's tokens through a kvevict spec and set its fidelity beside the "
+                 "audit's: llamacpp (llama-server's shift, its keep and BOS the deployment's), vllmfp8+full (vLLM's "
+                 "fp8 KV), fp8+full, any spec",
+    "as_json": "print one JSON object as the last line",
+}
+
+
 @one_line_errors
 def audit(
-    url: str = typer.Argument(..., help="the deployment's base URL, e.g. http://127.0.0.1:8080"),
-    api: str = typer.Option("llama", help=API_HELP),
-    served_model: str | None = typer.Option(None, help="the model name the server serves (checked against its "
-                                            "/v1/models; sent with /v1 requests)"),
-    reference_url: str | None = typer.Option(None, help="a second server with the same model and a context that "
-                                             "never evicts (default: kvevict's own full cache on --model)"),
-    reference_api: str | None = typer.Option(None, help="the reference's route (default: --api)"),
-    reference_mode: str = typer.Option("positions", help="how the reference server scores the stream: positions "
-                                       "(one request per generated token) or prompt-logprobs (vLLM: one request)"),
-    model: str = typer.Option("smollm2-135m", help=f"the weights the server serves, for the tokenizer check and the "
-                              f"local reference: {MODEL_HELP}"),
-    text: str = typer.Option("pg-essays", help="embedded name, .txt file or folder: where the prompt comes from"),
-    prompt_tokens: int = typer.Option(32, help="prompt length in tokens"),
-    new_tokens: int = typer.Option(736, help="tokens the deployment generates (well past its KV limit)"),
-    top_k: int = typer.Option(20, help="top log-probabilities read per token (the KL's resolution)"),
-    offset: int = typer.Option(0, help="the prompt's first token in the text (another offset: another prompt)"),
-    n_keep: int | None = typer.Option(None, help="n_keep sent with the deployment's requests (default: the "
-                                      "server's own --keep)"),
-    sinks: int = typer.Option(4, help="n_keep of the rerun with the sinks kept (llama-server; 0: no rerun)"),
-    context: int | None = typer.Option(None, help="the deployment's KV limit in tokens, where the server does not "
-                                       "declare it (llama-server does, in /props)"),
-    server_keep: int | None = typer.Option(None, help="the deployment's own --keep (llama-server does not report "
-                                           "it; it places the events after the first)"),
-    concurrency: int = typer.Option(4, help="requests in flight at most, per server"),
-    timeout: float = typer.Option(120.0, help="seconds a request may take"),
-    retries: int = typer.Option(4, help="retries on 429, 503 or a dropped connection, with exponential backoff"),
-    api_key_env: str | None = typer.Option(None, help=KEY_HELP.format(whose="the deployment's")),
-    reference_api_key_env: str | None = typer.Option(None, help=KEY_HELP.format(whose="the reference server's")),
-    floor_url: str | None = typer.Option(None, help="a twin whose own stream gives the A/A floor: the same engine "
-                                         "with nothing lossy (its KV unquantized), or a second copy of the "
-                                         "reference; a context that never evicts"),
-    floor_api_key_env: str | None = typer.Option(None, help=KEY_HELP.format(whose="the twin's")),
-    allow_plain_http_key: bool = typer.Option(False, "--allow-plain-http-key", help="send a key over plain http:// "
-                                              "to a host beyond loopback (off: refused; use https://)"),
-    judge: str = typer.Option("auto", help="what the verdict covers: after-event (the tokens from the first "
-                              "eviction event on, those before it the A/A floor), whole (every token: a loss with "
-                              "no eviction point, e.g. a quantized KV cache), auto (whole where the server "
-                              "declares no eviction)"),
-    fail_on: str = typer.Option("never", help=f"exit {FAIL_EXIT} when the audit's verdict is outside (outside), or "
-                                "outside or undecided (undecided); never: exit 0 whatever the verdict"),
-    device: str = typer.Option("cpu", help=f"the local reference's device: {DEVICE_HELP}"),
-    dtype: str | None = typer.Option(None, help=f"the local reference's dtype: {DTYPE_HELP}"),
-    out: str = typer.Option("runs/audit", help="folder for the records (results.jsonl), audit.json and report.html"),
+    url: str = typer.Argument(..., help=HELP["url"]),
+    api: str = typer.Option("llama", help=HELP["api"]),
+    served_model: str | None = typer.Option(None, help=HELP["served_model"]),
+    reference_url: str | None = typer.Option(None, help=HELP["reference_url"]),
+    reference_api: str | None = typer.Option(None, help=HELP["reference_api"]),
+    reference_mode: str = typer.Option("positions", help=HELP["reference_mode"]),
+    model: str = typer.Option("smollm2-135m", help=HELP["model"]),
+    text: str = typer.Option("pg-essays", help=HELP["text"]),
+    prompt_tokens: int = typer.Option(32, help=HELP["prompt_tokens"]),
+    new_tokens: int = typer.Option(736, help=HELP["new_tokens"]),
+    top_k: int = typer.Option(20, help=HELP["top_k"]),
+    offset: int = typer.Option(0, help=HELP["offset"]),
+    n_keep: int | None = typer.Option(None, help=HELP["n_keep"]),
+    sinks: int = typer.Option(4, help=HELP["sinks"]),
+    context: int | None = typer.Option(None, help=HELP["context"]),
+    server_keep: int | None = typer.Option(None, help=HELP["server_keep"]),
+    concurrency: int = typer.Option(4, help=HELP["concurrency"]),
+    timeout: float = typer.Option(120.0, help=HELP["timeout"]),
+    retries: int = typer.Option(4, help=HELP["retries"]),
+    api_key_env: str | None = typer.Option(None, help=HELP["api_key_env"]),
+    reference_api_key_env: str | None = typer.Option(None, help=HELP["reference_api_key_env"]),
+    floor_url: str | None = typer.Option(None, help=HELP["floor_url"]),
+    floor_api_key_env: str | None = typer.Option(None, help=HELP["floor_api_key_env"]),
+    allow_plain_http_key: bool = typer.Option(False, "--allow-plain-http-key", help=HELP["allow_plain_http_key"]),
+    judge: str = typer.Option("auto", help=HELP["judge"]),
+    fail_on: str = typer.Option("never", help=HELP["fail_on"]),
+    device: str = typer.Option("cpu", help=HELP["device"]),
+    dtype: str | None = typer.Option(None, help=HELP["dtype"]),
+    out: str = typer.Option("runs/audit", help=HELP["out"]),
     max_ppl_ratio: float | None = max_ppl_ratio_option(),
     max_kl: float | None = max_kl_option(),
-    tasks: str = typer.Option("", help="RULER tasks sent to both servers, e.g. niah_single_1,vt (needs "
-                              "--reference-url)"),
-    qa: str | None = typer.Option(None, help="a QA .jsonl file of {context, question, answers} sent to both"),
-    samples: int = typer.Option(10, help="prompts per task"),
-    generation_trials: int = typer.Option(0, help="prompts of the generation failure modes (a fact stated first, "
-                                          "asked last; repeated n-grams)"),
-    conversations: int = typer.Option(0, help="conversations (a system rule and facts early, filler turns, "
-                                      "questions late) sent as chat turns (--api chat) or rendered with the chat "
-                                      "template"),
-    task_length: int | None = typer.Option(None, help="task prompt + answer tokens (default: the deployment's "
-                                           "context filled, so the answer crosses its eviction point)"),
+    tasks: str = typer.Option("", help=HELP["tasks"]),
+    qa: str | None = typer.Option(None, help=HELP["qa"]),
+    samples: int = typer.Option(10, help=HELP["samples"]),
+    generation_trials: int = typer.Option(0, help=HELP["generation_trials"]),
+    conversations: int = typer.Option(0, help=HELP["conversations"]),
+    task_length: int | None = typer.Option(None, help=HELP["task_length"]),
     max_accuracy_drop: float | None = max_accuracy_drop_option(),
-    reproduce: str | None = typer.Option(None, "--reproduce", metavar="SPEC", help="also stream the deployment's "
-                                         "tokens through a kvevict spec and set its fidelity beside the audit's: "
-                                         "llamacpp (llama-server's shift, its keep and BOS the deployment's), "
-                                         "vllmfp8+full (vLLM's fp8 KV), fp8+full, any spec"),
-    as_json: bool = typer.Option(False, "--json", help="print one JSON object as the last line"),
+    reproduce: str | None = typer.Option(None, "--reproduce", metavar="SPEC", help=HELP["reproduce"]),
+    as_json: bool = typer.Option(False, "--json", help=HELP["as_json"]),
 ) -> None:
     """Audit a running server: its fidelity along a long generation against the reference, the eviction events,
     the sink-loss signature, a rerun with the sinks kept; judged by the verdict's rule (docs/audit.md). Exits 0

@@ -81,6 +81,8 @@ def config_only(path: str, configs: str, deployment, weights_given: bool, dtype:
     from ..capacity import named_configs, read_config
     from ..report.envelope_page import capacity_table
 
+    if page < 1:
+        raise KvevictError(f"--kv-page must be at least 1 token, got {page}")
     if deployment is None:
         raise KvevictError("--config-only needs --deploy-context and --accelerator-memory (e.g. 32768 and 80GB)")
     shape = read_config(path, dtype)
@@ -94,67 +96,94 @@ def config_only(path: str, configs: str, deployment, weights_given: bool, dtype:
         print_json({"config": path, "context": deployment[0], "capacity": to_json.capacity(note, rows)})
 
 
+#: each option's help, by parameter name: the command's signature then reads as its options and defaults
+HELP = {
+    "model": MODEL_HELP,
+    "text": "embedded name, .txt file, folder or .jsonl",
+    "tokens": "stream length: budgets are searched below it",
+    "lengths": "several stream lengths, e.g. 2K,4K,8K (K = 1024): one search per length, each in OUT/NAME-LENGTH; "
+               "overrides --tokens",
+    "policies": "comma-separated policy specs",
+    "floor": "the smallest budget searched (entries; the default leaves room for SnapKV's window of 32)",
+    "resolution": "stop when the passing and failing budgets are within this ratio",
+    "max_ppl_ratio": "tolerance: PPL / full cache at most this ('' : none)",
+    "max_kl": "tolerance: mean KL(full || policy) in nats at most this",
+    "positions": POSITIONS_HELP,
+    "dtype": DTYPE_HELP,
+    "chunk": CHUNK_HELP,
+    "seed": "seed of random policies",
+    "name": "run name, one folder name: results go to OUT/NAME",
+    "out_dir": "output folder",
+    "deploy_context": "capacity: the deployment's context length in tokens",
+    "accelerator_memory": "capacity: accelerator memory, e.g. 80GB or 79.6GiB",
+    "weight_bytes": "capacity: memory the weights take (default: the loaded model's)",
+    "config_only_path": "a model's config.json: capacity arithmetic only, no model, no search",
+    "configs": "--config-only: configurations as POLICY@BUDGET, e.g. full,window@4096,h2o@25%",
+    "kv_dtype": "--config-only: the cache's dtype, llama.cpp's q8_0 or q4_0, or fp8 (vLLM's --kv-cache-dtype fp8) "
+                "(default: the config's)",
+    "kv_page": "--config-only: tokens per KV page, as the engine allocates them (vLLM's --block-size: 16 on GPUs, "
+               "128 on its CPU build)",
+    "allow_download": DOWNLOAD_HELP,
+    "device": DEVICE_HELP,
+    "tasks": "RULER tasks, e.g. niah_single_1,niah_multikey_1: search task accuracy (at --lengths, default 2048) "
+             "instead of perplexity",
+    "protocol": "--tasks: the RULER protocol (agnostic, aware, stream, multi)",
+    "samples_start": "--tasks: samples a cell is first judged on, and added per look",
+    "samples_max": "--tasks: the most samples a cell takes; undecided there = not inside",
+    "as_json": "print one JSON object as the last line",
+}
+
+
 @one_line_errors
 def envelope(
-    model: str = typer.Option("smollm2-135m", help=MODEL_HELP),
-    text: str = typer.Option("pg-essays", help="embedded name, .txt file, folder or .jsonl"),
-    tokens: int = typer.Option(4096, help="stream length: budgets are searched below it"),
-    lengths: str = typer.Option("", help="several stream lengths, e.g. 2K,4K,8K (K = 1024): one search per length, "
-                                "each in OUT/NAME-LENGTH; overrides --tokens"),
-    policies: str = typer.Option("window,streamingllm,h2o,snapkv", help="comma-separated policy specs"),
-    floor: int = typer.Option(64, help="the smallest budget searched (entries; the default leaves room for "
-                                       "SnapKV's window of 32)"),
-    resolution: float = typer.Option(1.1, help="stop when the passing and failing budgets are within this ratio"),
-    max_ppl_ratio: str = typer.Option("1.05", help="tolerance: PPL / full cache at most this ('' : none)"),
-    max_kl: str = typer.Option("", help="tolerance: mean KL(full || policy) in nats at most this"),
-    positions: str | None = typer.Option(None, show_default=False, help=POSITIONS_HELP),
-    dtype: str | None = typer.Option(None, help=DTYPE_HELP),
-    chunk: str = typer.Option(str(DEFAULT_CHUNK), help=CHUNK_HELP),
-    seed: int = typer.Option(0, help="seed of random policies"),
-    name: str = typer.Option("envelope", help="run name, one folder name: results go to OUT/NAME"),
-    out_dir: str = typer.Option("runs", "--out", help="output folder"),
-    deploy_context: int = typer.Option(0, help="capacity: the deployment's context length in tokens"),
-    accelerator_memory: str = typer.Option("", help="capacity: accelerator memory, e.g. 80GB or 79.6GiB"),
-    weight_bytes: str = typer.Option("", help="capacity: memory the weights take (default: the loaded model's)"),
-    config_only_path: str = typer.Option("", "--config-only", help="a model's config.json: capacity arithmetic "
-                                         "only, no model, no search"),
-    configs: str = typer.Option("full", help="--config-only: configurations as POLICY@BUDGET, e.g. "
-                                "full,window@4096,h2o@25%"),
-    kv_dtype: str = typer.Option("", help="--config-only: the cache's dtype, llama.cpp's q8_0 or q4_0, or fp8 "
-                                 "(vLLM's --kv-cache-dtype fp8) (default: the config's)"),
-    kv_page: int = typer.Option(1, help="--config-only: tokens per KV page, as the engine allocates them (vLLM's "
-                                "--block-size: 16 on GPUs, 128 on its CPU build)"),
-    allow_download: bool = typer.Option(False, "--allow-download", help=DOWNLOAD_HELP),
-    device: str = typer.Option("cpu", help=DEVICE_HELP),
-    tasks: str = typer.Option("", help="RULER tasks, e.g. niah_single_1,niah_multikey_1: search task accuracy "
-                              "(at --lengths, default 2048) instead of perplexity"),
-    protocol: str = typer.Option("agnostic", help="--tasks: the RULER protocol (agnostic, aware, stream, multi)"),
+    model: str = typer.Option("smollm2-135m", help=HELP["model"]),
+    text: str = typer.Option("pg-essays", help=HELP["text"]),
+    tokens: int = typer.Option(4096, help=HELP["tokens"]),
+    lengths: str = typer.Option("", help=HELP["lengths"]),
+    policies: str = typer.Option("window,streamingllm,h2o,snapkv", help=HELP["policies"]),
+    floor: int = typer.Option(64, help=HELP["floor"]),
+    resolution: float = typer.Option(1.1, help=HELP["resolution"]),
+    max_ppl_ratio: str = typer.Option("1.05", help=HELP["max_ppl_ratio"]),
+    max_kl: str = typer.Option("", help=HELP["max_kl"]),
+    positions: str | None = typer.Option(None, show_default=False, help=HELP["positions"]),
+    dtype: str | None = typer.Option(None, help=HELP["dtype"]),
+    chunk: str = typer.Option(str(DEFAULT_CHUNK), help=HELP["chunk"]),
+    seed: int = typer.Option(0, help=HELP["seed"]),
+    name: str = typer.Option("envelope", help=HELP["name"]),
+    out_dir: str = typer.Option("runs", "--out", help=HELP["out_dir"]),
+    deploy_context: int = typer.Option(0, help=HELP["deploy_context"]),
+    accelerator_memory: str = typer.Option("", help=HELP["accelerator_memory"]),
+    weight_bytes: str = typer.Option("", help=HELP["weight_bytes"]),
+    config_only_path: str = typer.Option("", "--config-only", help=HELP["config_only_path"]),
+    configs: str = typer.Option("full", help=HELP["configs"]),
+    kv_dtype: str = typer.Option("", help=HELP["kv_dtype"]),
+    kv_page: int = typer.Option(1, help=HELP["kv_page"]),
+    allow_download: bool = typer.Option(False, "--allow-download", help=HELP["allow_download"]),
+    device: str = typer.Option("cpu", help=HELP["device"]),
+    tasks: str = typer.Option("", help=HELP["tasks"]),
+    protocol: str = typer.Option("agnostic", help=HELP["protocol"]),
     max_accuracy_drop: float | None = max_accuracy_drop_option(),
     min_accuracy_ratio: float | None = min_accuracy_ratio_option(),
-    samples_start: int = typer.Option(DEFAULT_SAMPLES_START,
-                                      help="--tasks: samples a cell is first judged on, and added per look"),
-    samples_max: int = typer.Option(DEFAULT_SAMPLES_MAX,
-                                    help="--tasks: the most samples a cell takes; undecided there = not inside"),
+    samples_start: int = typer.Option(DEFAULT_SAMPLES_START, help=HELP["samples_start"]),
+    samples_max: int = typer.Option(DEFAULT_SAMPLES_MAX, help=HELP["samples_max"]),
     max_new_tokens: int = max_new_tokens_option("--tasks: "),
     executor: str = executor_option(),
     address: str = address_option(),
     workers: int = workers_option(),
     retries: int = retries_option(),
-    as_json: bool = typer.Option(False, "--json", help="print one JSON object as the last line"),
+    as_json: bool = typer.Option(False, "--json", help=HELP["as_json"]),
 ) -> None:
     """Find, per policy, the smallest KV budget within a quality tolerance; bytes, capacity, a verdict."""
     deployment = _deployment(deploy_context, accelerator_memory, weight_bytes)
     if config_only_path:
-        if kv_page < 1:
-            raise KvevictError(f"--kv-page must be at least 1 token, got {kv_page}")
         return config_only(config_only_path, configs, deployment, bool(weight_bytes), kv_dtype, as_json, kv_page)
-    if tasks.strip():
-        accuracy = tolerance_from(None, max_accuracy_drop, None, min_accuracy_ratio=min_accuracy_ratio)
-        return _tasks(model, dtype, tasks, lengths, protocol, policies, floor, resolution, accuracy,
-                      samples_start, samples_max, seed, positions, text, name, out_dir, allow_download, device,
-                      remote_executor(executor, address, workers, retries), answer_cap(max_new_tokens), as_json)
     check_device(device)  # before the dtype: on cuda the default is read from the checkpoint
     runner = remote_executor(executor, address, workers, retries)
+    if tasks.strip():
+        accuracy = tolerance_from(None, max_accuracy_drop, None, min_accuracy_ratio=min_accuracy_ratio)
+        return _tasks(model, dtype, tasks, lengths, protocol, policies, floor, resolution, accuracy, samples_start,
+                      samples_max, seed, positions, text, name, out_dir, allow_download, device, runner,
+                      answer_cap(max_new_tokens), as_json)
     per_length = _configs_per_length(model, text, tokens, lengths, policies, floor, resolution, max_ppl_ratio,
                                      max_kl, positions, dtype, chunk, seed, name, out_dir, allow_download, device)
     _search(per_length, runner, deployment, weight_bytes, allow_download, device, as_json)
@@ -208,12 +237,12 @@ def _search(configs: list, runner, deployment, weight_bytes: str, allow_download
 def _tasks(model, dtype, tasks, lengths, protocol, policies, floor, resolution, accuracy, start, cap, seed,
            positions, text, name, out_dir, allow_download, device, runner=None, max_new_tokens=None,
            as_json: bool = False) -> None:
+    """The search of task accuracy; `device` and the `runner` were checked by the command before it."""
     from ..eval.ruler.registry import parse_tasks
     from ..loading.models import model_dtype
     from ..policies.engine_defaults import run_positions
     from .envelope_tasks import TaskOptions, run_tasks
 
-    check_device(device)
     if positions:
         check_positions(positions)
     options = TaskOptions(
